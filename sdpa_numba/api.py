@@ -1,0 +1,258 @@
+"""The public function: validation, broadcasting and dispatch to the CPU or CUDA kernels.
+
+Validation happens here, once, before any jitted code runs; the kernels trust their arguments.
+Everything about shapes is worked out by :func:`plan` on shapes and dtypes alone, so that the
+CPU and CUDA back ends share it; each back end then builds strided views (never copies) of the
+operands in the kernels' 4-D layout.
+"""
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The problem after validation: how the operands map onto the kernels' 4-D layout.
+
+    ``batch`` is the broadcast shape of the leading (batch) dims; every operand is seen as
+    ``(*batch, heads, rows, cols)``. ``hq``/``h``: query and key/value heads (``h`` divides
+    ``hq``; without GQA, ``h == hq`` after broadcasting). ``out_shape`` is the user-facing
+    output shape; ``lse`` has ``out_shape[:-1]``.
+    """
+
+    batch: tuple
+    hq: int
+    h: int
+    L: int
+    S: int
+    E: int
+    Ev: int
+    out_shape: tuple
+    dtype: np.dtype
+    compute_dtype: np.dtype
+    scale: float
+    is_causal: bool
+    mask_kind: str  # "none", "bool" or "additive"
+
+
+def _shape_str(x):
+    return "(" + ", ".join(str(int(n)) for n in x.shape) + ")"
+
+
+def _check_flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _broadcast(shapes, names, what):
+    """NumPy broadcasting of ``shapes``, with an error that names the arguments."""
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        desc = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes))
+        raise ValueError(f"{what} do not broadcast: {desc}") from None
+
+
+def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """Validate the arguments' shapes, dtypes and flags; return a :class:`Plan`.
+
+    Works on anything with ``shape``, ``ndim`` and a NumPy ``dtype`` (host or device arrays).
+    """
+    is_causal = _check_flag("is_causal", is_causal)
+    enable_gqa = _check_flag("enable_gqa", enable_gqa)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., L, E), got shape "
+                             f"{_shape_str(x)}")
+    dtype = np.dtype(query.dtype)
+    if dtype not in _FLOATS:
+        raise TypeError(f"query dtype {dtype} is not supported: use float16, float32 or float64")
+    for name, x in (("key", key), ("value", value)):
+        if np.dtype(x.dtype) != dtype:
+            raise TypeError(f"{name} dtype {np.dtype(x.dtype)} differs from query dtype {dtype}")
+
+    L, E = query.shape[-2:]
+    S, Ek = key.shape[-2:]
+    Sv, Ev = value.shape[-2:]
+    if Ek != E:
+        raise ValueError(f"key's last dim must equal query's: query {_shape_str(query)}, "
+                         f"key {_shape_str(key)}")
+    if Sv != S:
+        raise ValueError(f"value must have as many rows as key: key {_shape_str(key)}, "
+                         f"value {_shape_str(value)}")
+
+    nd = max(query.ndim, key.ndim, value.ndim, 3)
+    qs, ks, vs = ((1,) * (nd - x.ndim) + tuple(x.shape) for x in (query, key, value))
+    batch = _broadcast([qs[:-3], ks[:-3], vs[:-3]], ["query", "key", "value"],
+                       "batch dims of query, key and value")
+    hq, hk, hv = qs[-3], ks[-3], vs[-3]
+    if hk != hv:
+        raise ValueError(f"key and value must have the same number of heads: key "
+                         f"{_shape_str(key)}, value {_shape_str(value)}")
+    if enable_gqa:
+        if hk == 0 or hq % hk:
+            raise ValueError(f"enable_gqa needs query heads to be a multiple of key/value heads:"
+                             f" query {_shape_str(query)}, key {_shape_str(key)}")
+        h = hk
+    else:
+        (hq,) = _broadcast([(hq,), (hk,)], ["query", "key"],
+                           "heads of query and key (pass enable_gqa=True for grouped-query "
+                           "attention)")
+        h = hq
+    out_shape = (*batch, hq, L, Ev)
+    if nd > max(query.ndim, key.ndim, value.ndim):  # 2-D inputs: no head dim in the output
+        out_shape = out_shape[1:]
+
+    mask_kind = "none"
+    if attn_mask is not None:
+        mdt = np.dtype(attn_mask.dtype)
+        if mdt == np.bool_:
+            mask_kind = "bool"
+        elif mdt == dtype:
+            mask_kind = "additive"
+        else:
+            raise TypeError(f"attn_mask dtype {mdt} must be bool or the query dtype {dtype}")
+        scores = (*batch, hq, L, S)
+        if attn_mask.ndim > len(scores) or _broadcast(
+                [tuple(attn_mask.shape), scores], ["attn_mask", "scores"],
+                "attn_mask and the scores (..., Hq, L, S)") != scores:
+            raise ValueError(f"attn_mask of shape {_shape_str(attn_mask)} does not broadcast "
+                             f"to the scores' shape {scores} (..., Hq, L, S)")
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E else 1.0
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+
+    cdt = np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    return Plan(batch, hq, h, L, S, E, Ev, out_shape, dtype, cdt, scale, is_causal, mask_kind)
+
+
+def check_dropout(dropout_p):
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            "dropout_p > 0 is not implemented yet: dropout comes with the backward pass "
+            "(training); use dropout_p=0.0 for inference")
+
+
+def _check_out(p, out, inputs):
+    """``out`` must match the result exactly and be safe to write."""
+    if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
+        raise ValueError(f"out must have shape {p.out_shape} and dtype {p.dtype}, got "
+                         f"{_shape_str(out)} {np.dtype(out.dtype)}")
+    if not isinstance(out, np.ndarray):
+        return  # device arrays: the CUDA back end checks what it can
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    if any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
+        raise ValueError(f"out must not have zero strides (a broadcast view), got strides "
+                         f"{out.strides}")
+    for name, x in inputs:
+        if x is not None and np.may_share_memory(out, x):
+            raise ValueError(f"out overlaps {name}: pass a separate buffer")
+
+
+def _is_device_array(x):
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    # Numba's CUDA simulator arrays have no __cuda_array_interface__.
+    return type(x).__name__ in ("FakeCUDAArray", "DeviceNDArray") and hasattr(x, "copy_to_host")
+
+
+def _device_of(named):
+    """'host' or 'cuda' for the operands; TypeError for anything else or a mix."""
+    kinds = {}
+    for name, x in named:
+        if x is None:
+            continue
+        if isinstance(x, np.ndarray):
+            kinds[name] = "host"
+        elif _is_device_array(x):
+            kinds[name] = "cuda"
+        else:
+            raise TypeError(f"{name} must be a NumPy array or a CUDA array (an object with "
+                            f"__cuda_array_interface__), got {type(x).__name__}")
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{n} on {k}" for n, k in kinds.items())
+        raise TypeError(f"inputs mix host and device arrays ({desc}): put them on one device")
+    return next(iter(kinds.values()))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 return_lse=False, out=None):
+    """Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V, with torch's semantics.
+
+    Parameters
+    ----------
+    query : ndarray or CUDA array, shape (..., Hq, L, E)
+        2-D ``(L, E)`` and 3-D inputs work too. float16, float32 or float64; any strides.
+    key : ndarray or CUDA array, shape (..., H, S, E)
+    value : ndarray or CUDA array, shape (..., H, S, Ev)
+        Leading (batch) dims of the three broadcast as in NumPy.
+    attn_mask : ndarray, optional
+        bool (True = takes part) or the query's float dtype (added to the scores; ``-inf``
+        allowed), broadcastable to ``(..., Hq, L, S)``. Read in place through its strides.
+        Combines with ``is_causal``.
+    dropout_p : float
+        Must be 0.0: dropout comes with the backward pass (planned with training support) and
+        raises NotImplementedError until then.
+    is_causal : bool
+        Query ``i`` sees keys ``j <= i`` (top-left aligned, as torch).
+    scale : float, optional
+        Multiplies ``Q Kᵀ``; default ``1 / sqrt(E)``. Must be finite.
+    enable_gqa : bool
+        Grouped-query attention: ``Hq`` a multiple of ``H``, query head ``h`` uses key/value
+        head ``h // (Hq // H)``. Without it, head dims broadcast like batch dims.
+    return_lse : bool, keyword-only
+        Also return the log-sum-exp of each row's scores, shape ``(..., Hq, L)``, in the
+        compute dtype (float32 for float16/float32 inputs, float64 for float64).
+    out : array, keyword-only, optional
+        Buffer of the output's shape and dtype, written in place and returned.
+
+    Returns
+    -------
+    out : array of the inputs' dtype and kind, shape (..., Hq, L, Ev)
+    lse : array, only with ``return_lse=True``
+
+    Raises
+    ------
+    TypeError, ValueError
+        For bad input, naming the argument, before any kernel runs.
+    NotImplementedError
+        For ``dropout_p != 0``.
+
+    Notes
+    -----
+    The scores matrix is never built: the kernels stream key/value blocks with an online
+    softmax. A row whose every key is masked gives zeros (and ``lse = -inf``); ``S = 0`` too.
+    float16 computes with float32 accumulators. Results do not depend on the thread count.
+    """
+    device = _device_of([("query", query), ("key", key), ("value", value),
+                         ("attn_mask", attn_mask), ("out", out)])
+    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    check_dropout(dropout_p)
+    return_lse = _check_flag("return_lse", return_lse)
+    if out is not None:
+        _check_out(p, out, [("query", query), ("key", key), ("value", value),
+                            ("attn_mask", attn_mask)])
+    if device == "host":
+        from .cpu.launch import run
+    else:
+        from .cuda.launch import run
+    result, lse = run(p, query, key, value, attn_mask, out)
+    return (result, lse) if return_lse else result

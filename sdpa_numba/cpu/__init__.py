@@ -1,0 +1,11 @@
+"""CPU kernels (``@njit``), callable from users' own Numba code.
+
+* :func:`forward`: batched 4-D forward, parallel over batch x head x query chunk;
+* :func:`forward_head`: serial single-head 2-D forward;
+* :func:`online_softmax_update`, :func:`online_softmax_finalize`: the online softmax step.
+"""
+
+from .forward import forward, forward_head
+from .online_softmax import online_softmax_finalize, online_softmax_update
+
+__all__ = ["forward", "forward_head", "online_softmax_update", "online_softmax_finalize"]

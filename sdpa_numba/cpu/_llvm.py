@@ -1,0 +1,130 @@
+"""Small LLVM intrinsics that Numba's CPU target does not offer.
+
+* raw data pointers and pointer offsets, so that the hot loops index without the negative-index
+  wraparound that turns vector loads into gathers;
+* a fixed-size stack buffer (``alloca``) that LLVM promotes to registers;
+* a function attribute asking for 512-bit vectors in the function being compiled (LLVM prefers
+  256-bit code on many AVX-512 CPUs; setting it per function leaves the rest of the user's
+  Numba code untouched, unlike a process-wide ``NUMBA_CPU_FEATURES``);
+* float16 <-> float32 conversion of uint16 bit patterns (Numba's CPU target has no float16);
+* 2**n built by writing the exponent bits, for the vectorizable exp2.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def data_ptr(typingctx, arr):
+    """Pointer to the first element of ``arr`` (no bounds, no wraparound)."""
+    if not isinstance(arr, types.Array):
+        return None
+    sig = types.CPointer(arr.dtype)(arr)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return ary.data
+
+    return sig, codegen
+
+
+@intrinsic
+def ptr_add(typingctx, ptr, n):
+    """``ptr + n`` elements."""
+    if not isinstance(ptr, types.CPointer) or not isinstance(n, types.Integer):
+        return None
+    sig = ptr(ptr, n)
+
+    def codegen(context, builder, signature, args):
+        return builder.gep(args[0], [args[1]])
+
+    return sig, codegen
+
+
+def stack_buffer(n):
+    """Make an intrinsic ``f(like)`` returning a pointer to ``n`` stack elements of the element
+    type of the pointer ``like``.
+
+    The size is fixed when the intrinsic is made, so that LLVM sees a constant-size alloca
+    it can promote to registers once the loops over it are unrolled.
+    """
+
+    @intrinsic
+    def _stack_empty(typingctx, like):
+        if not isinstance(like, types.CPointer):
+            return None
+        dt = like.dtype
+        sig = like(like)
+
+        def codegen(context, builder, signature, args):
+            ty = context.get_data_type(dt)
+            return cgutils.alloca_once(builder, ty, size=context.get_constant(types.intp, n))
+
+        return sig, codegen
+
+    return _stack_empty
+
+
+@intrinsic
+def prefer_512_bit(typingctx):
+    """Ask LLVM for 512-bit vectors in the function this is compiled into."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        # llvmlite's attribute set only accepts valueless attributes; this string attribute
+        # is rendered verbatim in the function definition. A no-op on CPUs without AVX-512.
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def half_bits_to_float32(typingctx, bits):
+    """The float32 value of a float16 stored as its uint16 bit pattern."""
+    if bits != types.uint16:
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        h = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(h, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def float32_to_half_bits(typingctx, x):
+    """The uint16 bit pattern of ``x`` rounded to float16 (round to nearest even)."""
+    if x != types.float32:
+        return None
+    sig = types.uint16(x)
+
+    def codegen(context, builder, signature, args):
+        h = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(h, ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def pow2_of_integral(typingctx, n):
+    """``2**n`` for an integer-valued float ``n`` in the normal exponent range."""
+    if n == types.float32:
+        width, mant, bias = 32, 23, 127
+    elif n == types.float64:
+        width, mant, bias = 64, 52, 1023
+    else:
+        return None
+    sig = n(n)
+
+    def codegen(context, builder, signature, args):
+        ity = ir.IntType(width)
+        i = builder.fptosi(args[0], ity)
+        i = builder.add(i, ir.Constant(ity, bias))
+        i = builder.shl(i, ir.Constant(ity, mant))
+        return builder.bitcast(i, args[0].type)
+
+    return sig, codegen

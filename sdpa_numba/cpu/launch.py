@@ -1,0 +1,91 @@
+"""From a validated :class:`~sdpa_numba.api.Plan` and NumPy arrays to the jitted forward.
+
+Operands become strided 4-D views (broadcast dims get stride 0, float16 is read as uint16):
+nothing is copied. Every array is passed as an 'A'-layout array, so each (dtype, mask kind)
+pair is one compiled specialization, whatever the inputs' layouts, cached on disk.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+from numba import types
+
+from .forward import forward
+from .storage import storage_view
+
+_NB = {np.dtype(np.float16): types.uint16, np.dtype(np.float32): types.float32,
+       np.dtype(np.float64): types.float64}
+_entries = {}
+
+
+def _entry(dtype, mask_kind):
+    """The compiled forward for a storage dtype and mask kind (compiled once, then cached)."""
+    key = (dtype, mask_kind)
+    if key not in _entries:
+        st = _NB[np.dtype(dtype)]
+        ct = types.float64 if st == types.float64 else types.float32
+
+        def arr(dt, nd, readonly):
+            return types.Array(dt, nd, "A", readonly=readonly)
+
+        mask_t = {"none": types.none, "bool": arr(types.boolean, 4, True),
+                  "additive": arr(st, 4, True)}[mask_kind]
+        sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), mask_t, types.boolean,
+               types.float64, arr(st, 4, False), arr(ct, 3, False))
+        forward.compile(sig)
+        _entries[key] = forward.overloads[sig].entry_point
+    return _entries[key]
+
+
+def _flatten_batch(arrays, nb):
+    """Merge the ``nb`` leading dims of every array into one, as views; None if impossible."""
+    merged = []
+    for a in arrays:
+        if a is None:
+            merged.append(None)
+            continue
+        try:
+            merged.append(a.reshape((math.prod(a.shape[:nb]),) + a.shape[nb:], copy=False))
+        except ValueError:
+            return None
+    return merged
+
+
+def _launch(p, q, k, v, mask, out, lse):
+    nb = len(p.batch)
+    if nb == 1:
+        flat = [q, k, v, mask, out, lse]
+    elif nb == 0:
+        flat = [None if a is None else a[None] for a in (q, k, v, mask, out, lse)]
+    else:
+        flat = _flatten_batch([q, k, v, mask, out, lse], nb)
+        if flat is None:  # batch dims that no view can merge: one launch per leading index
+            for i in range(p.batch[0]):
+                _launch(dataclasses.replace(p, batch=p.batch[1:]),
+                        *(None if a is None else a[i] for a in (q, k, v, mask, out, lse)))
+            return
+    fq, fk, fv, fm, fo, fl = flat
+    _entry(p.dtype, p.mask_kind)(
+        storage_view(fq), storage_view(fk), storage_view(fv),
+        None if fm is None else storage_view(fm), p.is_causal, p.scale, storage_view(fo), fl)
+
+
+def run(p, query, key, value, attn_mask, out):
+    """Compute attention on the CPU for plan ``p``; returns ``(out, lse)``."""
+    nd = len(p.batch) + 3
+    full = (*p.batch, p.hq)
+
+    def view(x, heads, rows, cols):
+        x = x.reshape((1,) * (nd - x.ndim) + x.shape)
+        return np.broadcast_to(x, (*p.batch, heads, rows, cols))
+
+    q = view(query, p.hq, p.L, p.E)
+    k = view(key, p.h, p.S, p.E)
+    v = view(value, p.h, p.S, p.Ev)
+    mask = None if attn_mask is None else view(attn_mask, p.hq, p.L, p.S)
+    result = np.empty(p.out_shape, p.dtype) if out is None else out
+    o = result.reshape((*full, p.L, p.Ev), copy=False)
+    lse = np.empty((*full, p.L), p.compute_dtype)
+    _launch(p, q, k, v, mask, o, lse)
+    return result, lse.reshape(p.out_shape[:-1])

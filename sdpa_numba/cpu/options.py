@@ -1,0 +1,14 @@
+"""Compilation options shared by every CPU kernel.
+
+fastmath keeps the flags that preserve inf/NaN semantics: masks are -inf and must stay -inf,
+and a NaN in a query row must show up in that row. ``nnan``/``ninf`` are therefore never set.
+``error_model="numpy"`` removes the ZeroDivisionError checks that would stop vectorization.
+"""
+
+FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+#: Options of the small, inlined helpers (they are compiled into their callers).
+INLINE = dict(fastmath=FASTMATH, error_model="numpy", inline="always", boundscheck=False)
+
+#: Options of the kernels and entry points (cached on disk: compile time counts).
+KERNEL = dict(fastmath=FASTMATH, error_model="numpy", cache=True, boundscheck=False, nogil=True)

@@ -1,0 +1,73 @@
+"""Storage dtypes and compute dtypes.
+
+Arrays are stored as float32, float64, or float16 held as uint16 bit patterns (Numba's CPU
+target cannot type float16 arrays). Kernels compute in float32 for float16 and float32 storage
+and in float64 for float64 storage; these helpers convert one element on load and on store,
+so no whole-array copy to a wider dtype is ever made.
+"""
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from ._llvm import float32_to_half_bits, half_bits_to_float32
+from .options import FASTMATH
+
+
+def load(x):
+    """Convert one stored element to its compute dtype (jitted code only)."""
+    raise NotImplementedError("load is only callable from jitted code")
+
+
+def store(x, like):
+    """Convert a compute value to the storage dtype of the array ``like`` (jitted code only)."""
+    raise NotImplementedError("store is only callable from jitted code")
+
+
+@overload(load, fastmath=FASTMATH)
+def _load(x):
+    if x == types.uint16:
+        return lambda x: half_bits_to_float32(x)
+    if isinstance(x, types.Float):
+        return lambda x: x
+    if isinstance(x, types.Boolean):
+        return lambda x: x
+    return None
+
+
+@overload(store, fastmath=FASTMATH)
+def _store(x, like):
+    dt = like.dtype
+    if dt == types.uint16:
+        return lambda x, like: float32_to_half_bits(np.float32(x))
+    if dt == types.float32:
+        return lambda x, like: np.float32(x)
+    if dt == types.float64:
+        return lambda x, like: np.float64(x)
+    return None
+
+
+def storage_view(a):
+    """The array that the CPU kernels read for ``a``: float16 as a uint16 view, others as is."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def compute_dtype(dtype):
+    """The accumulation dtype for a storage dtype: float64 stays, everything else is float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def cast(value, like):
+    """``value`` converted to the float type of ``like``, a scalar or an array (jitted only)."""
+    raise NotImplementedError("cast is only callable from jitted code")
+
+
+@overload(cast, fastmath=FASTMATH)
+def _cast(value, like):
+    if isinstance(like, types.Array):
+        like = like.dtype
+    if like == types.float32:
+        return lambda value, like: np.float32(value)
+    if like == types.float64:
+        return lambda value, like: np.float64(value)
+    return None
