@@ -119,9 +119,11 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         else:
             raise TypeError(f"attn_mask dtype {mdt} must be bool or the query dtype {dtype}")
         scores = (*batch, hq, L, S)
-        if attn_mask.ndim > len(scores) or _broadcast(
-                [tuple(attn_mask.shape), scores], ["attn_mask", "scores"],
-                "attn_mask and the scores (..., Hq, L, S)") != scores:
+        try:
+            fits = np.broadcast_shapes(tuple(attn_mask.shape), scores) == scores
+        except ValueError:
+            fits = False
+        if not fits:
             raise ValueError(f"attn_mask of shape {_shape_str(attn_mask)} does not broadcast "
                              f"to the scores' shape {scores} (..., Hq, L, S)")
 
@@ -158,7 +160,7 @@ def _check_out(p, out, inputs):
         return  # device arrays: the CUDA back end checks what it can
     if not out.flags.writeable:
         raise ValueError("out must be writeable")
-    if any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
+    if out.size and any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
         raise ValueError(f"out must not have zero strides (a broadcast view), got strides "
                          f"{out.strides}")
     for name, x in inputs:

@@ -1,0 +1,194 @@
+"""The public function against the float64 reference: shapes, masks, dtypes, layouts."""
+
+import numpy as np
+import pytest
+
+from conftest import check, randn
+from sdpa_numba import scaled_dot_product_attention as sdpa
+
+DTYPES = [np.float32, np.float64, np.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,S", [(1, 1), (3, 5), (17, 65), (65, 17), (127, 300), (300, 127)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sizes_dtypes_causal(rng, dtype, L, S, causal):
+    B, H, E, Ev = 2, 3, 17, 9
+    check(randn(rng, (B, H, L, E), dtype), randn(rng, (B, H, S, E), dtype),
+          randn(rng, (B, H, S, Ev), dtype), is_causal=causal)
+
+
+@pytest.mark.parametrize("E,Ev", [(1, 1), (64, 64), (65, 3), (3, 130), (128, 128)])
+def test_head_dims(rng, E, Ev):
+    check(randn(rng, (1, 2, 70, E)), randn(rng, (1, 2, 67, E)), randn(rng, (1, 2, 67, Ev)))
+
+
+@pytest.mark.parametrize("shape", [(17, 8), (3, 17, 8), (2, 3, 17, 8), (2, 1, 3, 17, 8)])
+def test_ranks(rng, shape):
+    q = randn(rng, shape)
+    out, _ = check(q, randn(rng, shape[:-2] + (23, 8)), randn(rng, shape[:-2] + (23, 5)))
+    assert out.shape == shape[:-1] + (5,)
+
+
+def test_batch_dims_broadcast(rng):
+    q = randn(rng, (2, 1, 3, 17, 8))
+    k = randn(rng, (1, 4, 3, 23, 8))
+    v = randn(rng, (4, 3, 23, 8))
+    out, lse = check(q, k, v)
+    assert out.shape == (2, 4, 3, 17, 8) and lse.shape == (2, 4, 3, 17)
+
+
+def test_heads_broadcast_without_gqa(rng):
+    # Without enable_gqa the head dim broadcasts like a batch dim (torch's math backend).
+    check(randn(rng, (2, 4, 17, 8)), randn(rng, (2, 1, 23, 8)), randn(rng, (2, 1, 23, 8)))
+
+
+@pytest.mark.parametrize("hq,h", [(4, 2), (6, 3), (8, 1), (3, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(rng, hq, h, causal):
+    check(randn(rng, (2, hq, 33, 16)), randn(rng, (2, h, 70, 16)), randn(rng, (2, h, 70, 12)),
+          enable_gqa=True, is_causal=causal)
+
+
+MASK_SHAPES = [(2, 3, 37, 70), (37, 70), (70,), (1, 70), (3, 1, 70), (2, 1, 37, 1), (37, 1)]
+
+
+@pytest.mark.parametrize("mshape", MASK_SHAPES)
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_masks_broadcast(rng, mshape, kind, causal):
+    if kind == "bool":
+        mask = rng.random(mshape) < 0.7
+    else:
+        mask = randn(rng, mshape) * 3
+        mask[rng.random(mshape) < 0.2] = -np.inf
+    check(randn(rng, (2, 3, 37, 16)), randn(rng, (2, 3, 70, 16)), randn(rng, (2, 3, 70, 16)),
+          attn_mask=mask, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_mask_dtypes(rng, dtype):
+    mask = (randn(rng, (17, 65)) * 2).astype(dtype)
+    check(randn(rng, (1, 2, 17, 8), dtype), randn(rng, (1, 2, 65, 8), dtype),
+          randn(rng, (1, 2, 65, 8), dtype), attn_mask=mask)
+
+
+def test_mask_is_not_materialized(rng):
+    # A broadcast view (zero strides) is read in place.
+    mask = np.broadcast_to(rng.random((1, 1, 1, 300)) < 0.5, (2, 3, 129, 300))
+    check(randn(rng, (2, 3, 129, 8)), randn(rng, (2, 3, 300, 8)), randn(rng, (2, 3, 300, 8)),
+          attn_mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fully_masked_rows_give_zeros(rng, causal):
+    mask = rng.random((2, 40, 70)) < 0.5
+    mask[:, [0, 5, 39]] = False
+    out, lse = check(randn(rng, (2, 40, 8)), randn(rng, (2, 70, 8)), randn(rng, (2, 70, 8)),
+                     attn_mask=mask, is_causal=causal)
+    assert (out[:, [0, 5, 39]] == 0).all() and np.isneginf(lse[:, [0, 5, 39]]).all()
+    add = np.where(mask, 0.0, -np.inf).astype(np.float32)
+    out2, _ = check(randn(rng, (2, 40, 8)), randn(rng, (2, 70, 8)), randn(rng, (2, 70, 8)),
+                    attn_mask=add)
+    assert (out2[:, [0, 5, 39]] == 0).all()
+
+
+@pytest.mark.parametrize("L", [0, 5])
+def test_empty_keys_and_queries(rng, L):
+    out, lse = check(randn(rng, (2, L, 8)), randn(rng, (2, 0, 8)), randn(rng, (2, 0, 4)))
+    assert out.shape == (2, L, 4) and (out == 0).all() and np.isneginf(lse).all()
+    out, _ = sdpa(randn(rng, (2, 0, 8)), randn(rng, (2, 7, 8)), randn(rng, (2, 7, 4)),
+                  return_lse=True)
+    assert out.shape == (2, 0, 4)
+
+
+def test_zero_head_dims(rng):
+    check(randn(rng, (2, 5, 0)), randn(rng, (2, 7, 0)), randn(rng, (2, 7, 3)))
+    out = sdpa(randn(rng, (2, 5, 4)), randn(rng, (2, 7, 4)), randn(rng, (2, 7, 0)))
+    assert out.shape == (2, 5, 0)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 0.37, 3.0, -2.0])
+def test_scale(rng, scale):
+    check(randn(rng, (2, 33, 16)), randn(rng, (2, 65, 16)), randn(rng, (2, 65, 16)), scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views(rng, dtype):
+    # A (B, L, H, D) tensor seen as (B, H, L, D), a reversed view, and a column slice.
+    x = randn(rng, (2, 130, 4, 24), dtype)
+    q = x.transpose(0, 2, 1, 3)
+    k = randn(rng, (2, 70, 4, 48), dtype).transpose(0, 2, 1, 3)[..., ::2]
+    v = randn(rng, (2, 4, 70, 10), dtype)[:, ::-1]
+    check(q, k, v, is_causal=True)
+    out = np.full((2, 130, 4, 10), np.nan, dtype).transpose(0, 2, 1, 3)
+    sdpa(q, k, v, out=out)
+    assert not np.isnan(out).any()
+
+
+def test_strided_input_is_not_copied(rng):
+    import tracemalloc
+
+    x = randn(rng, (1, 2048, 8, 64))
+    q = x.transpose(0, 2, 1, 3)
+    out = np.empty((1, 8, 2048, 64), np.float32)
+    sdpa(q, q, q, out=out)  # compile outside the measurement
+    tracemalloc.start()
+    sdpa(q, q, q, out=out)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < x.nbytes / 8, f"peak {peak} bytes for a {x.nbytes}-byte input"
+
+
+def test_batch_dims_that_cannot_merge(rng):
+    # Broadcast batch dims whose strides no reshape can merge run one launch per index.
+    q = randn(rng, (3, 2, 2, 9, 8))[:, ::-1]
+    k = randn(rng, (1, 2, 2, 11, 8))
+    v = randn(rng, (3, 1, 2, 11, 8))
+    check(q, k, v)
+
+
+def test_large_logits_are_stable(rng):
+    q = randn(rng, (2, 65, 16)) * 100
+    k = randn(rng, (2, 70, 16)) * 100  # scores ~1e4
+    out, lse = check(q.astype(np.float64), k.astype(np.float64), randn(rng, (2, 70, 8), np.float64))
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    check(q, k, randn(rng, (2, 70, 8)), tol=1e-4)  # float32 scores of 1e4 lose digits
+
+
+def test_nan_stays_in_its_row(rng):
+    q = randn(rng, (2, 70, 16))
+    k = randn(rng, (2, 130, 16))
+    v = randn(rng, (2, 130, 16))
+    q[1, 33, 5] = np.nan
+    out = sdpa(q, k, v)
+    assert np.isnan(out[1, 33]).all()
+    rest = np.ones(out.shape[:2], bool)
+    rest[1, 33] = False
+    assert np.isfinite(out[rest]).all()
+
+
+def test_returns_new_array_by_default(rng):
+    q = randn(rng, (3, 5, 4))
+    out = sdpa(q, q, q)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (3, 5, 4)
+    out2, lse = sdpa(q, q, q, return_lse=True)
+    np.testing.assert_array_equal(out, out2)
+    assert lse.shape == (3, 5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_torch(rng, causal):
+    torch = pytest.importorskip("torch")
+    q, k, v = (randn(rng, (2, 4, 67, 32), np.float64) for _ in range(3))
+    mask = rng.random((67, 67)) < 0.8
+    mask[:, 0] = True
+    ours = sdpa(q, k, v, attn_mask=mask, is_causal=False, scale=0.3)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(a) for a in (q, k, v)), attn_mask=torch.from_numpy(mask), scale=0.3)
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-10, atol=1e-12)
+    ours = sdpa(q, k[:, :2], v[:, :2], is_causal=causal, enable_gqa=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(a) for a in (q, k[:, :2], v[:, :2])), is_causal=causal,
+        enable_gqa=True)
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-10, atol=1e-12)

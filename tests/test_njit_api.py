@@ -1,0 +1,94 @@
+"""The Numba-level API (DESIGN.md §3), called from a user's own jitted code."""
+
+import numpy as np
+from numba import njit, prange
+
+from conftest import TOL, randn, rel_err
+from sdpa_numba import cpu, scaled_dot_product_attention as sdpa
+from sdpa_numba.reference import attention
+
+
+def test_batched_forward_from_user_njit(rng):
+    @njit
+    def user(q, k, v, scale):
+        out = np.empty(q.shape[:3] + (v.shape[3],), q.dtype)
+        lse = np.empty(q.shape[:3], np.float32)
+        cpu.forward(q, k, v, None, True, scale, out, lse)
+        return out, lse
+
+    q, k, v = randn(rng, (2, 4, 70, 16)), randn(rng, (2, 2, 90, 16)), randn(rng, (2, 2, 90, 8))
+    out, lse = user(q, k, v, 0.25)
+    ref, ref_lse = attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert rel_err(out, ref) < TOL[np.float32]
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+
+
+def test_batched_forward_with_mask_from_user_njit(rng):
+    @njit
+    def user(q, k, v, mask, out, lse):
+        cpu.forward(q, k, v, mask, False, 1.0 / np.sqrt(q.shape[3]), out, lse)
+
+    q, k, v = (randn(rng, (1, 2, 33, 8), np.float64) for _ in range(3))
+    mask = rng.random((1, 2, 33, 33)) < 0.7
+    out = np.full((1, 2, 33, 8), np.nan)
+    lse = np.full((1, 2, 33), np.nan)
+    user(q, k, v, mask, out, lse)
+    ref, _ = attention(q, k, v, attn_mask=mask)
+    assert rel_err(out, ref) < TOL[np.float64]
+
+
+def test_serial_head_forward_inside_user_prange(rng):
+    @njit(parallel=True)
+    def user(q, k, v, out, lse):
+        for h in prange(q.shape[0]):
+            cpu.forward_head(q[h], k[h], v[h], None, False, 0.5, out[h], lse[h])
+
+    q, k, v = randn(rng, (5, 130, 16)), randn(rng, (5, 67, 16)), randn(rng, (5, 67, 16))
+    out = np.full((5, 130, 16), np.nan, np.float32)
+    lse = np.full((5, 130), np.nan, np.float32)
+    user(q, k, v, out, lse)
+    ref, ref_lse = attention(q, k, v, scale=0.5)
+    assert rel_err(out, ref) < TOL[np.float32]
+    # Same rows as the batched kernel, bit for bit.
+    assert out.tobytes() == sdpa(q, k, v, scale=0.5).tobytes()
+
+
+def test_online_softmax_block_update_from_user_njit(rng):
+    @njit
+    def user(s, v, block):
+        n, ev = s.shape[0], v.shape[1]
+        m = np.full(n, -np.inf)
+        l = np.zeros(n)
+        acc = np.zeros((n, ev))
+        for j0 in range(0, s.shape[1], block):
+            cpu.online_softmax_update(s[:, j0:j0 + block], v[j0:j0 + block], m, l, acc)
+        out = np.empty((n, ev))
+        lse = np.empty(n)
+        cpu.online_softmax_finalize(m, l, acc, out, lse)
+        return out, lse
+
+    s = randn(rng, (9, 50), np.float64) * 5
+    s[3] = -np.inf  # a fully masked row
+    s[4, :30] = -np.inf  # masked in the first blocks only
+    v = randn(rng, (50, 6), np.float64)
+    out, lse = user(s, v, 7)
+    p = np.exp(s - np.where(np.isneginf(s.max(1)), 0, s.max(1))[:, None])
+    l = p.sum(1, keepdims=True)
+    ref = np.where(l > 0, p / np.where(l > 0, l, 1), 0) @ v
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    assert (out[3] == 0).all() and np.isneginf(lse[3])
+    np.testing.assert_allclose(np.delete(lse, 3), np.log(np.delete(l[:, 0], 3))
+                               + np.delete(s.max(1), 3), rtol=1e-12)
+
+
+def test_float16_through_uint16_views_from_user_njit(rng):
+    @njit
+    def user(q, k, v, out, lse):
+        cpu.forward(q, k, v, None, False, 0.25, out, lse)
+
+    q, k, v = (randn(rng, (1, 1, 40, 16), np.float16) for _ in range(3))
+    out = np.empty((1, 1, 40, 16), np.float16)
+    user(q.view(np.uint16), k.view(np.uint16), v.view(np.uint16), out.view(np.uint16),
+         np.empty((1, 1, 40), np.float32))
+    ref, _ = attention(q, k, v, scale=0.25)
+    assert rel_err(out, ref) < TOL[np.float16]
