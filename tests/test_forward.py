@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import check, randn
+from checks import check, randn
 from sdpa_numba import scaled_dot_product_attention as sdpa
 
 DTYPES = [np.float32, np.float64, np.float16]

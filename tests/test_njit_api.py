@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
-from conftest import TOL, randn, rel_err
+from checks import TOL, randn, rel_err
 from sdpa_numba import cpu, scaled_dot_product_attention as sdpa
 from sdpa_numba.reference import attention
 

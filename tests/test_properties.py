@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import check
+from checks import check
 
 dims = st.integers(1, 4)
 seq = st.sampled_from([1, 2, 3, 5, 17, 63, 64, 65, 130])

@@ -4,7 +4,7 @@ import numba
 import numpy as np
 import pytest
 
-from conftest import randn
+from checks import randn
 from sdpa_numba import scaled_dot_product_attention as sdpa
 
 

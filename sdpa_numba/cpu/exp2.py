@@ -27,7 +27,7 @@ _F64_MIN = -1022.0
 
 @njit(**INLINE)
 def _exp2_f32(x):
-    n = math.floor(x + np.float32(0.5))
+    n = np.floor(x + np.float32(0.5))
     f = x - n
     c = np.float32
     p = c(_C[7])
@@ -45,7 +45,7 @@ def _exp2_f32(x):
 
 @njit(**INLINE)
 def _exp2_f64(x):
-    n = math.floor(x + 0.5)
+    n = np.floor(x + 0.5)
     f = x - n
     p = _C[13]
     p = p * f + _C[12]

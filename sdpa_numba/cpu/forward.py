@@ -1,10 +1,15 @@
 """The attention forward on the CPU, FlashAttention-2 style.
 
-Work is split into tasks of (batch, head, chunk of query rows); each task streams key/value
-blocks of ``BN`` keys, packs them into contiguous per-task tiles (Kᵀ and V, converted to the
-compute dtype), and for each sub-block of ``BM`` query rows computes the score tile with the
-register-tiled :func:`tile_product`, applies masks, runs the online softmax and accumulates
-P·V. Memory per task is O(chunk · (E + Ev) + BN · (E + Ev)); nothing of size L x S exists.
+Work is split into tasks of (batch, head, chunk of query rows). Each task packs its queries
+once (transposed, scaled, in the compute dtype), then streams key/value blocks of ``BN`` keys:
+it packs the block, and for each sub-block of ``BM`` query rows computes the transposed score
+tile ``Sᵀ = K Qᵀ`` (BN x BM) with the register-tiled :func:`tile_product`, applies masks, runs
+the online softmax and accumulates P·V. Memory per task is O(chunk · (E + Ev) + BN · (E + Ev));
+nothing of size L x S exists.
+
+Why the transposed tile: with queries along the vector lanes, the softmax's row max and row
+sum become lane-wise max and add over keys, so every step of it vectorizes (a horizontal
+max reduction would not: without the ``nnan`` flag LLVM keeps it scalar).
 
 Each query row is reduced by one task, over key blocks in a fixed order, with arithmetic that
 does not depend on the row's place in its tile: the output is bitwise the same for any thread
@@ -17,50 +22,21 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, ptr_add
+from ._llvm import data_ptr, ptr_add, stack_buffer
+from .exp2 import exp2
 from .microkernel import MR, NR, tile_product
-from .online_softmax import LN2, LOG2E, softmax_row_base2
+from .online_softmax import LN2, LOG2E
 from .options import FASTMATH, INLINE, KERNEL
 from .storage import cast, load, store
 
-#: Keys per key/value block: one micro-tile wide.
-BN = NR
-#: Query rows per score tile.
-BM = 64
+#: Keys per key/value block.
+BN = 64
+#: Query rows per score tile: the micro-kernel's width, queries along the vector lanes.
+BM = NR
 #: Query rows per task when there are enough tasks to keep every core busy.
 CHUNK = 256
 
-
-@njit(**INLINE)
-def _pack_rows(src, i0, n, n_pad, width, scale, dst):
-    """dst[r, :width] = scale * src[i0 + r, :] for r < n; zero rows up to n_pad."""
-    for r in range(n):
-        for e in range(width):
-            dst[r * width + e] = load(src[i0 + r, e]) * scale
-    for t in range(n * width, n_pad * width):
-        dst[t] = 0
-
-
-@njit(**INLINE)
-def _pack_kv(k, v, j0, nj, kt, vs, ev_pad):
-    """Kᵀ block into kt (E x BN) and V block into vs (BN x ev_pad), zero-padded.
-
-    Padding must be zeros, not garbage: masked keys get p = 0, and 0 * NaN would be NaN.
-    """
-    e_len = k.shape[1]
-    ev = v.shape[1]
-    for e in range(e_len):
-        for j in range(nj):
-            kt[e * BN + j] = load(k[j0 + j, e])
-        for j in range(nj, BN):
-            kt[e * BN + j] = 0
-    for j in range(nj):
-        for d in range(ev):
-            vs[j * ev_pad + d] = load(v[j0 + j, d])
-        for d in range(ev, ev_pad):
-            vs[j * ev_pad + d] = 0
-    for t in range(nj * ev_pad, BN * ev_pad):
-        vs[t] = 0
+_lanes = stack_buffer(BM)
 
 
 def masked_score(s, x):
@@ -76,23 +52,104 @@ def _masked_score(s, x):
 
 
 @njit(**INLINE)
-def _mask_tile(sb, rows, i_first, i_real_end, j0, kv_end, mask, is_causal):
-    """Set masked scores of a BM x BN tile (base-2 units) to -inf or add the additive mask.
+def _pack_row(src, i, n, dst, scale):
+    """dst[0:n] = scale * src[i, 0:n] in the compute dtype; a contiguous fast path."""
+    if src.strides[1] == src.itemsize:
+        p = ptr_add(data_ptr(src), i * (src.strides[0] // src.itemsize))
+        for e in range(n):
+            dst[e] = load(p[e]) * scale
+    else:
+        for e in range(n):
+            dst[e] = load(src[i, e]) * scale
 
-    Rows at or past ``i_real_end`` are padding: only the key bounds apply to them.
+
+@njit(**INLINE)
+def _pack_queries(q, i0, n, n_pad, scale, qt, row):
+    """qt holds, per sub-block of BM rows, Qᵀ (E x BM) scaled; padding rows are zeros."""
+    e_len = q.shape[1]
+    p_row = data_ptr(row)
+    for r in range(n_pad):
+        base = (r // BM) * e_len * BM + r % BM
+        if r < n:
+            _pack_row(q, i0 + r, e_len, p_row, scale)
+            for e in range(e_len):
+                qt[base + e * BM] = row[e]
+        else:
+            for e in range(e_len):
+                qt[base + e * BM] = 0
+
+
+@njit(**INLINE)
+def _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one):
+    """K block into ks (BN x E) and V block into vs (BN x ev_pad), row-major.
+
+    K rows past ``nj`` are never read. V rows past ``nj`` meet p = 0 and columns past Ev are
+    accumulated but never output: both are zeroed, so that no NaN or denormal garbage enters.
     """
-    neg_inf = cast(-np.inf, sb)
-    for r in range(rows):
-        i = i_first + r
-        row = ptr_add(data_ptr(sb), r * BN)
-        j_stop = kv_end
+    e_len = k.shape[1]
+    ev = v.shape[1]
+    p_ks, p_vs = data_ptr(ks), data_ptr(vs)
+    for j in range(nj):
+        _pack_row(k, j0 + j, e_len, ptr_add(p_ks, j * e_len), one)
+        _pack_row(v, j0 + j, ev, ptr_add(p_vs, j * ev_pad), one)
+        for d in range(ev, ev_pad):
+            vs[j * ev_pad + d] = 0
+    for t in range(nj * ev_pad, BN * ev_pad):
+        vs[t] = 0
+
+
+@njit(**INLINE)
+def _mask_tile(st, n_keys, i_first, n_real, j0, mask, is_causal):
+    """Apply causal and user masks to the first ``n_keys`` rows of Sᵀ (BN x BM, base 2).
+
+    Query lanes at or past ``n_real`` are padding: no mask is read for them.
+    """
+    neg_inf = cast(-np.inf, st)
+    for j in range(n_keys):
+        row = ptr_add(data_ptr(st), j * BM)
+        jj = j0 + j
         if is_causal:
-            j_stop = min(j_stop, i + 1)
-        for j in range(max(j_stop - j0, 0), BN):
-            row[j] = neg_inf
-        if mask is not None and i < i_real_end:
-            for j in range(min(BN, kv_end - j0)):
-                row[j] = masked_score(row[j], mask[i, j0 + j])
+            for i in range(min(BM, max(jj - i_first, 0))):  # queries i < j are masked
+                row[i] = neg_inf
+        if mask is not None:
+            for i in range(n_real):
+                row[i] = masked_score(row[i], mask[i_first + i, jj])
+
+
+@njit(**INLINE)
+def _softmax_tile(st, n_keys, m, l, alpha):
+    """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
+
+    Overwrites scores with p = 2**(s - m_new) (and the rows past ``n_keys`` with 0) and
+    updates ``m``, ``l``, ``alpha`` (pointers to BM lanes).
+    """
+    m_new = _lanes(m)
+    m_use = _lanes(m)
+    total = _lanes(m)
+    for i in range(BM):
+        m_new[i] = m[i]
+    for j in range(n_keys):
+        row = ptr_add(st, j * BM)
+        for i in range(BM):
+            m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
+    for i in range(BM):
+        # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
+        m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
+        alpha[i] = exp2(m[i] - m_use[i])
+        total[i] = 0
+    for j in range(n_keys):
+        row = ptr_add(st, j * BM)
+        for i in range(BM):
+            p = exp2(row[i] - m_use[i])
+            row[i] = p
+            total[i] += p
+    for i in range(BM):
+        l[i] = alpha[i] * l[i] + total[i]
+        m[i] = m_new[i]
+    # P·V always runs over all BN keys: a constant trip count keeps its accumulator in
+    # registers (a runtime one measured 4x slower), so keys past n_keys get p = 0.
+    for t in range(n_keys * BM, BN * BM):
+        st[t] = 0
 
 
 @njit(**INLINE)
@@ -105,43 +162,45 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1):
     s_len, e_len = k.shape
     ev = v.shape[1]
     n = i1 - i0
-    n_pad = (n + MR - 1) // MR * MR
+    n_pad = (n + BM - 1) // BM * BM
     ev_pad = (ev + NR - 1) // NR * NR
     ct = lse.dtype
-    qs = np.empty(max(n_pad * e_len, 1), ct)
-    kt = np.empty(max(e_len * BN, 1), ct)
+    qt = np.empty(max(n_pad * e_len, 1), ct)
+    row = np.empty(max(e_len, 1), ct)
+    ks = np.empty(max(BN * e_len, 1), ct)
     vs = np.empty(max(BN * ev_pad, 1), ct)
-    sb = np.empty(BM * BN, ct)
+    st = np.empty(BN * BM, ct)
     acc = np.zeros(max(n_pad * ev_pad, 1), ct)
     m = np.full(n_pad, -np.inf, ct)
     l = np.zeros(n_pad, ct)
     alpha = np.empty(n_pad, ct)
     # Scores are computed in base 2: exp(x) = 2**(x log2 e), folded into the packed queries.
-    _pack_rows(q, i0, n, n_pad, e_len, cast(scale * LOG2E, lse), qs)
-    p_qs, p_kt, p_vs, p_sb = data_ptr(qs), data_ptr(kt), data_ptr(vs), data_ptr(sb)
-    p_acc, p_alpha = data_ptr(acc), data_ptr(alpha)
+    _pack_queries(q, i0, n, n_pad, cast(scale * LOG2E, lse), qt, row)
+    p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
+    p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
+    one = cast(1.0, lse)
 
     kv_end = min(s_len, i1) if is_causal else s_len
     for j0 in range(0, kv_end, BN):
         nj = min(BN, kv_end - j0)
-        _pack_kv(k, v, j0, nj, kt, vs, ev_pad)
+        _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one)
         for r0 in range(0, n_pad, BM):
-            rows = min(BM, n_pad - r0)
-            if is_causal and j0 > i0 + r0 + rows - 1:
-                continue  # the whole tile is above the diagonal
-            for rt in range(0, rows, MR):
-                tile_product(ptr_add(p_qs, (r0 + rt) * e_len), e_len, p_kt, BN,
-                             ptr_add(p_sb, rt * BN), BN, e_len, None)
-            if nj < BN or mask is not None or (is_causal and j0 + BN - 1 > i0 + r0):
-                _mask_tile(sb, rows, i0 + r0, i1, j0, kv_end, mask, is_causal)
-            for r in range(rows):
-                m_new, a, total = softmax_row_base2(ptr_add(p_sb, r * BN), BN, m[r0 + r])
-                m[r0 + r] = m_new
-                alpha[r0 + r] = a
-                l[r0 + r] = a * l[r0 + r] + total
-            for rt in range(0, rows, MR):
+            n_keys = nj
+            if is_causal:  # keys past the sub-block's last real query are all masked
+                n_keys = min(nj, min(i1, i0 + r0 + BM) - j0)
+                if n_keys <= 0:
+                    continue
+            for jt in range(0, n_keys, MR):
+                tile_product(ptr_add(p_ks, jt * e_len), e_len, 1,
+                             ptr_add(p_qt, r0 * e_len), BM, ptr_add(p_st, jt * BM), BM,
+                             e_len, None)
+            if mask is not None or (is_causal and j0 + n_keys - 1 > i0 + r0):
+                _mask_tile(st, n_keys, i0 + r0, min(BM, n - r0), j0, mask, is_causal)
+            _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
+                          ptr_add(p_alpha, r0))
+            for rt in range(0, BM, MR):
                 for d0 in range(0, ev_pad, NR):
-                    tile_product(ptr_add(p_sb, rt * BN), BN, ptr_add(p_vs, d0), ev_pad,
+                    tile_product(ptr_add(p_st, rt), 1, BM, ptr_add(p_vs, d0), ev_pad,
                                  ptr_add(p_acc, (r0 + rt) * ev_pad + d0), ev_pad, BN,
                                  ptr_add(p_alpha, r0 + rt))
 
@@ -167,8 +226,6 @@ def _chunk_rows(n_heads, L):
     if n_heads * ((L + CHUNK - 1) // CHUNK) >= 16:
         return CHUNK
     return BM
-
-
 @njit(parallel=True, **KERNEL)
 def forward(q, k, v, mask, is_causal, scale, out, lse):
     """Batched attention forward, parallel over batch x head x query chunk.

@@ -23,14 +23,15 @@ _acc_buffer = stack_buffer(MR * NR)
 
 
 @njit(**INLINE)
-def tile_product(a, lda, b, ldb, c, ldc, k_len, alpha):
+def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha):
     """``c = a @ b`` over an MR x NR tile, or ``c = alpha[:, None] * c + a @ b``.
 
     Parameters
     ----------
     a, b, c : CPointer
-        Row-major tiles: ``a`` is MR x k_len (leading dimension ``lda``), ``b`` is k_len x NR
-        (``ldb``), ``c`` is MR x NR (``ldc``). All of the compute dtype.
+        ``a[r, kk]`` is at ``a + r * a_rs + kk * a_ks`` (either layout: one scalar is
+        broadcast per step), ``b`` is row-major k_len x NR (leading dimension ``ldb``),
+        ``c`` is row-major MR x NR (``ldc``). All of the compute dtype.
     k_len : int
         The reduction length.
     alpha : CPointer or None
@@ -50,7 +51,7 @@ def tile_product(a, lda, b, ldb, c, ldc, k_len, alpha):
     for kk in range(k_len):
         bk = ptr_add(b, kk * ldb)
         for r in range(MR):
-            a_rk = a[r * lda + kk]
+            a_rk = a[r * a_rs + kk * a_ks]
             for j in range(NR):
                 acc[r * NR + j] += a_rk * bk[j]
     for r in range(MR):

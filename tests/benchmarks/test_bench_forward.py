@@ -8,7 +8,7 @@ GFLOP/s are in each benchmark's extra_info (``--benchmark-json`` keeps them).
 import numpy as np
 import pytest
 
-from conftest import flops, inputs
+from bench_utils import flops, inputs
 from sdpa_numba import scaled_dot_product_attention as sdpa
 from sdpa_numba.reference import attention
 
