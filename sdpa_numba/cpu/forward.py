@@ -152,7 +152,7 @@ def _softmax_tile(st, n_keys, m, l, alpha):
         st[t] = 0
 
 
-@njit(**INLINE)
+@njit(**KERNEL)
 def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
 
