@@ -64,12 +64,23 @@ def _launch(p, q, k, v, mask, o, lse):
     forward(mq, mk, mv, mm, p.is_causal, p.scale, mo, ml)
 
 
+def _check_strides(named):
+    # Numba's own views with negative strides point at their lowest address, other libraries'
+    # at element 0: no view could be built for both, so such operands are refused.
+    for name, x in named:
+        if x is not None and any(s < 0 for s in x.strides):
+            raise ValueError(f"{name} has negative strides {tuple(x.strides)}, which the CUDA "
+                             f"path does not support: pass a copy")
+
+
 def run(p, query, key, value, attn_mask, out):
     """Compute attention on the GPU for plan ``p``; returns ``(out, lse)`` as device arrays.
 
     The operands are Numba device arrays (see :func:`.arrays.adopt`); the kernel is launched
     asynchronously on the default stream.
     """
+    _check_strides([("query", query), ("key", key), ("value", value),
+                    ("attn_mask", attn_mask), ("out", out)])
     if out is not None:
         _check_out(out, [("query", query), ("key", key), ("value", value),
                          ("attn_mask", attn_mask)])

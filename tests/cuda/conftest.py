@@ -22,10 +22,9 @@ if not REAL_GPU and not _ALREADY_REAL:
 
 from numba import cuda  # noqa: E402
 
-from sdpa_numba.cuda import options  # noqa: E402
-from sdpa_numba.cuda.arrays import is_simulated_mode  # noqa: E402
+from sdpa_cuda_testing import SIMULATED  # noqa: E402
 
-SIMULATED = is_simulated_mode()
+from sdpa_numba.cuda import options  # noqa: E402
 
 #: Small blocks: tiny inputs still span several query blocks and several key blocks.
 TINY = options.Blocks(block_m=4, block_n=4, threads=4, rows_per_thread=2)

@@ -1,12 +1,19 @@
 """Helpers of the CUDA tests: device copies, strided device views, comparison with the
 float64 reference."""
 
+import os
+
 import numpy as np
 from numba import cuda
 
 import sdpa_numba
 from sdpa_numba import reference
-from sdpa_numba.cuda.arrays import as_strided
+from sdpa_numba.cuda.arrays import as_strided, is_simulated_mode
+
+#: Whether the tests were asked to run on a real GPU (else: on the simulator).
+REAL_GPU = os.environ.get("SDPA_NUMBA_REAL_GPU") == "1"
+#: Whether numba.cuda is the simulator in this process.
+SIMULATED = is_simulated_mode()
 
 #: Relative Frobenius error allowed for each dtype.
 TOL = {np.dtype(np.float16): 1e-3, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}

@@ -269,6 +269,12 @@ def test_device_validation_errors(rng):
         sdpa_numba.scaled_dot_product_attention(q, q, q, dev(np.zeros((5, 5), np.int32)))
 
 
+def test_negative_strides_are_refused(rng):
+    q = dev(randn(rng, (5, 4), np.float32))
+    with pytest.raises(ValueError, match="negative strides"):
+        sdpa_numba.scaled_dot_product_attention(q[::-1], q, q)
+
+
 def test_result_kind_is_numba_device_array(rng):
     q = dev(randn(rng, (5, 4), np.float32))
     out, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
