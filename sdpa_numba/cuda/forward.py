@@ -38,10 +38,25 @@ def _u(i):
     return numba.uint64(i)
 
 
-def _make_kernel(ct, blocks, dc, mask_kind):
-    """The forward kernel for compute type ``ct``, tiling ``blocks``, ``dc`` output columns per
-    thread and a mask kind ("none", "bool" or "additive"); storage dtypes and layouts are
-    specialized by Numba's dispatcher."""
+def _signature(dtype, mask_kind):
+    """Every array 'A' (any strides): one compilation per dtype and mask kind, whatever the
+    operands' layouts (each compilation takes seconds)."""
+    st = numpy_support.from_dtype(dtype)
+    ct = numba.float64 if st == numba.float64 else numba.float32
+
+    def arr(t, nd):
+        return numba.types.Array(t, nd, "A")
+
+    # Numba cannot pass None to a kernel: without a mask, q stands in for it, unread.
+    mask = arr(numba.boolean, 4) if mask_kind == "bool" else arr(st, 4)
+    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.boolean, numba.float64,
+                      arr(st, 4), arr(ct, 3)), ct
+
+
+def _make_kernel(dtype, mask_kind, blocks, dc):
+    """The forward kernel for storage ``dtype``, mask kind ("none", "bool" or "additive"),
+    tiling ``blocks`` and ``dc`` output columns per thread."""
+    sig, ct = _signature(dtype, mask_kind)
     BM, BN, NT, RM = blocks.block_m, blocks.block_n, blocks.threads, blocks.rows_per_thread
     TC = blocks.threads_per_row
     SC = BN // TC  # score columns per thread
@@ -50,13 +65,14 @@ def _make_kernel(ct, blocks, dc, mask_kind):
     NA = RM * DC
     VP = DC * TC  # V tile row length: zero-padded to whole thread columns
     SP = BN + 1  # score and Kᵀ tile row lengths
+    HAS_MASK = mask_kind != "none"
     BOOL_MASK = mask_kind == "bool"
     CT = ct
     # Bounding the threads lets the compiler budget registers for them; the simulator has no
     # such option.
     jit_options = {} if is_simulated_mode() else {"launch_bounds": NT}
 
-    @cuda.jit(fastmath=FASTMATH, **jit_options)
+    @cuda.jit(sig, fastmath=FASTMATH, **jit_options)
     def kernel(q, k, v, mask, is_causal, scale, out, lse):
         _, Hq, L, E = q.shape
         S = k.shape[2]
@@ -164,7 +180,7 @@ def _make_kernel(ct, blocks, dc, mask_kind):
                     s = sreg[a * SC + c]
                     if j >= nj or (is_causal and j0 + j > i):
                         s = neg_inf
-                    elif mask is not None and i < L:
+                    elif HAS_MASK and i < L:
                         if BOOL_MASK:
                             if not mask[b, h, i, j0 + j]:
                                 s = neg_inf
@@ -212,10 +228,10 @@ def _make_kernel(ct, blocks, dc, mask_kind):
     return kernel
 
 
-def _kernel(ct, blocks, dc, mask_kind):
-    key = (ct, blocks, dc, mask_kind)
+def _kernel(dtype, mask_kind, blocks, dc):
+    key = (np.dtype(dtype), mask_kind, blocks, dc)
     if key not in _kernels:
-        _kernels[key] = _make_kernel(ct, blocks, dc, mask_kind)
+        _kernels[key] = _make_kernel(*key)
     return _kernels[key]
 
 
@@ -279,7 +295,6 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0):
     ev = v.shape[3]
     if n_bh == 0 or L == 0:
         return
-    ct = numpy_support.from_dtype(np.dtype(lse.dtype))
     itemsize = np.dtype(lse.dtype).itemsize
     if blocks is None:
         blocks = options.BLOCKS or choose_blocks(itemsize, e, ev)
@@ -291,8 +306,13 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0):
         mask_kind = "bool"
     else:
         mask_kind = "additive"
-    kernel = _kernel(ct, blocks, blocks.out_cols(ev), mask_kind)
-    n_qblocks = (L + blocks.block_m - 1) // blocks.block_m
     shared = blocks.shared_elements(e, ev) * itemsize
+    limit, max_threads = device_limits()
+    if shared > limit or blocks.threads > max_threads:
+        raise ValueError(f"{blocks} needs {shared} bytes of shared memory and {blocks.threads} "
+                         f"threads for E={e}, Ev={ev}; a block may have {limit} and "
+                         f"{max_threads} on this device")
+    kernel = _kernel(q.dtype, mask_kind, blocks, blocks.out_cols(ev))
+    n_qblocks = (L + blocks.block_m - 1) // blocks.block_m
     kernel[n_bh * n_qblocks, blocks.threads, stream, shared](
-        q, k, v, mask, bool(is_causal), float(scale), out, lse)
+        q, k, v, q if mask is None else mask, bool(is_causal), float(scale), out, lse)

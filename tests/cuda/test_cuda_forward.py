@@ -246,6 +246,19 @@ def test_choose_blocks_fits_limits(monkeypatch):
         choose_blocks(8, 100_000, 8)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_kernel_arguments_are_launchable(dtype, mask_kind):
+    """Numba launches only arrays, numbers and booleans (not None, which the simulator takes):
+    the kernels' signatures must hold nothing else."""
+    import numba
+
+    forward = importlib.import_module("sdpa_numba.cuda.forward")
+    sig, _ = forward._signature(np.dtype(dtype), mask_kind)
+    for t in sig.args:
+        assert isinstance(t, numba.types.Array) or t in (numba.boolean, numba.float64), t
+
+
 def test_blocks_validation():
     with pytest.raises(ValueError, match="inconsistent"):
         Blocks(block_m=4, block_n=3, threads=4, rows_per_thread=2)
