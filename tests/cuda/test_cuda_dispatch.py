@@ -129,3 +129,22 @@ def test_numba_device_arrays_in_numba_out():
     out, lse = sdpa_numba.scaled_dot_product_attention(dq, dq, dq, return_lse=True)
     assert type(out) is type(dq) and type(lse) is type(dq)
     assert rel_err(out.copy_to_host(), reference.attention(q, q, q)[0]) <= 1e-5
+
+
+def _gpu_check(*args):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(REAL_GPU, reason="on a GPU the script would really run")
+def test_gpu_check_without_a_gpu_says_so():
+    done = _gpu_check()
+    assert done.returncode == 2, done.stderr
+    assert "no GPU" in done.stderr and "--simulate" in done.stderr
+
+
+def test_gpu_check_logic_on_the_simulator():
+    done = _gpu_check("--simulate", "--skip-tests", "--runs", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "TFLOP/s" in done.stdout and "float16" in done.stdout
