@@ -107,7 +107,7 @@ def broadcast_view(x, shape):
 
 
 def byte_extent(x):
-    """``(first, last)`` byte addresses (``last`` exclusive) that ``x`` may touch; None if empty."""
+    """``(first, last)`` byte addresses (``last`` exclusive) ``x`` may touch; None if empty."""
     if any(n == 0 for n in x.shape):
         return None
     if is_simulated(x):

@@ -287,11 +287,11 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0):
 
     Notes
     -----
-    Inputs are float16, float32 or float64 Numba device arrays (or anything a kernel accepts)
-    with any strides. Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention`
+    Inputs are float16, float32 or float64 Numba device arrays with any non-negative strides
+    (:func:`sdpa_numba.cuda.arrays.adopt` wraps CuPy arrays and torch tensors as such). Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention`
     validates them. The launch is asynchronous, on ``stream``.
     """
-    n_bh, hq, L, e = q.shape[0] * q.shape[1], q.shape[1], q.shape[2], q.shape[3]
+    n_bh, L, e = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
     ev = v.shape[3]
     if n_bh == 0 or L == 0:
         return

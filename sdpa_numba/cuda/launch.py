@@ -8,8 +8,6 @@ the kernel is launched once per index of the leading batch dim, as on the CPU.
 
 import dataclasses
 
-import numpy as np
-
 from .arrays import as_strided, broadcast_view, device_array, may_overlap
 from .forward import forward
 

@@ -53,7 +53,8 @@ def test_cpu_path_unaffected_by_the_simulator():
 
     assert total(np.arange(1000.0)) == 499500.0
     rng = np.random.default_rng(3)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 9, 4), (2, 7, 4), (2, 7, 3)))
+    shapes = ((2, 9, 4), (2, 7, 4), (2, 7, 3))
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in shapes)
     out = sdpa_numba.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert isinstance(out, np.ndarray)
     assert rel_err(out, reference.attention(q, k, v, is_causal=True)[0]) <= 1e-5
@@ -116,7 +117,8 @@ def test_torch_in_torch_out():
 def test_cupy_in_cupy_out():
     cupy = pytest.importorskip("cupy")
     rng = np.random.default_rng(5)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 9, 8), (2, 7, 8), (2, 7, 5)))
+    shapes = ((2, 9, 8), (2, 7, 8), (2, 7, 5))
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in shapes)
     out = sdpa_numba.scaled_dot_product_attention(*map(cupy.asarray, (q, k, v)))
     assert isinstance(out, cupy.ndarray)
     assert rel_err(cupy.asnumpy(out), reference.attention(q, k, v)[0]) <= 1e-5

@@ -8,7 +8,6 @@ import importlib
 
 import numpy as np
 import pytest
-from numba import cuda
 
 import sdpa_numba
 from sdpa_numba import reference
@@ -233,7 +232,8 @@ def test_default_blocks(rng, monkeypatch):
 
 
 def test_choose_blocks_fits_limits(monkeypatch):
-    forward = importlib.import_module("sdpa_numba.cuda.forward")  # the package's name is the function
+    # sdpa_numba.cuda.forward is the function; the module is fetched by name.
+    forward = importlib.import_module("sdpa_numba.cuda.forward")
     monkeypatch.setattr(forward, "device_limits", lambda: (48 * 1024, 1024))
     for itemsize in (4, 8):
         for e, ev in ((64, 64), (128, 128), (256, 256), (64, 17)):
