@@ -5,8 +5,10 @@ kernels). The jitted kernels themselves are in :mod:`sdpa_numba.cpu` and
 :mod:`sdpa_numba.cuda` (imported lazily: no GPU or CUDA toolkit needed to import this package).
 """
 
-from . import reference
+from . import _finder, reference
 from .api import scaled_dot_product_attention
+
+_finder.install()  # before anything imports sdpa_numba.cuda
 
 __version__ = "0.1.0"
 

@@ -246,6 +246,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     device = _device_of([("query", query), ("key", key), ("value", value),
                          ("attn_mask", attn_mask), ("out", out)])
+    restore = None
+    if device == "cuda":
+        # CuPy arrays, torch tensors, ... become Numba device arrays (no copy), so that plan()
+        # sees NumPy dtypes; restore() hands results back as the caller's kind of array.
+        from .cuda.arrays import adopt
+
+        (query, key, value, attn_mask, out), restore = adopt(query, key, value, attn_mask, out)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     check_dropout(dropout_p)
     return_lse = _check_flag("return_lse", return_lse)
@@ -257,4 +264,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:
         from .cuda.launch import run
     result, lse = run(p, query, key, value, attn_mask, out)
+    if restore is not None:
+        result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

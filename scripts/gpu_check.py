@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Test and time sdpa_numba's CUDA path on a real NVIDIA GPU, in one go (under 5 minutes).
+
+1. Runs tests/cuda on the GPU (pytest with SDPA_NUMBA_REAL_GPU=1, not the simulator).
+2. Times the forward against torch's scaled_dot_product_attention on the same GPU: float32
+   and float16, B=4 H=16 L=S=4096, head dim 64 and 128, causal and not. Each figure is the
+   median of many runs after warm-up (the first call compiles), timed with CUDA events;
+   TFLOP/s counts 4·B·H·L·S·D flops, half that when causal.
+
+Usage::
+
+    python scripts/gpu_check.py            # tests, then the full table
+    python scripts/gpu_check.py --quick    # smaller problems, fewer runs
+    python scripts/gpu_check.py --simulate # no GPU: the same logic on Numba's CUDA simulator,
+                                           # tiny sizes (checks the script, times nothing real)
+
+Exit status: 0 when the tests passed and every timed result matched torch, 1 otherwise,
+2 when there is no GPU to run on.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUDGET_S = 280  # stop starting new timings past this, to stay under 5 minutes
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller problems, fewer runs")
+    ap.add_argument("--simulate", action="store_true",
+                    help="run on Numba's CUDA simulator with tiny sizes (no GPU needed)")
+    ap.add_argument("--skip-tests", action="store_true", help="only time")
+    ap.add_argument("--skip-bench", action="store_true", help="only test")
+    ap.add_argument("--runs", type=int, default=None, help="timed runs per figure")
+    return ap.parse_args(argv)
+
+
+def gpu_available():
+    """(True, name) on a usable GPU; (False, why) otherwise. Imports numba.cuda."""
+    try:
+        from numba import cuda
+    except ImportError as exc:
+        return False, f"numba-cuda is not installed ({exc}); pip install 'sdpa_numba[cuda]'"
+    try:
+        if not cuda.is_available():
+            return False, "numba.cuda.is_available() is False (no NVIDIA GPU or driver)"
+        return True, cuda.get_current_device().name
+    except Exception as exc:  # a broken driver or toolkit: say so, don't crash
+        return False, f"CUDA is not usable: {exc}"
+
+
+def run_tests(simulate):
+    """pytest on tests/cuda, on the GPU (or the simulator); returns (passed, seconds)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if simulate:
+        env.pop("SDPA_NUMBA_REAL_GPU", None)
+    else:
+        env["SDPA_NUMBA_REAL_GPU"] = "1"
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+    cmd = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests", "cuda"), "-q", "-x",
+           "-p", "no:cacheprovider"]
+    print("$", " ".join(cmd), "(SDPA_NUMBA_REAL_GPU=1)" if not simulate else "(simulator)",
+          flush=True)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, cwd=ROOT)
+    return done.returncode == 0, time.perf_counter() - t0
+
+
+def configs(args):
+    """(dtype name, B, H, L, D, causal) of each timed problem."""
+    if args.simulate:
+        shapes = [(1, 2, 9, 8)]
+    elif args.quick:
+        shapes = [(1, 8, 1024, 64), (1, 8, 1024, 128)]
+    else:
+        shapes = [(4, 16, 4096, 64), (4, 16, 4096, 128)]
+    return [(dt, B, H, L, D, causal) for dt in ("float32", "float16")
+            for (B, H, L, D) in shapes for causal in (False, True)]
+
+
+class Device:
+    """Inputs and timing on the GPU (torch tensors, CUDA events) or, with ``--simulate``, on
+    the simulator (its arrays for sdpa_numba, CPU tensors for torch, wall-clock time)."""
+
+    def __init__(self, simulate):
+        self.simulate = simulate
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        self.torch = torch
+        if not simulate and torch is not None and not torch.cuda.is_available():
+            print("torch has no CUDA here: timing sdpa_numba alone", flush=True)
+            self.torch = None
+
+    def inputs(self, dtype, B, H, L, D, seed=0):
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        host = [rng.standard_normal((B, H, L, D)).astype(dtype) for _ in range(3)]
+        if self.simulate:
+            from numba import cuda
+
+            ours = [cuda.to_device(x) for x in host]
+            ours.append(cuda.to_device(np.empty((B, H, L, D), dtype)))
+            peer = [self.torch.from_numpy(x) for x in host] if self.torch else None
+            return ours, peer
+        if self.torch is None:
+            from numba import cuda
+
+            ours = [cuda.to_device(x) for x in host]
+            ours.append(cuda.device_array((B, H, L, D), dtype))
+            return ours, None
+        peer = [self.torch.from_numpy(x).cuda() for x in host]
+        return peer + [self.torch.empty_like(peer[0])], peer
+
+    def sync(self):
+        from numba import cuda
+
+        cuda.synchronize()
+        if self.torch is not None and not self.simulate:
+            self.torch.cuda.synchronize()
+
+    def time(self, fn, warmup, runs):
+        """Median seconds of ``fn()`` over ``runs`` runs after ``warmup`` runs."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        events = (self.torch is not None and not self.simulate
+                  and self.torch.cuda.current_stream().cuda_stream == 0)
+        for _ in range(runs):
+            if events:  # numba launches on the legacy default stream: the events bracket it
+                start = self.torch.cuda.Event(enable_timing=True)
+                end = self.torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                self.sync()
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
+
+    def to_numpy(self, x):
+        if hasattr(x, "copy_to_host"):
+            return x.copy_to_host()
+        return x.detach().float().cpu().numpy()
+
+
+def bench(args, started):
+    import numpy as np
+
+    import sdpa_numba
+
+    if args.simulate:
+        from sdpa_numba.cuda import Blocks, options
+
+        options.BLOCKS = Blocks(4, 4, 4, 2)  # tiny blocks: the simulator runs a thread each
+    dev = Device(args.simulate)
+    runs = args.runs or (2 if args.simulate else 5 if args.quick else 20)
+    warmup = 1 if args.simulate else 3
+    rows, ok = [], True
+    for dtype, B, H, L, D, causal in configs(args):
+        if time.perf_counter() - started > BUDGET_S:
+            print(f"time budget spent: skipping {dtype} D={D} causal={causal}", flush=True)
+            continue
+        (q, k, v, out), peer = dev.inputs(dtype, B, H, L, D)
+        flops = 4 * B * H * L * L * D / (2 if causal else 1)
+        t0 = time.perf_counter()
+
+        def ours():
+            sdpa_numba.scaled_dot_product_attention(q, k, v, is_causal=causal, out=out)
+
+        t_ours = dev.time(ours, warmup, runs)
+        t_peer = err = None
+        if dev.torch is not None:
+            sdpa = dev.torch.nn.functional.scaled_dot_product_attention
+
+            def theirs():
+                return sdpa(*peer, is_causal=causal)
+
+            t_peer = dev.time(theirs, warmup, runs)
+            want = dev.to_numpy(theirs()).astype(np.float64)
+            got = dev.to_numpy(out).astype(np.float64)
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            ok &= bool(err <= (2e-3 if dtype == "float16" else 1e-4))
+        rows.append((dtype, B, H, L, D, causal, t_ours, flops, t_peer, err))
+        print(f"  timed {dtype} B={B} H={H} L={L} D={D} causal={causal} "
+              f"in {time.perf_counter() - t0:.1f}s", flush=True)
+    print_table(rows, args.simulate)
+    return ok
+
+
+def print_table(rows, simulate):
+    peer = "torch (CPU)" if simulate else "torch"
+    head = (f"{'dtype':8} {'B':>2} {'H':>3} {'L=S':>5} {'D':>4} {'causal':>6} | "
+            f"{'ours ms':>9} {'TFLOP/s':>8} | {peer + ' ms':>11} {'TFLOP/s':>8} | "
+            f"{'speed vs torch':>14} {'rel err':>8}")
+    print()
+    print(head)
+    print("-" * len(head))
+    for dtype, B, H, L, D, causal, t_ours, flops, t_peer, err in rows:
+        line = (f"{dtype:8} {B:>2} {H:>3} {L:>5} {D:>4} {str(causal):>6} | "
+                f"{t_ours * 1e3:>9.3f} {flops / t_ours / 1e12:>8.2f} | ")
+        if t_peer is None:
+            line += f"{'n/a':>11} {'':>8} | {'':>14} {'':>8}"
+        else:
+            line += (f"{t_peer * 1e3:>11.3f} {flops / t_peer / 1e12:>8.2f} | "
+                     f"{t_peer / t_ours:>13.3f}x {err:>8.1e}")
+        print(line)
+    print("\nspeed vs torch = torch time / our time (above 1: faster than torch). "
+          "TFLOP/s: 4*B*H*L*S*D flops, half when causal.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.simulate:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba.cuda is imported
+    sys.path.insert(0, ROOT)
+    if not args.simulate:
+        ok, what = gpu_available()
+        if not ok:
+            print(f"gpu_check: no GPU to run on: {what}.\n"
+                  f"Run it on a machine with an NVIDIA GPU, or pass --simulate to exercise "
+                  f"this script on Numba's CUDA simulator.", file=sys.stderr)
+            return 2
+        print(f"GPU: {what}", flush=True)
+    passed = True
+    if not args.skip_tests:
+        passed, seconds = run_tests(args.simulate)
+        print(f"tests/cuda {'passed' if passed else 'FAILED'} in {seconds:.0f}s", flush=True)
+    matched = True
+    if not args.skip_bench:
+        matched = bench(args, started)
+        if not matched:
+            print("some results differ from torch's beyond tolerance", flush=True)
+    print(f"\ngpu_check done in {time.perf_counter() - started:.0f}s", flush=True)
+    return 0 if passed and matched else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

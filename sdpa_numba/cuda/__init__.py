@@ -1,0 +1,32 @@
+"""CUDA kernels (``@cuda.jit``) and device functions, callable from users' own Numba code.
+
+* :func:`forward`: launches the batched 4-D forward kernel (FlashAttention-2 style tiling,
+  see :mod:`sdpa_numba.cuda.forward`);
+* :class:`Blocks`: its tiling; ``sdpa_numba.cuda.options.BLOCKS`` overrides the launcher's
+  choice;
+* device functions for users' kernels: :func:`attend_row` (one query row against a key/value
+  block), :func:`online_softmax_update` (the online-softmax step), :func:`online_softmax_lse`
+  and :func:`online_softmax_finalize`.
+
+Importing this module imports ``numba.cuda`` (the numba-cuda package); importing
+``sdpa_numba`` does not. Set ``NUMBA_ENABLE_CUDASIM=1`` before that import to run everything on
+Numba's CUDA simulator (slow; no GPU needed).
+"""
+
+try:
+    import numba_cuda  # noqa: F401  (numba.cuda itself may resolve to Numba's old built-in)
+except ImportError as exc:
+    raise ImportError("sdpa_numba.cuda needs the numba-cuda package: "
+                      "pip install 'sdpa_numba[cuda]'") from exc
+
+from .forward import forward  # noqa: E402
+from .online_softmax import (  # noqa: E402
+    attend_row,
+    online_softmax_finalize,
+    online_softmax_lse,
+    online_softmax_update,
+)
+from .options import Blocks  # noqa: E402
+
+__all__ = ["forward", "Blocks", "attend_row", "online_softmax_update", "online_softmax_lse",
+           "online_softmax_finalize"]

@@ -1,0 +1,125 @@
+"""Device arrays: adopting the caller's kind of array, handing results back, strided views.
+
+Inputs with ``__cuda_array_interface__`` (CuPy arrays, PyTorch CUDA tensors, ...) are wrapped
+as Numba device arrays without copying, so that validation sees NumPy dtypes and shapes; the
+results are handed back as the same kind of array as the query. Views (leading unit dims,
+broadcast dims with stride 0) are built from shapes and strides directly: nothing is copied and
+no broadcast is materialized. The CUDA simulator's arrays (which wrap NumPy arrays and have no
+``__cuda_array_interface__``) are handled alongside.
+"""
+
+import numpy as np
+from numba import cuda
+
+
+def is_simulated(x):
+    """Whether ``x`` is an array of Numba's CUDA simulator."""
+    return type(x).__name__ == "FakeCUDAArray"
+
+
+def _is_numba(x):
+    # Numba's device arrays, real or simulated, mark themselves so.
+    return bool(getattr(type(x), "__cuda_ndarray__", False))
+
+
+def _kind(x):
+    module = type(x).__module__.split(".")[0]
+    if _is_numba(x):
+        return "numba"
+    if module in ("torch", "cupy"):
+        return module
+    return "other"
+
+
+def _adopt_one(name, x):
+    if x is None or _is_numba(x):
+        return x
+    if "bfloat16" in str(getattr(x, "dtype", "")):
+        raise NotImplementedError(
+            f"{name} is bfloat16: the CUDA kernels do not support bfloat16 yet (the CUDA "
+            f"simulator that tests them has no bfloat16); use float16 or float32")
+    if is_simulated_mode():
+        raise TypeError(f"{name} is a {type(x).__name__}, but Numba runs the CUDA simulator "
+                        f"(NUMBA_ENABLE_CUDASIM=1), which takes only its own arrays")
+    return cuda.as_cuda_array(x)
+
+
+def adopt(query, key, value, attn_mask, out):
+    """Numba device arrays for the CUDA operands, and a function that hands results back.
+
+    Returns ``((query, key, value, attn_mask, out), restore)``; ``restore(x)`` gives ``x`` as
+    the query's kind of array (CuPy, PyTorch or Numba; anything else stays a Numba device
+    array), and the caller's own ``out`` object for the adopted ``out``.
+    """
+    names = ("query", "key", "value", "attn_mask", "out")
+    arrays = tuple(_adopt_one(n, x) for n, x in zip(names, (query, key, value, attn_mask, out)))
+    kind = _kind(query)
+    adopted_out = arrays[4]
+
+    def restore(x):
+        if out is not None and x is adopted_out:
+            return out
+        if kind == "torch":
+            import torch
+
+            return torch.as_tensor(x, device=query.device)
+        if kind == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(query.device.id):
+                return cupy.asarray(x)
+        return x
+
+    return arrays, restore
+
+
+def is_simulated_mode():
+    """Whether Numba's CUDA target is the simulator."""
+    from numba.cuda.core import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def device_array(shape, dtype):
+    """An uninitialized Numba device array."""
+    return cuda.device_array(shape, dtype=np.dtype(dtype))
+
+
+def as_strided(x, shape, strides):
+    """A view of device array ``x`` with ``shape`` and byte ``strides``, starting at ``x``'s
+    first element, as :func:`numpy.lib.stride_tricks.as_strided` (and as unchecked)."""
+    shape = tuple(int(n) for n in shape)
+    strides = tuple(int(s) for s in strides)
+    if is_simulated(x):
+        return type(x)(np.lib.stride_tricks.as_strided(x._ary, shape, strides))
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return DeviceNDArray(shape, strides, x.dtype, stream=x.stream, gpu_data=x.gpu_data)
+
+
+def broadcast_view(x, shape):
+    """``x`` seen with ``shape``: missing leading dims and broadcast dims get stride 0."""
+    pad = len(shape) - x.ndim
+    xs = (1,) * pad + tuple(x.shape)
+    st = (0,) * pad + tuple(x.strides)
+    st = tuple(0 if n == 1 and t != 1 else s for n, s, t in zip(xs, st, shape))
+    return as_strided(x, shape, st)
+
+
+def byte_extent(x):
+    """``(first, last)`` byte addresses (``last`` exclusive) ``x`` may touch; None if empty."""
+    if any(n == 0 for n in x.shape):
+        return None
+    if is_simulated(x):
+        base = x._ary.__array_interface__["data"][0]
+    else:
+        base = x.device_ctypes_pointer.value or 0
+    lo = base + sum(s * (n - 1) for n, s in zip(x.shape, x.strides) if s < 0)
+    hi = base + sum(s * (n - 1) for n, s in zip(x.shape, x.strides) if s > 0)
+    return lo, hi + np.dtype(x.dtype).itemsize
+
+
+def may_overlap(a, b):
+    """Whether device arrays ``a`` and ``b`` may share memory (by their byte extents)."""
+    ea, eb = byte_extent(a), byte_extent(b)
+    return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]

@@ -1,0 +1,318 @@
+"""The attention forward on CUDA, FlashAttention-2 style, without tensor cores.
+
+One thread block computes ``block_m`` query rows of one (batch, head). Its Q tile, pre-scaled,
+stays in shared memory; key/value blocks of ``block_n`` keys are staged through shared memory
+one after the other (keys transposed, so that threads of a warp read consecutive keys). For each
+key block the threads compute the score tile, each a small register tile of it; the online
+softmax of each row runs on one thread (:func:`~.online_softmax.online_softmax_update`); then
+each thread folds ``p · V`` into its register tile of the output. Key blocks entirely above the
+diagonal are never loaded under ``is_causal``. Shared memory is O(block · head dim); nothing of
+size L x S exists anywhere.
+
+Each output element is accumulated by one thread over keys in a fixed order, so results do not
+depend on scheduling: runs are bitwise reproducible.
+
+Rows of the shared tiles are padded to an odd length so that threads reading a column of a tile
+hit distinct shared-memory banks.
+"""
+
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+from numba.np import numpy_support
+
+from . import options
+from .arrays import is_simulated_mode
+from .online_softmax import online_softmax_lse, online_softmax_update
+from .options import CANDIDATES, FASTMATH, Blocks
+
+_kernels = {}
+
+
+@cuda.jit(device=True, inline="always")
+def _u(i):
+    """``i`` as an unsigned index: Numba then drops its negative-index wraparound, three
+    64-bit integer instructions per shared-memory load in the inner loops."""
+    return numba.uint64(i)
+
+
+def _signature(dtype, mask_kind):
+    """Every array 'A' (any strides): one compilation per dtype and mask kind, whatever the
+    operands' layouts (each compilation takes seconds)."""
+    st = numpy_support.from_dtype(dtype)
+    ct = numba.float64 if st == numba.float64 else numba.float32
+
+    def arr(t, nd):
+        return numba.types.Array(t, nd, "A")
+
+    # Numba cannot pass None to a kernel: without a mask, q stands in for it, unread.
+    mask = arr(numba.boolean, 4) if mask_kind == "bool" else arr(st, 4)
+    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.boolean, numba.float64,
+                      arr(st, 4), arr(ct, 3)), ct
+
+
+def _make_kernel(dtype, mask_kind, blocks, dc):
+    """The forward kernel for storage ``dtype``, mask kind ("none", "bool" or "additive"),
+    tiling ``blocks`` and ``dc`` output columns per thread."""
+    sig, ct = _signature(dtype, mask_kind)
+    BM, BN, NT, RM = blocks.block_m, blocks.block_n, blocks.threads, blocks.rows_per_thread
+    TC = blocks.threads_per_row
+    SC = BN // TC  # score columns per thread
+    DC = dc  # output columns per thread
+    NS = RM * SC
+    NA = RM * DC
+    VP = DC * TC  # V tile row length: zero-padded to whole thread columns
+    SP = BN + 1  # score and Kᵀ tile row lengths
+    HAS_MASK = mask_kind != "none"
+    BOOL_MASK = mask_kind == "bool"
+    CT = ct
+    # Bounding the threads lets the compiler budget registers for them; the simulator has no
+    # such option.
+    jit_options = {} if is_simulated_mode() else {"launch_bounds": NT}
+
+    @cuda.jit(sig, fastmath=FASTMATH, **jit_options)
+    def kernel(q, k, v, mask, is_causal, scale, out, lse):
+        _, Hq, L, E = q.shape
+        S = k.shape[2]
+        Ev = v.shape[3]
+        group = Hq // k.shape[1]
+        nqb = (L + BM - 1) // BM
+        bid = cuda.blockIdx.x
+        bh = bid // nqb
+        # Heaviest query blocks (last under causal) first, so the tail of the grid is short.
+        i0 = (nqb - 1 - bid % nqb) * BM
+        b = bh // Hq
+        h = bh % Hq
+        kh = h // group
+        tid = cuda.threadIdx.x
+        r0 = (tid // TC) * RM  # this thread's first row in the tile
+        tc = tid % TC  # its column among the row group's threads
+
+        QP = E | 1
+        kt_at = BM * QP
+        vs_at = kt_at + E * SP
+        ss_at = vs_at + BN * VP
+        m_at = ss_at + BM * SP
+        l_at = m_at + BM
+        a_at = l_at + BM
+        sm = cuda.shared.array(0, CT)
+        zero = CT(0)
+        neg_inf = CT(-math.inf)
+        qscale = CT(scale)
+
+        # Q and K tiles are walked in steps of NT elements without dividing by E (a 64-bit
+        # division per element otherwise): (row, col) advances by (NT // E, NT % E).
+        e_row0 = 0
+        e_col0 = 0
+        e_rstep = 0
+        e_cstep = 0
+        if E > 0:
+            e_row0 = tid // E
+            e_col0 = tid - e_row0 * E
+            e_rstep = NT // E
+            e_cstep = NT - e_rstep * E
+        r = e_row0
+        e = e_col0
+        while r < BM and E > 0:
+            x = zero
+            if i0 + r < L:
+                x = CT(q[b, h, i0 + r, e]) * qscale
+            sm[r * QP + e] = x
+            r += e_rstep
+            e += e_cstep
+            if e >= E:
+                e -= E
+                r += 1
+        for r in range(tid, BM, NT):
+            sm[m_at + r] = neg_inf
+            sm[l_at + r] = zero
+        acc = cuda.local.array(NA, CT)
+        for t in range(NA):
+            acc[t] = zero
+        sreg = cuda.local.array(NS, CT)
+        kreg = cuda.local.array(SC, CT)
+        vreg = cuda.local.array(DC, CT)
+
+        kv_end = S
+        if is_causal:
+            kv_end = min(S, i0 + BM)  # blocks above the diagonal: never loaded
+        for j0 in range(0, kv_end, BN):
+            nj = min(BN, kv_end - j0)
+            cuda.syncthreads()  # the previous block's tiles are consumed
+            j = e_row0
+            e = e_col0
+            while j < BN and E > 0:
+                x = zero
+                if j < nj:
+                    x = CT(k[b, kh, j0 + j, e])
+                sm[kt_at + e * SP + j] = x
+                j += e_rstep
+                e += e_cstep
+                if e >= E:
+                    e -= E
+                    j += 1
+            # Padding (keys past nj, columns past Ev) is zeros, never stale shared memory:
+            # 0 * NaN would be NaN.
+            for t in range(tid, BN * VP, NT):
+                j = t // VP
+                d = t - j * VP
+                x = zero
+                if j < nj and d < Ev:
+                    x = CT(v[b, kh, j0 + j, d])
+                sm[vs_at + j * VP + d] = x
+            cuda.syncthreads()
+
+            for t in range(NS):
+                sreg[t] = zero
+            for e in range(E):
+                for c in range(SC):
+                    kreg[c] = sm[_u(kt_at + e * SP + tc + TC * c)]
+                for a in range(RM):
+                    x = sm[_u((r0 + a) * QP + e)]
+                    for c in range(SC):
+                        sreg[a * SC + c] += x * kreg[c]
+            for a in range(RM):
+                i = i0 + r0 + a
+                for c in range(SC):
+                    j = tc + TC * c
+                    s = sreg[a * SC + c]
+                    if j >= nj or (is_causal and j0 + j > i):
+                        s = neg_inf
+                    elif HAS_MASK and i < L:
+                        if BOOL_MASK:
+                            if not mask[b, h, i, j0 + j]:
+                                s = neg_inf
+                        else:
+                            s += CT(mask[b, h, i, j0 + j])
+                    sm[ss_at + (r0 + a) * SP + j] = s
+            cuda.syncthreads()
+
+            for r in range(tid, BM, NT):
+                m, l, alpha = online_softmax_update(sm, ss_at + r * SP, nj, sm[m_at + r],
+                                                    sm[l_at + r])
+                sm[m_at + r] = m
+                sm[l_at + r] = l
+                sm[a_at + r] = alpha
+            cuda.syncthreads()
+
+            for a in range(RM):
+                alpha = sm[a_at + r0 + a]
+                for c in range(DC):
+                    acc[a * DC + c] *= alpha
+            for j in range(nj):
+                for c in range(DC):
+                    vreg[c] = sm[_u(vs_at + j * VP + tc + TC * c)]
+                for a in range(RM):
+                    p = sm[_u(ss_at + (r0 + a) * SP + j)]
+                    for c in range(DC):
+                        acc[a * DC + c] += p * vreg[c]
+
+        cuda.syncthreads()  # the last block's m and l are written
+        for a in range(RM):
+            i = i0 + r0 + a
+            if i < L:
+                l = sm[l_at + r0 + a]
+                for c in range(DC):
+                    d = tc + TC * c
+                    if d < Ev:
+                        if l == 0:  # every key masked (or S == 0): zeros, as torch
+                            out[b, h, i, d] = zero
+                        else:
+                            out[b, h, i, d] = acc[a * DC + c] / l
+        for r in range(tid, BM, NT):
+            if i0 + r < L:
+                lse[b, h, i0 + r] = online_softmax_lse(sm[m_at + r], sm[l_at + r])
+
+    return kernel
+
+
+def _kernel(dtype, mask_kind, blocks, dc):
+    key = (np.dtype(dtype), mask_kind, blocks, dc)
+    if key not in _kernels:
+        _kernels[key] = _make_kernel(*key)
+    return _kernels[key]
+
+
+def device_limits():
+    """``(shared memory bytes, threads)`` a thread block may use on the current device.
+
+    The shared memory figure is the default per-block limit (48 KiB on current GPUs), not the
+    larger opt-in limit, which needs a per-kernel attribute Numba does not set. The CUDA
+    simulator has no such attributes: it gets the same defaults as a real device.
+    """
+    dev = cuda.get_current_device()
+    return (int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK", 48 * 1024)),
+            int(getattr(dev, "MAX_THREADS_PER_BLOCK", 1024)))
+
+
+def choose_blocks(itemsize, e, ev):
+    """The largest tiling of :data:`~.options.CANDIDATES` that fits the device's limits."""
+    shared, threads = device_limits()
+    for blocks in CANDIDATES:
+        if (blocks.threads <= threads
+                and blocks.shared_elements(e, ev) * itemsize <= shared):
+            return blocks
+    raise ValueError(f"head dims E={e}, Ev={ev} are too large for the CUDA kernel: even the "
+                     f"smallest tiling needs more than the {shared} bytes of shared memory "
+                     f"a block may use")
+
+
+def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0):
+    """Launch the batched attention forward on 4-D device arrays.
+
+    Parameters
+    ----------
+    q : device array, shape (B, Hq, L, E)
+    k : device array, shape (B, H, S, E)
+        ``Hq`` must be a multiple of ``H``; query head ``h`` reads key/value head
+        ``h // (Hq // H)`` (grouped-query attention; ``H == Hq`` is plain attention).
+    v : device array, shape (B, H, S, Ev)
+    mask : None or device array, shape (B, Hq, L, S)
+        bool (True takes part) or of the inputs' dtype (added to the scores). Broadcast views
+        with zero strides are read in place.
+    is_causal : bool
+        Query ``i`` sees keys ``j <= i`` (top-left aligned).
+    scale : float
+        Multiplies ``q · k``.
+    out : device array, shape (B, Hq, L, Ev)
+        Written.
+    lse : device array, shape (B, Hq, L)
+        Written; its dtype is the compute dtype: float32 for float16 and float32 inputs,
+        float64 for float64.
+    blocks : Blocks, optional
+        Tiling; default :data:`~.options.BLOCKS`, else the largest that fits the device.
+    stream : cuda stream, optional
+
+    Notes
+    -----
+    Inputs are float16, float32 or float64 Numba device arrays with any non-negative strides
+    (:func:`sdpa_numba.cuda.arrays.adopt` wraps CuPy arrays and torch tensors as such). Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention`
+    validates them. The launch is asynchronous, on ``stream``.
+    """
+    n_bh, L, e = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
+    ev = v.shape[3]
+    if n_bh == 0 or L == 0:
+        return
+    itemsize = np.dtype(lse.dtype).itemsize
+    if blocks is None:
+        blocks = options.BLOCKS or choose_blocks(itemsize, e, ev)
+    if not isinstance(blocks, Blocks):
+        raise TypeError(f"blocks must be a Blocks, got {type(blocks).__name__}")
+    if mask is None:
+        mask_kind = "none"
+    elif np.dtype(mask.dtype) == np.bool_:
+        mask_kind = "bool"
+    else:
+        mask_kind = "additive"
+    shared = blocks.shared_elements(e, ev) * itemsize
+    limit, max_threads = device_limits()
+    if shared > limit or blocks.threads > max_threads:
+        raise ValueError(f"{blocks} needs {shared} bytes of shared memory and {blocks.threads} "
+                         f"threads for E={e}, Ev={ev}; a block may have {limit} and "
+                         f"{max_threads} on this device")
+    kernel = _kernel(q.dtype, mask_kind, blocks, blocks.out_cols(ev))
+    n_qblocks = (L + blocks.block_m - 1) // blocks.block_m
+    kernel[n_bh * n_qblocks, blocks.threads, stream, shared](
+        q, k, v, q if mask is None else mask, bool(is_causal), float(scale), out, lse)

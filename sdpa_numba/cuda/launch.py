@@ -1,0 +1,94 @@
+"""From a validated :class:`~sdpa_numba.api.Plan` and Numba device arrays to the kernel.
+
+Operands become strided 4-D views ``(batch, heads, rows, cols)``: leading unit dims and
+broadcast dims get stride 0, and nothing is copied. Batch dims are merged into one where the
+strides of every operand allow it (always, for contiguous or broadcast operands); otherwise
+the kernel is launched once per index of the leading batch dim, as on the CPU.
+"""
+
+import dataclasses
+
+from .arrays import as_strided, broadcast_view, device_array, may_overlap
+from .forward import forward
+
+
+def _check_out(out, inputs):
+    """What :func:`sdpa_numba.api._check_out` checks on NumPy arrays, for a device ``out``."""
+    if any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
+        raise ValueError(f"out must not have zero strides (a broadcast view), got strides "
+                         f"{tuple(out.strides)}")
+    for name, x in inputs:
+        if x is not None and may_overlap(out, x):
+            raise ValueError(f"out overlaps {name}: pass a separate buffer")
+
+
+def _merge_batch(arrays, nb):
+    """The arrays with their ``nb`` batch dims merged where strides allow.
+
+    Returns ``(arrays, n_left)``: ``n_left`` batch dims remain (1 unless some cannot merge;
+    a dim of size 1 is dropped).
+    """
+    batch = arrays[0].shape[:nb]
+    dims = []  # (size, [stride of each array])
+    for d in range(nb):
+        n = batch[d]
+        st = [a.strides[d] for a in arrays]
+        if n == 1:
+            continue
+        if dims and all(sp == n * s for sp, s in zip(dims[-1][1], st)):
+            dims[-1] = (dims[-1][0] * n, st)
+        else:
+            dims.append((n, st))
+    if not dims:
+        dims = [(1, [0] * len(arrays))]
+    merged = [as_strided(a, tuple(n for n, _ in dims) + a.shape[nb:],
+                         tuple(s[i] for _, s in dims) + a.strides[nb:])
+              for i, a in enumerate(arrays)]
+    return merged, len(dims)
+
+
+def _launch(p, q, k, v, mask, o, lse):
+    arrays = [q, k, v, o, lse] + ([] if mask is None else [mask])
+    merged, n_left = _merge_batch(arrays, len(p.batch))
+    if n_left > 1:  # batch dims that no view can merge: one launch per leading index
+        for i in range(merged[0].shape[0]):
+            parts = [a[i] for a in merged] + [None]
+            mq, mk, mv, mo, ml, mm = parts[:6]
+            _launch(dataclasses.replace(p, batch=merged[0].shape[1:n_left]), mq, mk, mv,
+                    mm, mo, ml)
+        return
+    mq, mk, mv, mo, ml = merged[:5]
+    mm = merged[5] if mask is not None else None
+    forward(mq, mk, mv, mm, p.is_causal, p.scale, mo, ml)
+
+
+def _check_strides(named):
+    # Numba's own views with negative strides point at their lowest address, other libraries'
+    # at element 0: no view could be built for both, so such operands are refused.
+    for name, x in named:
+        if x is not None and any(s < 0 for s in x.strides):
+            raise ValueError(f"{name} has negative strides {tuple(x.strides)}, which the CUDA "
+                             f"path does not support: pass a copy")
+
+
+def run(p, query, key, value, attn_mask, out):
+    """Compute attention on the GPU for plan ``p``; returns ``(out, lse)`` as device arrays.
+
+    The operands are Numba device arrays (see :func:`.arrays.adopt`); the kernel is launched
+    asynchronously on the default stream.
+    """
+    _check_strides([("query", query), ("key", key), ("value", value),
+                    ("attn_mask", attn_mask), ("out", out)])
+    if out is not None:
+        _check_out(out, [("query", query), ("key", key), ("value", value),
+                         ("attn_mask", attn_mask)])
+    full = (*p.batch, p.hq)
+    q = broadcast_view(query, (*full, p.L, p.E))
+    k = broadcast_view(key, (*p.batch, p.h, p.S, p.E))
+    v = broadcast_view(value, (*p.batch, p.h, p.S, p.Ev))
+    mask = None if attn_mask is None else broadcast_view(attn_mask, (*full, p.L, p.S))
+    result = device_array(p.out_shape, p.dtype) if out is None else out
+    lse = device_array(p.out_shape[:-1], p.compute_dtype)
+    _launch(p, q, k, v, mask, broadcast_view(result, (*full, p.L, p.Ev)),
+            broadcast_view(lse, (*full, p.L)))
+    return result, lse
