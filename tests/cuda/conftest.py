@@ -19,6 +19,10 @@ REAL_GPU = os.environ.get("SDPA_NUMBA_REAL_GPU") == "1"
 _ALREADY_REAL = "numba.cuda" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1"
 if not REAL_GPU and not _ALREADY_REAL:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    # Another test module may have imported numba already, which read its environment then.
+    from numba.core import config as _config
+
+    _config.reload_config()
 
 from numba import cuda  # noqa: E402
 
