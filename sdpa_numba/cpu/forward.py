@@ -259,11 +259,15 @@ def forward(q, k, v, mask, is_causal, scale, out, lse):
     chunk = _chunk_rows(b_len * hq, L)
     n_chunks = (L + chunk - 1) // chunk
     n_tasks = b_len * hq * n_chunks
-    # Static schedule: each thread gets a contiguous run of tasks, i.e. whole heads with all
-    # their chunks, so causal work (cheap early chunks, costly late ones) evens out per thread.
+    # Numba's static schedule gives each thread a contiguous run of tasks. Causal chunks cost
+    # more the later they are, so within a head they are visited zigzag (first, last,
+    # second, second to last, ...): any contiguous run then mixes cheap and costly chunks,
+    # even when one head is split between threads.
     for t in prange(n_tasks):
         bh = t // n_chunks
         c = t % n_chunks
+        if is_causal:
+            c = c // 2 if c % 2 == 0 else n_chunks - 1 - c // 2
         b = bh // hq
         h = bh % hq
         i0 = c * chunk
