@@ -1,0 +1,356 @@
+"""Timing and comparison of attention implementations, for ``python -m sdpa_numba bench``.
+
+Speed is measured as DESIGN.md §5 says: every implementation runs on the same inputs in the
+same process with the same thread count; each is warmed up first (for sdpa_numba that call
+compiles or loads the kernels from Numba's cache, and its time is reported separately), then
+the implementations are timed in interleaved rounds and each keeps its minimum. FLOPs are
+``4·B·H·L·S·E`` for the forward (``Q Kᵀ`` and ``P V``), half of that when causal.
+
+The implementations compared:
+
+* ``sdpa_numba``: :func:`sdpa_numba.scaled_dot_product_attention`;
+* ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors sharing the
+  NumPy inputs' memory, with ``torch.set_num_threads`` set to Numba's thread count (only when
+  torch is installed);
+* ``numpy``: naive NumPy, one head at a time: the full ``L x S`` score matrix, softmax, then
+  ``P V`` (float16 is computed in float32, since NumPy's float16 matmul has no BLAS). The floor.
+"""
+
+import importlib.metadata
+import math
+import os
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+#: The implementations, in table order.
+IMPLS = ("sdpa_numba", "torch", "numpy")
+DTYPES = ("float16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem: ``(B, H, L, E)`` self-attention (``S = L``, ``Ev = E``)."""
+
+    batch: int
+    heads: int
+    seq: int
+    dim: int
+    dtype: str = "float32"
+    causal: bool = False
+
+    @property
+    def flops(self):
+        """Forward FLOPs: 4·B·H·L·S·E, half when causal."""
+        f = 4 * self.batch * self.heads * self.seq * self.seq * self.dim
+        return f // 2 if self.causal else f
+
+    @property
+    def label(self):
+        return (f"B{self.batch} H{self.heads} L{self.seq} D{self.dim} {self.dtype}"
+                f"{' causal' if self.causal else ''}")
+
+
+#: Named case lists. ``issue3``: the three problems of issue 3.
+PRESETS = {
+    "issue3": [Case(1, 8, 2048, 64, "float32", False), Case(1, 8, 2048, 64, "float32", True),
+               Case(1, 4, 4096, 128, "float32", False)],
+}
+
+_CASE_RE = re.compile(r"^(\d+)x(\d+)x(\d+)x(\d+)((?::[a-z0-9]+)*)$")
+
+
+def parse_case(spec):
+    """``BxHxLxD[:dtype][:causal]``, e.g. ``1x8x2048x64:float32:causal``; ValueError if bad."""
+    m = _CASE_RE.match(spec.strip().lower())
+    if not m:
+        raise ValueError(f"bad case {spec!r}: expected BxHxLxD[:dtype][:causal], e.g. "
+                         f"1x8x2048x64:float32:causal")
+    b, h, L, d = (int(x) for x in m.groups()[:4])
+    if min(b, h, L, d) < 1:
+        raise ValueError(f"bad case {spec!r}: sizes must be positive")
+    dtype, causal = "float32", False
+    for tag in filter(None, m.group(5).split(":")):
+        if tag in DTYPES:
+            dtype = tag
+        elif tag == "causal":
+            causal = True
+        else:
+            raise ValueError(f"bad case {spec!r}: unknown tag {tag!r} (a dtype among "
+                             f"{', '.join(DTYPES)}, or 'causal')")
+    return Case(b, h, L, d, dtype, causal)
+
+
+def grid(batch, heads, seqs, dims, dtypes, causals):
+    """Every combination, ordered so that a plot's lines run over ``seq``."""
+    return [Case(batch, heads, L, d, dt, c)
+            for dt in dtypes for d in dims for c in causals for L in seqs]
+
+
+def make_inputs(case, seed=0):
+    """Standard-normal ``q, k, v`` of shape ``(B, H, L, E)`` in the case's dtype."""
+    rng = np.random.default_rng(seed)
+    shape = (case.batch, case.heads, case.seq, case.dim)
+    return tuple(rng.standard_normal(shape, dtype=np.float32).astype(case.dtype)
+                 for _ in range(3))
+
+
+def naive_numpy(q, k, v, is_causal=False):
+    """Attention the obvious NumPy way, one head at a time (the whole score matrix)."""
+    work = np.float32 if q.dtype == np.float16 else q.dtype.type
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    L, S = q.shape[-2], k.shape[-2]
+    above = np.triu(np.ones((L, S), dtype=bool), 1) if is_causal else None
+    for idx in np.ndindex(q.shape[:-2]):
+        s = (q[idx].astype(work, copy=False) @ k[idx].astype(work, copy=False).T) * work(scale)
+        if above is not None:
+            s[above] = -np.inf
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        out[idx] = s @ v[idx].astype(work, copy=False)
+    return out
+
+
+def torch_available():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def prepare(impl, case, q, k, v):
+    """A zero-argument callable that computes ``case`` with ``impl`` and returns a NumPy array."""
+    if impl == "sdpa_numba":
+        from . import scaled_dot_product_attention as sdpa
+
+        return lambda: sdpa(q, k, v, is_causal=case.causal)
+    if impl == "torch":
+        import torch
+
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        f = torch.nn.functional.scaled_dot_product_attention
+
+        def run():
+            with torch.inference_mode():
+                return f(tq, tk, tv, is_causal=case.causal).numpy()
+
+        return run
+    if impl == "numpy":
+        return lambda: naive_numpy(q, k, v, case.causal)
+    raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(IMPLS)}")
+
+
+def time_interleaved(fns, repeats):
+    """Minimum time of each callable over ``repeats`` interleaved rounds (warm them up first)."""
+    best = {name: math.inf for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def rel_error(x, ref):
+    """Relative Frobenius error ``||x - ref|| / ||ref||`` in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), np.finfo(float).tiny))
+
+
+def sgemm_rates(n=4096, repeats=3):
+    """GFLOP/s of an ``n x n`` float32 matmul: NumPy ``@`` and, if installed, ``torch.mm``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    fns = {"numpy": lambda: a @ b}
+    if torch_available():
+        import torch
+
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        fns["torch"] = lambda: torch.mm(ta, tb)
+    for fn in fns.values():
+        fn()
+    best = time_interleaved(fns, repeats)
+    return {name: 2.0 * n**3 / t / 1e9 for name, t in best.items()}
+
+
+def set_threads(n=None):
+    """Set Numba's thread count (``n``, or leave it) and torch's to the same; return it."""
+    import numba
+
+    if n is not None:
+        numba.set_num_threads(n)
+    n = numba.get_num_threads()
+    if torch_available():
+        import torch
+
+        torch.set_num_threads(n)
+    return n
+
+
+def run_cases(cases, impls=IMPLS, repeats=5, progress=None):
+    """Time every case with every implementation; return a list of result dicts.
+
+    ``progress``: an optional callable ``progress(n_steps_done, case_label)``, called once per
+    warm-up call and once per timed round. The first sdpa_numba call for each dtype
+    (compile or cache load) is reported as ``first_call_s`` and never mixed into the times.
+    """
+    impls = [i for i in impls if i != "torch" or torch_available()]
+    seen = set()
+    results = []
+    for case in cases:
+        q, k, v = make_inputs(case)
+        fns = {impl: prepare(impl, case, q, k, v) for impl in impls}
+        outs = {}
+        first_call = None
+        for impl, fn in fns.items():  # warm-up: compile, page in, fill caches
+            t0 = time.perf_counter()
+            outs[impl] = fn()
+            if impl == "sdpa_numba" and case.dtype not in seen:
+                seen.add(case.dtype)
+                first_call = time.perf_counter() - t0
+            if progress:
+                progress(1, case.label)
+        best = {name: math.inf for name in fns}
+        for _ in range(repeats):
+            for name, t in time_interleaved(fns, 1).items():
+                best[name] = min(best[name], t)
+            if progress:
+                progress(1, case.label)
+        r = asdict(case)
+        r["flops"] = case.flops
+        r["time_s"] = best
+        r["gflops"] = {name: case.flops / t / 1e9 for name, t in best.items()}
+        if "sdpa_numba" in best and "torch" in best:
+            r["speed_vs_torch"] = best["torch"] / best["sdpa_numba"]
+            r["rel_err_vs_torch"] = rel_error(outs["sdpa_numba"], outs["torch"])
+        if "sdpa_numba" in best and "numpy" in best:
+            r["speed_vs_numpy"] = best["numpy"] / best["sdpa_numba"]
+        if first_call is not None:
+            r["first_call_s"] = first_call
+        results.append(r)
+    return results
+
+
+def steps(cases, impls, repeats):
+    """How many ``progress`` steps :func:`run_cases` will report."""
+    n_impls = len([i for i in impls if i != "torch" or torch_available()])
+    return len(cases) * (n_impls + repeats)
+
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def host_cpu():
+    """CPU name and the features LLVM (hence Numba) compiles for, honouring Numba's overrides.
+
+    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` replace the host's values when set.
+    """
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    name = config.CPU_NAME or llvm.get_host_cpu_name()
+    if config.CPU_FEATURES is not None:
+        enabled = [f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")]
+    else:
+        enabled = [f for f, on in llvm.get_host_cpu_features().items() if on]
+    return {"name": name, "features": sorted(enabled),
+            "overridden": config.CPU_NAME is not None or config.CPU_FEATURES is not None}
+
+
+def cuda_status():
+    """``(usable, why)``: whether numba.cuda sees a GPU; never raises."""
+    try:
+        from numba import cuda
+    except Exception as exc:  # numba-cuda absent or broken
+        return False, f"numba.cuda cannot be imported ({type(exc).__name__}: {exc})"
+    try:
+        ok = bool(cuda.is_available())
+    except Exception as exc:
+        return False, f"numba.cuda.is_available() failed ({type(exc).__name__}: {exc})"
+    if not ok:
+        return False, "no CUDA GPU or driver found"
+    try:
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        return True, f"{name}, compute capability {dev.compute_capability}"
+    except Exception as exc:
+        return True, f"available ({type(exc).__name__} while naming the device: {exc})"
+
+
+def _parallel_probe(n):
+    """A trivial parallel loop: running it makes Numba choose its threading layer."""
+    import numba
+
+    @numba.njit(parallel=True)
+    def probe(n):
+        total = 0
+        for i in numba.prange(n):
+            total += i
+        return total
+
+    return probe(n)
+
+
+def threading_layer():
+    """Numba's threading layer actually in use (runs a tiny parallel function to pick it)."""
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # nothing parallel has run yet
+        pass
+    _parallel_probe(4)
+    return numba.threading_layer()
+
+
+def load_average():
+    """The 1-minute load average (None where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def collect_info():
+    """Versions, threads, CPU load, CPU features and CUDA availability, as a JSON-able dict.
+
+    The 1-minute load average is there because timings on a machine that other processes keep
+    busy are not worth much.
+    """
+    import numba
+
+    from . import __version__
+
+    cpu = host_cpu()
+    feats = set(cpu["features"])
+    usable, why = cuda_status()
+    info = {
+        "versions": {
+            "sdpa_numba": __version__,
+            "python": platform.python_version(),
+            "numba": numba.__version__,
+            "llvmlite": _version("llvmlite"),
+            "numpy": np.__version__,
+            "torch": _version("torch"),
+            "numba-cuda": _version("numba-cuda"),
+        },
+        "threads": numba.get_num_threads(),
+        "load_average_1min": load_average(),
+        "threading_layer": threading_layer(),
+        "platform": platform.platform(),
+        "cpu": {"name": cpu["name"], "from_numba_env_override": cpu["overridden"],
+                "avx2": "avx2" in feats, "fma": "fma" in feats, "avx512f": "avx512f" in feats,
+                "avx512_extensions": sorted(f for f in feats if f.startswith("avx512")),
+                "features": cpu["features"]},
+        "cuda": {"usable": usable, "detail": why},
+    }
+    return info

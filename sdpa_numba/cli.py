@@ -1,0 +1,455 @@
+"""The command line: ``python -m sdpa_numba [check|bench|info] ...``.
+
+* no command, or ``check``: compute one problem (default B1 H8 L1024 D64 float32), compare it
+  with the float64 NumPy reference (:func:`sdpa_numba.reference.attention`), print the error,
+  the time and GFLOP/s;
+* ``bench``: a table of times and GFLOP/s of sdpa_numba, torch's SDPA (when installed) and
+  naive NumPy over sizes and dtypes; ``--plot``, ``--json``, ``--sgemm``;
+* ``info``: versions, threads, CPU features, CUDA availability.
+
+Exit codes: 0 success, 1 a check failed (error above tolerance, or bench results that disagree
+with torch), 2 bad usage, 3 an unexpected error (its traceback is printed).
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from . import bench
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+
+#: Relative Frobenius error allowed against the float64 reference (DESIGN.md §6).
+TOLERANCE = {"float16": 1e-3, "float32": 1e-5, "float64": 1e-12}
+#: Relative error allowed between sdpa_numba and torch in ``bench`` (two rounded results).
+AGREEMENT = {"float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
+
+
+def _positive_int(text):
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _positive_float(text):
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (x > 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return x
+
+
+def _case_spec(text):
+    try:
+        return bench.parse_case(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _threads_arg(p):
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="Numba (and torch) threads; default: Numba's default "
+                        "(NUMBA_NUM_THREADS or the core count)")
+
+
+def build_parser():
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sdpa_numba",
+        description="Scaled dot-product attention with Numba: check it, benchmark it, "
+                    "describe the machine. Without a command, runs 'check' with its defaults.",
+        epilog="exit codes: 0 ok, 1 check failed, 2 usage error, 3 unexpected error")
+    parser.add_argument("--version", action="version", version=f"sdpa_numba {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,bench,info}")
+
+    p = sub.add_parser("check", help="compute one problem, compare with the float64 reference, "
+                                     "time it (the default command)",
+                       description="Compute attention for one problem, compare it (output and "
+                                   "log-sum-exp) with the float64 NumPy reference, print the "
+                                   "relative Frobenius error, time and GFLOP/s. Exit code 1 if "
+                                   "the error is above the tolerance.")
+    p.add_argument("-b", "--batch", type=_positive_int, default=1, help="B (default 1)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="H (default 8)")
+    p.add_argument("-L", "--seq", type=_positive_int, default=1024,
+                   help="query length L (default 1024)")
+    p.add_argument("-S", "--kv-seq", type=_positive_int, default=None,
+                   help="key/value length S (default: L)")
+    p.add_argument("-E", "--dim", type=_positive_int, default=64, help="head dim E (default 64)")
+    p.add_argument("--dtype", choices=bench.DTYPES, default="float32")
+    p.add_argument("--causal", action="store_true", help="is_causal=True")
+    p.add_argument("--repeats", type=_positive_int, default=10,
+                   help="timed runs after the first call; the minimum is shown (default 10)")
+    p.add_argument("--tol", type=_positive_float, default=None,
+                   help="relative error allowed (default: float16 1e-3, float32 1e-5, "
+                        "float64 1e-12)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _threads_arg(p)
+    p.set_defaults(subparser=p)
+
+    p = sub.add_parser(
+        "bench", help="time sdpa_numba against torch and naive NumPy over sizes and dtypes",
+        description="Time sdpa_numba, torch.nn.functional.scaled_dot_product_attention (if "
+                    "installed) and naive NumPy on the same inputs with the same thread count. "
+                    "Each implementation is warmed up, then the minimum of interleaved rounds "
+                    "is kept. GFLOP/s counts 4*B*H*L*S*E (half when causal). 'vs torch' is "
+                    "torch's time / sdpa_numba's (above 1: sdpa_numba is faster). The cases are "
+                    "a grid (--batch --heads --seq --dim --dtype --causal) unless --preset or "
+                    "--case is given.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(bench.PRESETS), action="append", default=[],
+                   help="a named case list; issue3: B1 H8 L2048 D64 float32 non-causal and "
+                        "causal, B1 H4 L4096 D128 float32")
+    p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
+                   help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
+                        "(repeatable)")
+    p.add_argument("-b", "--batch", type=_positive_int, default=1)
+    p.add_argument("--heads", type=_positive_int, default=8)
+    p.add_argument("-L", "--seq", type=_positive_int, nargs="+", default=[512, 1024, 2048, 4096],
+                   metavar="L")
+    p.add_argument("-E", "--dim", type=_positive_int, nargs="+", default=[64], metavar="E")
+    p.add_argument("--dtype", choices=bench.DTYPES, nargs="+", default=["float32"])
+    p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    p.add_argument("--impl", choices=bench.IMPLS, nargs="+", default=list(bench.IMPLS),
+                   help="implementations to time (torch is skipped when not installed)")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="interleaved timed rounds per case")
+    p.add_argument("--sgemm", action="store_true",
+                   help="also measure float32 N x N matmul GFLOP/s (NumPy @, torch.mm): the "
+                        "practical roof")
+    p.add_argument("--sgemm-size", type=_positive_int, default=4096, metavar="N",
+                   help="N for --sgemm")
+    p.add_argument("--plot", metavar="FILE.png", help="draw GFLOP/s against L (matplotlib)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _threads_arg(p)
+    p.set_defaults(subparser=p)
+
+    p = sub.add_parser("info", help="versions, threads, CPU features, CUDA availability",
+                       description="Versions, threading layer and thread count, the CPU "
+                                   "features Numba compiles for, and whether CUDA is usable.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+# ----------------------------------------------------------------------------------- check
+
+
+def _reference_per_head(q, k, v, is_causal):
+    """The float64 reference, one head at a time (memory: one L x S matrix)."""
+    from .reference import attention
+
+    out = np.empty(q.shape[:-1] + v.shape[-1:], np.float64)
+    lse = np.empty(q.shape[:-1], np.float64)
+    for idx in np.ndindex(q.shape[:-2]):
+        out[idx], lse[idx] = attention(q[idx], k[idx], v[idx], is_causal=is_causal)
+    return out, lse
+
+
+def _lse_error(lse, ref):
+    """Relative error of the finite entries; inf if the -inf entries differ."""
+    lse = np.asarray(lse, np.float64)
+    fin = np.isfinite(ref)
+    if not np.array_equal(fin, np.isfinite(lse)) or np.any(lse[~fin] != ref[~fin]):
+        return math.inf
+    return bench.rel_error(lse[fin], ref[fin]) if fin.any() else 0.0
+
+
+def _set_threads(args):
+    """Apply --threads; a count above Numba's maximum is a usage error."""
+    from numba import config
+
+    if args.threads is not None and args.threads > config.NUMBA_NUM_THREADS:
+        args.subparser.error(f"--threads {args.threads} is above Numba's maximum "
+                             f"{config.NUMBA_NUM_THREADS} (set NUMBA_NUM_THREADS to raise it)")
+    return bench.set_threads(args.threads)
+
+
+def cmd_check(args, out=None):
+    out = out or sys.stdout
+    from . import scaled_dot_product_attention as sdpa
+
+    threads = _set_threads(args)
+    S = args.kv_seq or args.seq
+    rng = np.random.default_rng(args.seed)
+    shape_q = (args.batch, args.heads, args.seq, args.dim)
+    shape_kv = (args.batch, args.heads, S, args.dim)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32).astype(args.dtype)
+               for s in (shape_q, shape_kv, shape_kv))
+    flops = 4 * args.batch * args.heads * args.seq * S * args.dim // (2 if args.causal else 1)
+    desc = (f"B={args.batch} H={args.heads} L={args.seq} S={S} E={args.dim} {args.dtype} "
+            f"{'causal' if args.causal else 'non-causal'}, {threads} threads")
+
+    t0 = time.perf_counter()
+    result, lse = sdpa(q, k, v, is_causal=args.causal, return_lse=True)
+    first = time.perf_counter() - t0
+    best = math.inf
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        sdpa(q, k, v, is_causal=args.causal)
+        best = min(best, time.perf_counter() - t0)
+
+    ref_out, ref_lse = _reference_per_head(q, k, v, args.causal)
+    err_out = bench.rel_error(result, ref_out)
+    err_lse = _lse_error(lse, ref_lse)
+    tol = args.tol if args.tol is not None else TOLERANCE[args.dtype]
+    ok = bool(err_out <= tol and err_lse <= tol)  # NaN compares False: a failure
+    gflops = flops / best / 1e9
+
+    if args.json:
+        json.dump({"problem": {"batch": args.batch, "heads": args.heads, "seq": args.seq,
+                               "kv_seq": S, "dim": args.dim, "dtype": args.dtype,
+                               "causal": args.causal},
+                   "threads": threads, "flops": flops, "first_call_s": first, "time_s": best,
+                   "gflops": gflops, "rel_err_out": err_out, "rel_err_lse": err_lse,
+                   "tolerance": tol, "ok": ok}, out, indent=2)
+        out.write("\n")
+    else:
+        print(f"sdpa_numba check: {desc}", file=out)
+        print(f"first call (compile, or load from Numba's cache): {first:.3f} s", file=out)
+        print(f"time: {best * 1e3:.2f} ms (min of {args.repeats})   {gflops:.1f} GFLOP/s",
+              file=out)
+        print(f"relative Frobenius error vs float64 reference: out {err_out:.2e}, "
+              f"lse {err_lse:.2e} (tolerance {tol:.0e})", file=out)
+        print("OK" if ok else "FAILED: error above tolerance", file=out)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+# ----------------------------------------------------------------------------------- bench
+
+
+def _fmt(x, spec):
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _label(r):
+    return bench.Case(r["batch"], r["heads"], r["seq"], r["dim"], r["dtype"], r["causal"]).label
+
+
+def format_table(results, impls):
+    """A plain-text table: one row per case, ms and GFLOP/s per implementation, ratios."""
+    head = ["case"]
+    for impl in impls:
+        head += [f"{impl} ms", "GFLOP/s"]
+    has_torch = any("speed_vs_torch" in r for r in results)
+    has_numpy = any("speed_vs_numpy" in r for r in results)
+    if has_torch:
+        head += ["vs torch", "err vs torch"]
+    if has_numpy:
+        head += ["vs numpy"]
+    rows = []
+    for r in results:
+        row = [_label(r)]
+        for impl in impls:
+            t = r["time_s"].get(impl)
+            row += [_fmt(None if t is None else t * 1e3, ".2f"), _fmt(r["gflops"].get(impl), ".1f")]
+        if has_torch:
+            row += [_fmt(r.get("speed_vs_torch"), ".2f") + ("x" if "speed_vs_torch" in r else ""),
+                    _fmt(r.get("rel_err_vs_torch"), ".1e")]
+        if has_numpy:
+            row += [_fmt(r.get("speed_vs_numpy"), ".1f") + ("x" if "speed_vs_numpy" in r else "")]
+        rows.append(row)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
+                       for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot_results(results, path, sgemm=None, title=None, sgemm_size=4096):
+    """GFLOP/s against L, one panel per (B, H, E, dtype, causal), one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {}
+    for r in results:
+        key = (r["batch"], r["heads"], r["dim"], r["dtype"], r["causal"])
+        groups.setdefault(key, []).append(r)
+    n = len(groups)
+    ncols = min(n, 3)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
+    styles = {"sdpa_numba": dict(color="C0", marker="o"), "torch": dict(color="C1", marker="s"),
+              "numpy": dict(color="C2", marker="^")}
+    for ax, ((b, h, e, dt, causal), rs) in zip(axes.flat, groups.items()):
+        rs = sorted(rs, key=lambda r: r["seq"])
+        xs = [r["seq"] for r in rs]
+        for impl in bench.IMPLS:
+            ys = [r["gflops"].get(impl, math.nan) for r in rs]
+            if not all(math.isnan(y) for y in ys):
+                ax.plot(xs, ys, label=impl, linewidth=2, **styles[impl])
+        for name, rate in (sgemm or {}).items():
+            ax.axhline(rate, color="grey", linestyle="--" if name == "torch" else ":",
+                       linewidth=1.2, label=f"float32 matmul {sgemm_size}² ({name})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("sequence length L (= S)")
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"B{b} H{h} D{e} {dt}{' causal' if causal else ''}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bench_cases(args):
+    cases = [c for name in args.preset for c in bench.PRESETS[name]] + list(args.case)
+    if cases:
+        return cases
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    return bench.grid(args.batch, args.heads, args.seq, args.dim, args.dtype, causals)
+
+
+def _progress_bar(total, disable):
+    """A tqdm bar on stderr (None if disabled or tqdm is missing)."""
+    if disable:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("(pip install tqdm for a progress bar)", file=sys.stderr)
+        return None
+    return tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False)
+
+
+def cmd_bench(args, out=None):
+    out = out or sys.stdout
+    parser = args.subparser
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'sdpa_numba[bench]'")
+        if not args.plot.lower().endswith(".png"):
+            parser.error(f"--plot writes a PNG: give a FILE.png, got {args.plot!r}")
+    cases = _bench_cases(args)
+    impls = [i for i in bench.IMPLS if i in args.impl]
+    threads = _set_threads(args)
+    load = bench.load_average()
+    if load is not None and load > 1.0:
+        print(f"warning: load average {load:.1f} before the run: other processes are using the "
+              f"CPUs, timings will be noisy", file=sys.stderr)
+    bar = _progress_bar(bench.steps(cases, impls, args.repeats), args.no_progress)
+
+    def progress(n, label):
+        if bar is not None:
+            bar.set_description(label)
+            bar.update(n)
+
+    try:
+        sgemm = bench.sgemm_rates(args.sgemm_size) if args.sgemm else None
+        results = bench.run_cases(cases, impls, args.repeats, progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    shown = [i for i in impls if any(i in r["time_s"] for r in results)]
+    disagree = [r for r in results
+                if r.get("rel_err_vs_torch", 0.0) > AGREEMENT[r["dtype"]]
+                or math.isnan(r.get("rel_err_vs_torch", 0.0))]
+    info = bench.collect_info()
+    if args.json:
+        json.dump({"info": info, "threads": threads, "load_average_1min_before": load,
+                   "repeats": args.repeats, "sgemm_size": args.sgemm_size if sgemm else None,
+                   "sgemm_gflops": sgemm, "results": results}, out, indent=2)
+        out.write("\n")
+    else:
+        print(f"sdpa_numba bench: {threads} threads ({info['threading_layer']}), CPU "
+              f"{info['cpu']['name']}, avx512f {'yes' if info['cpu']['avx512f'] else 'no'}, "
+              f"load average before {_fmt(load, '.1f')}; time = min of {args.repeats} "
+              f"interleaved runs after warm-up", file=out)
+        if "torch" in args.impl and "torch" not in shown:
+            print("torch is not installed: no torch column (pip install 'sdpa_numba[bench]')",
+                  file=out)
+        print(format_table(results, shown), file=out)
+        for r in results:
+            if "first_call_s" in r:
+                print(f"first sdpa_numba call, {r['dtype']} (compile or load from Numba's cache; "
+                      f"not in the times): {r['first_call_s']:.2f} s", file=out)
+        if sgemm:
+            n = args.sgemm_size
+            print(f"float32 {n}x{n} matmul: " + ", ".join(
+                f"{k} {v:.1f} GFLOP/s" for k, v in sgemm.items()), file=out)
+    if args.plot:
+        plot_results(results, args.plot, sgemm,
+                     title=f"sdpa_numba bench, {threads} threads, {info['cpu']['name']}",
+                     sgemm_size=args.sgemm_size)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    for r in disagree:
+        label = _label(r)
+        print(f"FAILED: sdpa_numba and torch disagree on {label}: relative error "
+              f"{r['rel_err_vs_torch']:.2e} > {AGREEMENT[r['dtype']]:.0e}", file=sys.stderr)
+    return EXIT_FAILED if disagree else EXIT_OK
+
+
+# ------------------------------------------------------------------------------------ info
+
+
+def cmd_info(args, out=None):
+    out = out or sys.stdout
+    info = bench.collect_info()
+    if args.json:
+        json.dump(info, out, indent=2)
+        out.write("\n")
+        return EXIT_OK
+    v = info["versions"]
+    cpu = info["cpu"]
+    lines = [f"{name:<11} {v[name] or 'not installed'}" for name in v]
+    lines += [
+        f"threads     {info['threads']} (Numba; set NUMBA_NUM_THREADS or --threads)",
+        f"threading   {info['threading_layer']}",
+        f"load        {_fmt(info['load_average_1min'], '.2f')} (1-minute load average)",
+        f"platform    {info['platform']}",
+        f"cpu         {cpu['name']}"
+        + (" (from NUMBA_CPU_NAME/NUMBA_CPU_FEATURES)" if cpu["from_numba_env_override"] else ""),
+        f"  avx2 {'yes' if cpu['avx2'] else 'no'}, fma {'yes' if cpu['fma'] else 'no'}, "
+        f"avx512f {'yes' if cpu['avx512f'] else 'no'}"
+        + (f" ({', '.join(cpu['avx512_extensions'])})" if cpu["avx512_extensions"] else ""),
+        f"  features  {' '.join(cpu['features'])}",
+        f"cuda        {'usable' if info['cuda']['usable'] else 'not usable'}: "
+        f"{info['cuda']['detail']}",
+    ]
+    print("\n".join(lines), file=out)
+    return EXIT_OK
+
+
+def main(argv=None):
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parser.parse_args(argv or ["check"])
+        if args.command is None:  # only top-level options (none run anything)
+            args = parser.parse_args(["check"])
+        if args.command == "check":
+            return cmd_check(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        return cmd_info(args)
+    except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except BrokenPipeError:  # output piped into e.g. `head`
+        return EXIT_OK
+    except Exception:  # a crash must not read as "check failed" (1) to a script
+        traceback.print_exc()
+        print("sdpa_numba: unexpected error (exit code 3)", file=sys.stderr)
+        return EXIT_ERROR
