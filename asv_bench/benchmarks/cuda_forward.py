@@ -1,0 +1,89 @@
+"""Forward attention on a CUDA GPU through the public API (device arrays in, device array out).
+
+Skipped (setup raises NotImplementedError, which asv reports as n/a) where numba.cuda cannot
+be imported, no GPU is present, or the commit has no CUDA path yet.
+
+The reasons that can be found without touching the CUDA driver are found once, at import:
+asv forks every benchmark from the process that imported this module, and a CUDA context must
+not be created before a fork. ``numba.cuda.is_available()`` runs in the forked child.
+"""
+
+import ctypes.util
+import importlib.util
+import os
+
+from .common import flops, inputs, min_time
+
+
+def _cheap_skip_reason():
+    """Why CUDA benchmarks cannot run, from facts that need no driver call; None if they may."""
+    try:
+        found = importlib.util.find_spec("sdpa_numba.cuda") is not None
+    except (ImportError, ValueError, RecursionError):
+        # numba-cuda 0.30's import redirector recurses on any name containing "numba.cuda"
+        # unless sdpa_numba installs its own finder, which commits with a CUDA path do.
+        found = False
+    if not found:
+        return "this commit has no sdpa_numba.cuda"
+    if not os.path.exists("/dev/nvidiactl") and ctypes.util.find_library("cuda") is None:
+        return "no CUDA driver on this machine (no /dev/nvidiactl, no libcuda)"
+    return None
+
+
+SKIP_REASON = _cheap_skip_reason()
+
+
+def cuda_or_skip():
+    """``numba.cuda`` when a GPU and ``sdpa_numba.cuda`` are there; NotImplementedError if not."""
+    if SKIP_REASON:
+        raise NotImplementedError(SKIP_REASON)
+    try:
+        from numba import cuda
+    except Exception as exc:
+        raise NotImplementedError(f"numba.cuda cannot be imported: {exc}") from None
+    try:
+        available = cuda.is_available()
+    except Exception as exc:
+        raise NotImplementedError(f"no usable CUDA GPU: {exc}") from None
+    if not available:
+        raise NotImplementedError("no CUDA GPU on this machine")
+    try:
+        import sdpa_numba.cuda  # noqa: F401
+    except ImportError as exc:
+        raise NotImplementedError(f"this commit has no sdpa_numba.cuda: {exc}") from None
+    return cuda
+
+
+class CudaForward:
+    """B2 H16 self-attention on the GPU over L, head dim, causality and dtype."""
+
+    params = ([1024, 4096, 16384], [64, 128], [False, True], ["float16", "float32"])
+    param_names = ["L", "head_dim", "causal", "dtype"]
+    number = 1
+    repeat = (3, 20, 20.0)
+    warmup_time = 0.0
+
+    def setup(self, L, e, causal, dtype):
+        cuda = cuda_or_skip()
+        from sdpa_numba import scaled_dot_product_attention as sdpa
+
+        self.cuda, self.sdpa = cuda, sdpa
+        self.shape, self.causal = (2, 16, L, e), causal
+        self.q, self.k, self.v = (cuda.to_device(x) for x in inputs(2, 16, L, e, dtype))
+        try:
+            self._call()  # compile or load, warm up
+        except ImportError as exc:
+            raise NotImplementedError(f"the CUDA path cannot run at this commit: {exc}") from None
+
+    def _call(self):
+        self.sdpa(self.q, self.k, self.v, is_causal=self.causal)
+        self.cuda.synchronize()
+
+    def time_forward(self, L, e, causal, dtype):
+        self._call()
+
+    def track_gflops(self, L, e, causal, dtype):
+        b, h, L, e = self.shape
+        return flops(b, h, L, L, e, self.causal) / min_time(self._call, 5) / 1e9
+
+    track_gflops.unit = "GFLOP/s"
