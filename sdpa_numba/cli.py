@@ -108,29 +108,33 @@ def build_parser():
                     "torch's time / sdpa_numba's (above 1: sdpa_numba is faster). The cases are "
                     "a grid (--batch --heads --seq --dim --dtype --causal) unless --preset or "
                     "--case is given.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+)
     p.add_argument("--preset", choices=sorted(bench.PRESETS), action="append", default=[],
                    help="a named case list; issue3: B1 H8 L2048 D64 float32 non-causal and "
                         "causal, B1 H4 L4096 D128 float32")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
                         "(repeatable)")
-    p.add_argument("-b", "--batch", type=_positive_int, default=1)
-    p.add_argument("--heads", type=_positive_int, default=8)
+    p.add_argument("-b", "--batch", type=_positive_int, default=1, help="grid: B (default 1)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="grid: H (default 8)")
     p.add_argument("-L", "--seq", type=_positive_int, nargs="+", default=[512, 1024, 2048, 4096],
-                   metavar="L")
-    p.add_argument("-E", "--dim", type=_positive_int, nargs="+", default=[64], metavar="E")
-    p.add_argument("--dtype", choices=bench.DTYPES, nargs="+", default=["float32"])
-    p.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+                   metavar="L", help="grid: sequence lengths, S = L (default 512 1024 2048 4096)")
+    p.add_argument("-E", "--dim", type=_positive_int, nargs="+", default=[64], metavar="E",
+                   help="grid: head dims (default 64)")
+    p.add_argument("--dtype", choices=bench.DTYPES, nargs="+", default=["float32"],
+                   help="grid: dtypes (default float32)")
+    p.add_argument("--causal", choices=("no", "yes", "both"), default="both",
+                   help="grid: non-causal, causal or both (default both)")
     p.add_argument("--impl", choices=bench.IMPLS, nargs="+", default=list(bench.IMPLS),
-                   help="implementations to time (torch is skipped when not installed)")
+                   help="implementations to time (default all; torch is skipped when not "
+                        "installed)")
     p.add_argument("--repeats", type=_positive_int, default=5,
-                   help="interleaved timed rounds per case")
+                   help="interleaved timed rounds per case (default 5)")
     p.add_argument("--sgemm", action="store_true",
                    help="also measure float32 N x N matmul GFLOP/s (NumPy @, torch.mm): the "
                         "practical roof")
     p.add_argument("--sgemm-size", type=_positive_int, default=4096, metavar="N",
-                   help="N for --sgemm")
+                   help="N for --sgemm (default 4096)")
     p.add_argument("--plot", metavar="FILE.png", help="draw GFLOP/s against L (matplotlib)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
