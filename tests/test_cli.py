@@ -105,6 +105,7 @@ def test_bench_json(capsys):
 
 
 def test_bench_table_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the bench or docs extra)")
     png = tmp_path / "gflops.png"
     rc = cli.main(TINY_BENCH + ["-L", "16", "32", "--causal", "no", "--impl", "sdpa_numba",
                                 "numpy", "--plot", str(png)])

@@ -51,6 +51,7 @@ def test_pages_show_the_committed_figures():
 
 def test_make_figures_runs(tmp_path):
     """The figure script, on small samples, into a temporary folder."""
+    pytest.importorskip("matplotlib", reason="the figures need matplotlib (the docs extra)")
     spec = importlib.util.spec_from_file_location("make_figures", DOCS / "make_figures.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
