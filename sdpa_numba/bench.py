@@ -271,6 +271,8 @@ def host_cpu():
 
 def cuda_status():
     """``(usable, why)``: whether numba.cuda sees a GPU; never raises."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False, "NUMBA_ENABLE_CUDASIM=1: numba.cuda is the simulator (Python), no GPU"
     try:
         from numba import cuda
     except Exception as exc:  # numba-cuda absent or broken

@@ -17,6 +17,8 @@ from .common import flops, inputs, min_time
 
 def _cheap_skip_reason():
     """Why CUDA benchmarks cannot run, from facts that need no driver call; None if they may."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return "NUMBA_ENABLE_CUDASIM=1: numba.cuda is the simulator, not a GPU"
     try:
         found = importlib.util.find_spec("sdpa_numba.cuda") is not None
     except (ImportError, ValueError, RecursionError):
