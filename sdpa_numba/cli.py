@@ -30,6 +30,21 @@ TOLERANCE = {"float16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 AGREEMENT = {"float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
 
 
+def _dump_json(doc, out):
+    """Strict JSON (no NaN/Infinity literals): non-finite numbers become null."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    json.dump(clean(doc), out, indent=2, allow_nan=False)
+    out.write("\n")
+
+
 def _positive_int(text):
     try:
         n = int(text)
@@ -213,13 +228,12 @@ def cmd_check(args, out=None):
     gflops = flops / best / 1e9
 
     if args.json:
-        json.dump({"problem": {"batch": args.batch, "heads": args.heads, "seq": args.seq,
-                               "kv_seq": S, "dim": args.dim, "dtype": args.dtype,
-                               "causal": args.causal},
-                   "threads": threads, "flops": flops, "first_call_s": first, "time_s": best,
-                   "gflops": gflops, "rel_err_out": err_out, "rel_err_lse": err_lse,
-                   "tolerance": tol, "ok": ok}, out, indent=2)
-        out.write("\n")
+        _dump_json({"problem": {"batch": args.batch, "heads": args.heads, "seq": args.seq,
+                                "kv_seq": S, "dim": args.dim, "dtype": args.dtype,
+                                "causal": args.causal},
+                    "threads": threads, "flops": flops, "first_call_s": first, "time_s": best,
+                    "gflops": gflops, "rel_err_out": err_out, "rel_err_lse": err_lse,
+                    "tolerance": tol, "ok": ok}, out)
     else:
         print(f"sdpa_numba check: {desc}", file=out)
         print(f"first call (compile, or load from Numba's cache): {first:.3f} s", file=out)
@@ -306,12 +320,17 @@ def plot_results(results, path, sgemm=None, title=None, sgemm_size=4096):
         ax.set_ylabel("GFLOP/s")
         ax.set_title(f"B{b} H{h} D{e} {dt}{' causal' if causal else ''}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
+    legend = {}  # one legend for every panel, under them, so that no curve is hidden
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 5),
+               fontsize=9, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.09 / nrows, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -372,10 +391,9 @@ def cmd_bench(args, out=None):
                 or math.isnan(r.get("rel_err_vs_torch", 0.0))]
     info = bench.collect_info()
     if args.json:
-        json.dump({"info": info, "threads": threads, "load_average_1min_before": load,
-                   "repeats": args.repeats, "sgemm_size": args.sgemm_size if sgemm else None,
-                   "sgemm_gflops": sgemm, "results": results}, out, indent=2)
-        out.write("\n")
+        _dump_json({"info": info, "threads": threads, "load_average_1min_before": load,
+                    "repeats": args.repeats, "sgemm_size": args.sgemm_size if sgemm else None,
+                    "sgemm_gflops": sgemm, "results": results}, out)
     else:
         print(f"sdpa_numba bench: {threads} threads ({info['threading_layer']}), CPU "
               f"{info['cpu']['name']}, avx512f {'yes' if info['cpu']['avx512f'] else 'no'}, "
@@ -395,7 +413,8 @@ def cmd_bench(args, out=None):
                 f"{k} {v:.1f} GFLOP/s" for k, v in sgemm.items()), file=out)
     if args.plot:
         plot_results(results, args.plot, sgemm,
-                     title=f"sdpa_numba bench, {threads} threads, {info['cpu']['name']}",
+                     title=f"sdpa_numba bench, {threads} threads, {info['cpu']['name']}, "
+                           f"load average before the run {_fmt(load, '.1f')}",
                      sgemm_size=args.sgemm_size)
         print(f"plot written to {args.plot}", file=sys.stderr)
     for r in disagree:
@@ -412,8 +431,7 @@ def cmd_info(args, out=None):
     out = out or sys.stdout
     info = bench.collect_info()
     if args.json:
-        json.dump(info, out, indent=2)
-        out.write("\n")
+        _dump_json(info, out)
         return EXIT_OK
     v = info["versions"]
     cpu = info["cpu"]

@@ -19,9 +19,13 @@ TINY_CHECK = ["check", "-L", "33", "-S", "47", "--heads", "2", "-E", "16", "--re
 TINY_BENCH = ["bench", "--heads", "2", "-E", "16", "--repeats", "1", "--no-progress"]
 
 
+def _no_nan_literals(name):
+    raise AssertionError(f"{name} in the JSON output: not strict JSON")
+
+
 def run_json(capsys, argv):
     rc = cli.main(argv)
-    return rc, json.loads(capsys.readouterr().out)
+    return rc, json.loads(capsys.readouterr().out, parse_constant=_no_nan_literals)
 
 
 def test_check_passes_and_reports_error_time_and_gflops(capsys):
@@ -68,6 +72,7 @@ def test_check_fails_on_nan(capsys, monkeypatch):
     monkeypatch.setattr(sdpa_numba, "scaled_dot_product_attention", nan_out)
     rc, doc = run_json(capsys, TINY_CHECK + ["--json"])
     assert rc == cli.EXIT_FAILED and doc["ok"] is False
+    assert doc["rel_err_out"] is None  # NaN, written as null
 
 
 def test_no_arguments_runs_check_with_the_default_problem(monkeypatch):
