@@ -146,11 +146,20 @@ def prepare(impl, case, q, k, v):
     raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(IMPLS)}")
 
 
-def time_interleaved(fns, repeats):
+#: Seconds of rest before each timed call. After a call, a library's worker threads spin for a
+#: while before they sleep (OpenBLAS's for up to ~0.1 s by default); on a machine with few cores
+#: they would steal the CPUs from the next implementation timed.
+PAUSE = 0.2
+
+
+def time_interleaved(fns, repeats, pause=None):
     """Minimum time of each callable over ``repeats`` interleaved rounds (warm them up first)."""
+    pause = PAUSE if pause is None else pause
     best = {name: math.inf for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if pause:
+                time.sleep(pause)
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -182,7 +191,14 @@ def sgemm_rates(n=4096, repeats=3):
 
 
 def set_threads(n=None):
-    """Set Numba's thread count (``n``, or leave it) and torch's to the same; return it."""
+    """Set Numba's thread count (``n``, or leave it) and torch's to the same; return it.
+
+    torch is imported *before* Numba starts its threads: torch imported after Numba's OpenMP
+    threading layer has started ran its SDPA about 10x slower here (torch 2.13, numba 0.68,
+    2 cores), which would flatter sdpa_numba in every comparison.
+    """
+    if torch_available():
+        import torch  # noqa: F401  (first: see above)
     import numba
 
     if n is not None:
@@ -195,7 +211,7 @@ def set_threads(n=None):
     return n
 
 
-def run_cases(cases, impls=IMPLS, repeats=5, progress=None):
+def run_cases(cases, impls=IMPLS, repeats=5, progress=None, pause=None):
     """Time every case with every implementation; return a list of result dicts.
 
     ``progress``: an optional callable ``progress(n_steps_done, case_label)``, called once per
@@ -220,7 +236,7 @@ def run_cases(cases, impls=IMPLS, repeats=5, progress=None):
                 progress(1, case.label)
         best = {name: math.inf for name in fns}
         for _ in range(repeats):
-            for name, t in time_interleaved(fns, 1).items():
+            for name, t in time_interleaved(fns, 1, pause).items():
                 best[name] = min(best[name], t)
             if progress:
                 progress(1, case.label)

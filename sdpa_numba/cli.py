@@ -65,6 +65,16 @@ def _positive_float(text):
     return x
 
 
+def _nonnegative_float(text):
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (x >= 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return x
+
+
 def _case_spec(text):
     try:
         return bench.parse_case(text)
@@ -145,6 +155,9 @@ def build_parser():
                         "installed)")
     p.add_argument("--repeats", type=_positive_int, default=5,
                    help="interleaved timed rounds per case (default 5)")
+    p.add_argument("--pause", type=_nonnegative_float, default=bench.PAUSE, metavar="SECONDS",
+                   help=f"rest before each timed call, so that the previous library's spinning "
+                        f"worker threads go to sleep (default {bench.PAUSE})")
     p.add_argument("--sgemm", action="store_true",
                    help="also measure float32 N x N matmul GFLOP/s (NumPy @, torch.mm): the "
                         "practical roof")
@@ -381,7 +394,7 @@ def cmd_bench(args, out=None):
 
     try:
         sgemm = bench.sgemm_rates(args.sgemm_size) if args.sgemm else None
-        results = bench.run_cases(cases, impls, args.repeats, progress)
+        results = bench.run_cases(cases, impls, args.repeats, progress, args.pause)
     finally:
         if bar is not None:
             bar.close()

@@ -16,7 +16,8 @@ import sdpa_numba
 from sdpa_numba import bench, cli
 
 TINY_CHECK = ["check", "-L", "33", "-S", "47", "--heads", "2", "-E", "16", "--repeats", "1"]
-TINY_BENCH = ["bench", "--heads", "2", "-E", "16", "--repeats", "1", "--no-progress"]
+TINY_BENCH = ["bench", "--heads", "2", "-E", "16", "--repeats", "1", "--no-progress", "--pause",
+              "0"]
 
 
 def _no_nan_literals(name):
@@ -167,6 +168,7 @@ def test_bench_cases_selection():
     ["bench", "--impl", "jax"],
     ["bench", "--plot", "out.svg"],
     ["bench", "--causal", "maybe"],
+    ["bench", "--pause", "-1"],
 ])
 def test_usage_errors_exit_2(argv, capsys):
     assert cli.main(argv) == cli.EXIT_USAGE
