@@ -164,7 +164,10 @@ def build_parser():
     p.add_argument("--sgemm-size", type=_positive_int, default=4096, metavar="N",
                    help="N for --sgemm (default 4096)")
     p.add_argument("--plot", metavar="FILE.png", help="draw GFLOP/s against L (matplotlib)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out_fmt = p.add_mutually_exclusive_group()
+    out_fmt.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out_fmt.add_argument("--markdown", action="store_true",
+                         help="print the table in Markdown (as in docs/performance.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _threads_arg(p)
     p.set_defaults(subparser=p)
@@ -269,29 +272,34 @@ def _label(r):
     return bench.Case(r["batch"], r["heads"], r["seq"], r["dim"], r["dtype"], r["causal"]).label
 
 
-def format_table(results, impls):
-    """A plain-text table: one row per case, ms and GFLOP/s per implementation, ratios."""
-    head = ["case"]
-    for impl in impls:
-        head += [f"{impl} ms", "GFLOP/s"]
+def format_table(results, impls, markdown=False):
+    """One row per case: the speed ratio to torch, then ms and GFLOP/s per implementation.
+
+    ``markdown=True`` gives a Markdown table (for docs/performance.md), else aligned text.
+    """
     has_torch = any("speed_vs_torch" in r for r in results)
     has_numpy = any("speed_vs_numpy" in r for r in results)
-    if has_torch:
-        head += ["vs torch", "err vs torch"]
-    if has_numpy:
-        head += ["vs numpy"]
+    head = ["case"] + (["vs torch"] if has_torch else [])
+    for impl in impls:
+        head += [f"{impl} ms", "GFLOP/s"]
+    head += (["err vs torch"] if has_torch else []) + (["vs numpy"] if has_numpy else [])
     rows = []
     for r in results:
         row = [_label(r)]
+        if has_torch:
+            row.append(_fmt(r.get("speed_vs_torch"), ".2f") + ("x" if "speed_vs_torch" in r else ""))
         for impl in impls:
             t = r["time_s"].get(impl)
             row += [_fmt(None if t is None else t * 1e3, ".2f"), _fmt(r["gflops"].get(impl), ".1f")]
         if has_torch:
-            row += [_fmt(r.get("speed_vs_torch"), ".2f") + ("x" if "speed_vs_torch" in r else ""),
-                    _fmt(r.get("rel_err_vs_torch"), ".1e")]
+            row.append(_fmt(r.get("rel_err_vs_torch"), ".1e"))
         if has_numpy:
-            row += [_fmt(r.get("speed_vs_numpy"), ".1f") + ("x" if "speed_vs_numpy" in r else "")]
+            row.append(_fmt(r.get("speed_vs_numpy"), ".1f") + ("x" if "speed_vs_numpy" in r else ""))
         rows.append(row)
+    if markdown:
+        lines = ["| " + " | ".join(line) + " |" for line in [head] + rows]
+        lines.insert(1, "| --- |" + " ---: |" * (len(head) - 1))
+        return "\n".join(lines)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
                        for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + rows]
@@ -415,7 +423,7 @@ def cmd_bench(args, out=None):
         if "torch" in args.impl and "torch" not in shown:
             print("torch is not installed: no torch column (pip install 'sdpa_numba[bench]')",
                   file=out)
-        print(format_table(results, shown), file=out)
+        print(format_table(results, shown, markdown=args.markdown), file=out)
         for r in results:
             if "first_call_s" in r:
                 print(f"first sdpa_numba call, {r['dtype']} (compile or load from Numba's cache; "

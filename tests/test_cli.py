@@ -126,6 +126,15 @@ def test_bench_table_and_plot(capsys, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_bench_markdown_table(capsys):
+    assert cli.main(TINY_BENCH + ["-L", "16", "--causal", "yes", "--impl", "sdpa_numba",
+                                  "numpy", "--markdown"]) == cli.EXIT_OK
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("|")]
+    assert lines[0] == ("| case | sdpa_numba ms | GFLOP/s | numpy ms | GFLOP/s | vs numpy |")
+    assert lines[1] == "| --- | ---: | ---: | ---: | ---: | ---: |"
+    assert lines[2].startswith("| B1 H2 L16 D16 float32 causal | ") and len(lines) == 3
+
+
 def test_bench_exit_1_when_results_disagree_with_torch(capsys, monkeypatch):
     pytest.importorskip("torch")
     real = bench.prepare
@@ -169,6 +178,7 @@ def test_bench_cases_selection():
     ["bench", "--plot", "out.svg"],
     ["bench", "--causal", "maybe"],
     ["bench", "--pause", "-1"],
+    ["bench", "--json", "--markdown"],
 ])
 def test_usage_errors_exit_2(argv, capsys):
     assert cli.main(argv) == cli.EXIT_USAGE
