@@ -190,21 +190,23 @@ def sgemm_rates(n=4096, repeats=3):
     return {name: 2.0 * n**3 / t / 1e9 for name, t in best.items()}
 
 
-def set_threads(n=None):
+def set_threads(n=None, torch_too=True):
     """Set Numba's thread count (``n``, or leave it) and torch's to the same; return it.
+
+    ``torch_too=False`` leaves torch alone (and unimported).
 
     torch is imported *before* Numba starts its threads: torch imported after Numba's OpenMP
     threading layer has started ran its SDPA about 10x slower here (torch 2.13, numba 0.68,
     2 cores), which would flatter sdpa_numba in every comparison.
     """
-    if torch_available():
+    if torch_too and torch_available():
         import torch  # noqa: F401  (first: see above)
     import numba
 
     if n is not None:
         numba.set_num_threads(n)
     n = numba.get_num_threads()
-    if torch_available():
+    if torch_too and torch_available():
         import torch
 
         torch.set_num_threads(n)

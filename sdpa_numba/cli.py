@@ -202,21 +202,21 @@ def _lse_error(lse, ref):
     return bench.rel_error(lse[fin], ref[fin]) if fin.any() else 0.0
 
 
-def _set_threads(args):
+def _set_threads(args, torch_too):
     """Apply --threads; a count above Numba's maximum is a usage error."""
     from numba import config
 
     if args.threads is not None and args.threads > config.NUMBA_NUM_THREADS:
         args.subparser.error(f"--threads {args.threads} is above Numba's maximum "
                              f"{config.NUMBA_NUM_THREADS} (set NUMBA_NUM_THREADS to raise it)")
-    return bench.set_threads(args.threads)
+    return bench.set_threads(args.threads, torch_too)
 
 
 def cmd_check(args, out=None):
     out = out or sys.stdout
     from . import scaled_dot_product_attention as sdpa
 
-    threads = _set_threads(args)
+    threads = _set_threads(args, torch_too=False)
     S = args.kv_seq or args.seq
     rng = np.random.default_rng(args.seed)
     shape_q = (args.batch, args.heads, args.seq, args.dim)
@@ -388,7 +388,7 @@ def cmd_bench(args, out=None):
             parser.error(f"--plot writes a PNG: give a FILE.png, got {args.plot!r}")
     cases = _bench_cases(args)
     impls = [i for i in bench.IMPLS if i in args.impl]
-    threads = _set_threads(args)
+    threads = _set_threads(args, torch_too="torch" in impls)
     load = bench.load_average()
     if load is not None and load > 1.0:
         print(f"warning: load average {load:.1f} before the run: other processes are using the "
