@@ -18,6 +18,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._llvm import data_ptr, ptr_add
+from .dropout import drop_row, head_dropout
 from .microkernel import MR, NR, tile_product
 from .online_softmax import LN2, LOG2E, softmax_row_base2
 from .options import FASTMATH, INLINE, KERNEL
@@ -96,11 +97,12 @@ def _mask_tile(sb, rows, i_first, i_real_end, j0, kv_end, mask, is_causal):
 
 
 @njit(**INLINE)
-def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1):
+def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
 
     ``q`` (L, E), ``k`` (S, E), ``v`` (S, Ev), ``mask`` None or (L, S) (bool: True takes part;
     float: added), ``out`` (L, Ev), ``lse`` (L,) whose dtype is the compute dtype.
+    ``dropout``: None, or this head's state from :func:`~sdpa_numba.cpu.dropout.head_dropout`.
     """
     s_len, e_len = k.shape
     ev = v.shape[1]
@@ -139,6 +141,8 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1):
                 m[r0 + r] = m_new
                 alpha[r0 + r] = a
                 l[r0 + r] = a * l[r0 + r] + total
+                # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
+                drop_row(ptr_add(p_sb, r * BN), BN, dropout, i0 + r0 + r, j0)
             for rt in range(0, rows, MR):
                 for d0 in range(0, ev_pad, NR):
                     tile_product(ptr_add(p_sb, rt * BN), BN, ptr_add(p_vs, d0), ev_pad,
@@ -170,7 +174,7 @@ def _chunk_rows(n_heads, L):
 
 
 @njit(parallel=True, **KERNEL)
-def forward(q, k, v, mask, is_causal, scale, out, lse):
+def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
     """Batched attention forward, parallel over batch x head x query chunk.
 
     Parameters
@@ -191,6 +195,11 @@ def forward(q, k, v, mask, is_causal, scale, out, lse):
         Written.
     lse : ndarray, shape (B, Hq, L)
         Written; its dtype is the compute dtype (float32, or float64 for float64 storage).
+    dropout : None or tuple, optional
+        ``(seed, threshold, inv_keep, batch_offset)`` typed ``(uint64, uint64, float64,
+        int64)``, as made by :func:`sdpa_numba.dropout.params`: drops probabilities of
+        (batch ``batch_offset + b``, query head ``h``, row, key) with the counter-based stream
+        of :mod:`sdpa_numba.dropout`, scaling kept ones by ``inv_keep``. None: no dropout.
 
     Notes
     -----
@@ -212,12 +221,13 @@ def forward(q, k, v, mask, is_causal, scale, out, lse):
         i0 = c * chunk
         i1 = min(L, i0 + chunk)
         kh = h // group
+        dh = head_dropout(dropout, b, h)
         if mask is None:
             attend_rows(q[b, h], k[b, kh], v[b, kh], None, is_causal, scale,
-                        out[b, h], lse[b, h], i0, i1)
+                        out[b, h], lse[b, h], i0, i1, dh)
         else:
             attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], is_causal, scale,
-                        out[b, h], lse[b, h], i0, i1)
+                        out[b, h], lse[b, h], i0, i1, dh)
 
 
 @njit(**KERNEL)
