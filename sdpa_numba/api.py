@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dropout import check_seed, new_seed
+from .dropout import params as dropout_params
+
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -141,14 +144,12 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 def check_dropout(dropout_p):
+    """``dropout_p`` as a float in [0, 1); TypeError / ValueError otherwise."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
+    if not 0.0 <= float(dropout_p) < 1.0:  # also rejects NaN
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            "dropout_p > 0 is not implemented yet: dropout comes with the backward pass "
-            "(training); use dropout_p=0.0 for inference")
+    return float(dropout_p)
 
 
 def _check_out(p, out, inputs):
@@ -196,7 +197,7 @@ def _device_of(named):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 return_lse=False, out=None):
+                                 return_lse=False, out=None, seed=None):
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V, with torch's semantics.
 
     Parameters
@@ -211,8 +212,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         allowed), broadcastable to ``(..., Hq, L, S)``. Read in place through its strides.
         Combines with ``is_causal``.
     dropout_p : float
-        Must be 0.0: dropout comes with the backward pass (planned with training support) and
-        raises NotImplementedError until then.
+        Probability in [0, 1) of dropping each attention probability; kept ones are scaled by
+        ``1 / (1 - p)`` (torch's semantics; ``lse`` is that of the softmax before dropout).
+        The mask is a counter-based random stream of ``(seed, batch, head, row, key)`` (see
+        :mod:`sdpa_numba.dropout`): never stored, redrawn by the backward from the seed.
     is_causal : bool
         Query ``i`` sees keys ``j <= i`` (top-left aligned, as torch).
     scale : float, optional
@@ -225,6 +228,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         compute dtype (float32 for float16/float32 inputs, float64 for float64).
     out : array, keyword-only, optional
         Buffer of the output's shape and dtype, written in place and returned.
+    seed : int, keyword-only, optional
+        Seed of the dropout mask, in ``[0, 2**64)``: the same seed gives the same mask. None
+        draws a fresh one, which the caller cannot know: pass a seed when the backward
+        (:func:`~sdpa_numba.scaled_dot_product_attention_backward`) must replay the mask.
+        Ignored when ``dropout_p == 0``.
 
     Returns
     -------
@@ -236,7 +244,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     TypeError, ValueError
         For bad input, naming the argument, before any kernel runs.
     NotImplementedError
-        For ``dropout_p != 0``.
+        For ``dropout_p != 0`` on CUDA arrays (not implemented there yet).
 
     Notes
     -----
@@ -254,16 +262,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
         (query, key, value, attn_mask, out), restore = adopt(query, key, value, attn_mask, out)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-    check_dropout(dropout_p)
+    dropout_p = check_dropout(dropout_p)
+    seed = check_seed(seed)
     return_lse = _check_flag("return_lse", return_lse)
     if out is not None:
         _check_out(p, out, [("query", query), ("key", key), ("value", value),
                             ("attn_mask", attn_mask)])
+    dropout = None
+    if dropout_p > 0:
+        dropout = dropout_params(dropout_p, new_seed() if seed is None else seed)
     if device == "host":
         from .cpu.launch import run
+
+        result, lse = run(p, query, key, value, attn_mask, out, dropout)
     else:
+        if dropout is not None:
+            raise NotImplementedError("dropout_p > 0 is not implemented for CUDA arrays yet")
         from .cuda.launch import run
-    result, lse = run(p, query, key, value, attn_mask, out)
-    if restore is not None:
+
+        result, lse = run(p, query, key, value, attn_mask, out)
         result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

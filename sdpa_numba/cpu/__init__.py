@@ -2,10 +2,14 @@
 
 * :func:`forward`: batched 4-D forward, parallel over batch x head x query chunk;
 * :func:`forward_head`: serial single-head 2-D forward;
-* :func:`online_softmax_update`, :func:`online_softmax_finalize`: the online softmax step.
+* :func:`online_softmax_update`, :func:`online_softmax_finalize`: the online softmax step;
+* :func:`backward`: batched 4-D backward (gradients of :func:`forward`), parallel over batch x
+  key/value head x group of key blocks, deterministic.
 """
 
+from .backward import backward
 from .forward import forward, forward_head
 from .online_softmax import online_softmax_finalize, online_softmax_update
 
-__all__ = ["forward", "forward_head", "online_softmax_update", "online_softmax_finalize"]
+__all__ = ["forward", "forward_head", "backward", "online_softmax_update",
+           "online_softmax_finalize"]

@@ -128,3 +128,35 @@ def pow2_of_integral(typingctx, n):
         return builder.bitcast(i, args[0].type)
 
     return sig, codegen
+
+
+@intrinsic
+def no_inline(typingctx):
+    """Keep LLVM from inlining the function this is compiled into into its callers.
+
+    For big kernels called from several places (or from parallel loops): inlining them would
+    only make LLVM optimize the same code again, at a large cost in compile time.
+    """
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.function.attributes.add("noinline")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def keep_alive(typingctx, x):
+    """Does nothing, but counts as a use of ``x`` (e.g. a tuple of arrays).
+
+    Numba frees an array after its last use in the code, even while a pointer from
+    :func:`data_ptr` into it is still in use; calling this after the pointer's last use keeps
+    the array alive until then.
+    """
+    sig = types.void(x)
+
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -22,7 +22,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, ptr_add, stack_buffer
+from ._llvm import data_ptr, keep_alive, ptr_add, stack_buffer
+from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR, NR, tile_product
 from .online_softmax import LN2, LOG2E
@@ -153,11 +154,12 @@ def _softmax_tile(st, n_keys, m, l, alpha):
 
 
 @njit(**KERNEL)
-def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1):
+def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
 
     ``q`` (L, E), ``k`` (S, E), ``v`` (S, Ev), ``mask`` None or (L, S) (bool: True takes part;
     float: added), ``out`` (L, Ev), ``lse`` (L,) whose dtype is the compute dtype.
+    ``dropout``: None, or this head's state from :func:`~sdpa_numba.cpu.dropout.head_dropout`.
     """
     s_len, e_len = k.shape
     ev = v.shape[1]
@@ -198,6 +200,8 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1):
                 _mask_tile(st, n_keys, i0 + r0, min(BM, n - r0), j0, mask, is_causal)
             _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
                           ptr_add(p_alpha, r0))
+            # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
+            drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             for rt in range(0, BM, MR):
                 for d0 in range(0, ev_pad, NR):
                     tile_product(ptr_add(p_st, rt), 1, BM, ptr_add(p_vs, d0), ev_pad,
@@ -215,6 +219,9 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1):
             lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse)
             for d in range(ev):
                 out[i, d] = store(acc[r * ev_pad + d] * inv, out)
+    # Numba frees an array after its last use by name; the loops above used them through
+    # raw pointers, so they must live until here.
+    keep_alive((qt, row, ks, vs, st, acc, m, l, alpha))
 
 
 @njit(**INLINE)
@@ -227,7 +234,7 @@ def _chunk_rows(n_heads, L):
         return CHUNK
     return BM
 @njit(parallel=True, **KERNEL)
-def forward(q, k, v, mask, is_causal, scale, out, lse):
+def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
     """Batched attention forward, parallel over batch x head x query chunk.
 
     Parameters
@@ -248,6 +255,11 @@ def forward(q, k, v, mask, is_causal, scale, out, lse):
         Written.
     lse : ndarray, shape (B, Hq, L)
         Written; its dtype is the compute dtype (float32, or float64 for float64 storage).
+    dropout : None or tuple, optional
+        ``(seed, threshold, inv_keep, batch_offset)`` typed ``(uint64, uint64, float64,
+        int64)``, as made by :func:`sdpa_numba.dropout.params`: drops probabilities of
+        (batch ``batch_offset + b``, query head ``h``, row, key) with the counter-based stream
+        of :mod:`sdpa_numba.dropout`, scaling kept ones by ``inv_keep``. None: no dropout.
 
     Notes
     -----
@@ -273,12 +285,13 @@ def forward(q, k, v, mask, is_causal, scale, out, lse):
         i0 = c * chunk
         i1 = min(L, i0 + chunk)
         kh = h // group
+        dh = head_dropout(dropout, b, h)
         if mask is None:
             attend_rows(q[b, h], k[b, kh], v[b, kh], None, is_causal, scale,
-                        out[b, h], lse[b, h], i0, i1)
+                        out[b, h], lse[b, h], i0, i1, dh)
         else:
             attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], is_causal, scale,
-                        out[b, h], lse[b, h], i0, i1)
+                        out[b, h], lse[b, h], i0, i1, dh)
 
 
 @njit(**KERNEL)

@@ -17,11 +17,14 @@ from .storage import storage_view
 _NB = {np.dtype(np.float16): types.uint16, np.dtype(np.float32): types.float32,
        np.dtype(np.float64): types.float64}
 _entries = {}
+#: Numba type of the kernels' ``dropout`` argument when dropout is on.
+DROPOUT_TYPE = types.Tuple((types.uint64, types.uint64, types.float64, types.int64))
 
 
-def _entry(dtype, mask_kind):
-    """The compiled forward for a storage dtype and mask kind (compiled once, then cached)."""
-    key = (dtype, mask_kind)
+def _entry(dtype, mask_kind, dropout=False):
+    """The compiled forward for a storage dtype, mask kind and dropout on/off (compiled once,
+    then cached)."""
+    key = (dtype, mask_kind, dropout)
     if key not in _entries:
         st = _NB[np.dtype(dtype)]
         ct = types.float64 if st == types.float64 else types.float32
@@ -32,7 +35,8 @@ def _entry(dtype, mask_kind):
         mask_t = {"none": types.none, "bool": arr(types.boolean, 4, True),
                   "additive": arr(st, 4, True)}[mask_kind]
         sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), mask_t, types.boolean,
-               types.float64, arr(st, 4, False), arr(ct, 3, False))
+               types.float64, arr(st, 4, False), arr(ct, 3, False),
+               DROPOUT_TYPE if dropout else types.none)
         forward.compile(sig)
         _entries[key] = forward.overloads[sig].entry_point
     return _entries[key]
@@ -52,7 +56,7 @@ def _flatten_batch(arrays, nb):
     return merged
 
 
-def _launch(p, q, k, v, mask, out, lse):
+def _launch(p, q, k, v, mask, out, lse, dropout=None):
     nb = len(p.batch)
     if nb == 1:
         flat = [q, k, v, mask, out, lse]
@@ -61,18 +65,25 @@ def _launch(p, q, k, v, mask, out, lse):
     else:
         flat = _flatten_batch([q, k, v, mask, out, lse], nb)
         if flat is None:  # batch dims that no view can merge: one launch per leading index
+            inner = math.prod(p.batch[1:])
             for i in range(p.batch[0]):
+                # dropout's batch index stays the flat index into the whole batch
+                sub = None if dropout is None else (*dropout[:3], dropout[3] + i * inner)
                 _launch(dataclasses.replace(p, batch=p.batch[1:]),
-                        *(None if a is None else a[i] for a in (q, k, v, mask, out, lse)))
+                        *(None if a is None else a[i] for a in (q, k, v, mask, out, lse)), sub)
             return
     fq, fk, fv, fm, fo, fl = flat
-    _entry(p.dtype, p.mask_kind)(
+    _entry(p.dtype, p.mask_kind, dropout is not None)(
         storage_view(fq), storage_view(fk), storage_view(fv),
-        None if fm is None else storage_view(fm), p.is_causal, p.scale, storage_view(fo), fl)
+        None if fm is None else storage_view(fm), p.is_causal, p.scale, storage_view(fo), fl,
+        dropout)
 
 
-def run(p, query, key, value, attn_mask, out):
-    """Compute attention on the CPU for plan ``p``; returns ``(out, lse)``."""
+def run(p, query, key, value, attn_mask, out, dropout=None):
+    """Compute attention on the CPU for plan ``p``; returns ``(out, lse)``.
+
+    ``dropout``: None or :func:`sdpa_numba.dropout.params` (batch offset 0).
+    """
     nd = len(p.batch) + 3
     full = (*p.batch, p.hq)
 
@@ -87,5 +98,5 @@ def run(p, query, key, value, attn_mask, out):
     result = np.empty(p.out_shape, p.dtype) if out is None else out
     o = result.reshape((*full, p.L, p.Ev), copy=False)
     lse = np.empty((*full, p.L), p.compute_dtype)
-    _launch(p, q, k, v, mask, o, lse)
+    _launch(p, q, k, v, mask, o, lse, dropout)
     return result, lse.reshape(p.out_shape[:-1])

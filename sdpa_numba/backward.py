@@ -1,0 +1,88 @@
+"""The public backward: validation (shared with the forward: :func:`~sdpa_numba.api.plan`) and
+dispatch to the CPU kernels."""
+
+import numpy as np
+
+from .api import _check_flag, _device_of, _shape_str, check_dropout, plan
+from .dropout import check_seed
+from .dropout import params as dropout_params
+
+
+def _check_like(name, x, shape, dtype, what):
+    if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != dtype:
+        raise ValueError(f"{name} must have {what}'s shape {tuple(shape)} and dtype {dtype}, "
+                         f"got {_shape_str(x)} {np.dtype(x.dtype)}")
+
+
+def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse, attn_mask=None,
+                                          dropout_p=0.0, is_causal=False, scale=None,
+                                          enable_gqa=False, *, seed=None, mask_grad=False):
+    """Gradients of :func:`~sdpa_numba.scaled_dot_product_attention` (FlashAttention-2's
+    backward: the probabilities are recomputed from ``lse``, never stored).
+
+    Parameters
+    ----------
+    grad_out : ndarray, shape (..., Hq, L, Ev)
+        Gradient of the loss with respect to the forward's output; the inputs' dtype.
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        Exactly as given to the forward (same checks).
+    out, lse : ndarray
+        What the forward returned with ``return_lse=True``: ``out`` of the output's shape and
+        dtype, ``lse`` of shape ``(..., Hq, L)`` in the compute dtype (float32 for float16
+        and float32 inputs, float64 for float64).
+    seed : int, keyword-only
+        The seed the forward used; required when ``dropout_p > 0`` (the dropout mask is
+        regenerated from it, see :mod:`sdpa_numba.dropout`).
+    mask_grad : bool, keyword-only
+        Also return the gradient of a float ``attn_mask`` (of the scores it is added to),
+        summed over the dims along which the mask was broadcast. Needs a float mask; builds
+        an array of the full scores' shape ``(..., Hq, L, S)`` before the reduction.
+
+    Returns
+    -------
+    grad_query, grad_key, grad_value : ndarray
+        The shapes and dtype of ``query``, ``key``, ``value``: gradients of broadcast inputs
+        are summed over their broadcast dims; with ``enable_gqa``, key/value gradients are
+        summed over the query heads of each group. float16 is computed in float32.
+    grad_attn_mask : ndarray, only with ``mask_grad=True``
+        The mask's shape and dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For bad input, naming the argument, before any kernel runs.
+    NotImplementedError
+        For CUDA arrays (the CUDA backward does not exist yet).
+
+    Notes
+    -----
+    Rows whose every key is masked get zero gradients. The result is bitwise the same for
+    any thread count (no atomics; every sum in a fixed order). Memory beyond the gradients is
+    O((E + Ev) · L) per query head, times a small number of key groups for dQ: never L x S
+    (except the ``mask_grad`` array above).
+    """
+    device = _device_of([("grad_out", grad_out), ("query", query), ("key", key),
+                         ("value", value), ("out", out), ("lse", lse),
+                         ("attn_mask", attn_mask)])
+    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    dropout_p = check_dropout(dropout_p)
+    seed = check_seed(seed)
+    mask_grad = _check_flag("mask_grad", mask_grad)
+    _check_like("grad_out", grad_out, p.out_shape, p.dtype, "the output")
+    _check_like("out", out, p.out_shape, p.dtype, "the output")
+    _check_like("lse", lse, p.out_shape[:-1], p.compute_dtype,
+                "the forward's log-sum-exp (compute dtype)")
+    if mask_grad and p.mask_kind != "additive":
+        raise ValueError("mask_grad=True needs a float attn_mask (a bool mask or no mask has "
+                         "no gradient)")
+    if dropout_p > 0 and seed is None:
+        raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
+                         "regenerates the dropout mask from it")
+    if device != "host":
+        raise NotImplementedError("the backward is not implemented for CUDA arrays yet")
+    from .cpu.launch_backward import run_backward
+
+    dropout = dropout_params(dropout_p, seed) if dropout_p > 0 else None
+    dq, dk, dv, dmask = run_backward(p, grad_out, query, key, value, attn_mask, out, lse,
+                                     dropout, mask_grad)
+    return (dq, dk, dv, dmask) if mask_grad else (dq, dk, dv)

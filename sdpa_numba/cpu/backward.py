@@ -1,0 +1,497 @@
+"""The attention backward on the CPU, FlashAttention-2 style, deterministic.
+
+With ``P`` recomputed from the forward's ``lse`` (never stored), ``Z`` the dropout factors
+(``kept / (1 - p)`` or 1, regenerated from the seed) and ``D = rowsum(dO ∘ O)``::
+
+    dV = (P Z)ᵀ dO,   dS = P ∘ ((dO Vᵀ) Z - D),   dK = scale · dSᵀ Q,   dQ = scale · dS K
+
+(``rowsum(P ∘ (dO Vᵀ) Z) = rowsum(dO ∘ O)``, so ``D`` needs only the forward's output).
+
+Work is split into tasks of (batch, key/value head, group of key blocks), run in parallel.
+A task packs its keys once (in the compute dtype; float16 converted here), then for every
+query head that reads them (one, or a group with GQA) and every block of ``BQ`` query rows
+that sees them: packs the query block (Q, dO, ``lse`` in base 2, ``D``), and for each of its
+key blocks of ``BK`` keys recomputes the scores and accumulates dK, dV (held by the task for
+all its keys) and the block's dQ (held for the query block), which it writes out at the end
+of the block. When batch x heads alone gives enough tasks, a task holds every key of its head
+and writes dQ directly; otherwise the keys are split into a few groups (shape-only: never the
+thread count) whose partial dQs are summed, in group order, by a second parallel loop.
+
+No two tasks write the same element and every sum runs in a fixed order, so the gradients are
+bitwise the same for any thread count. Memory beyond the gradients: per running task, its
+keys packed and their dK/dV accumulators (O(S/groups · (E + Ev))) and one query block; with
+several groups, ``groups x`` the size of dQ. Nothing of size L x S.
+
+All five products go through the forward's register-tiled :func:`tile_product` (MR x NR
+tiles) in its natural layout, because every score-sized tile is kept *transposed*: keys are
+rows, ``BQ = NR`` query rows are columns::
+
+    Sᵀ  = K  · (scale·log2e·Q)ᵀ      a: K rows (BK x E),   b: Qᵀ block (E x BQ)
+    dPᵀ = V  · dOᵀ                   a: V rows (BK x Ev),  b: dOᵀ block (Ev x BQ)
+    dV += (P Z)ᵀ · dO                a: (P Z)ᵀ (BK x BQ),  b: dO block (BQ x Ev)
+    dK += dSᵀ · Q                    a: dSᵀ (BK x BQ),     b: Q block (BQ x E)
+    dQᵀ += Kᵀ · dSᵀ                  a: Kᵀ (E x BK),       b: dSᵀ (BK x BQ)
+
+so the per-column values (``lse``, ``D``, dropout row keys) are vectors along the tile rows.
+"""
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add
+from .dropout import kept, stream_step, head_key
+from .exp2 import exp2
+from .forward import masked_score
+from .microkernel import MR, NR, tile_product
+from .online_softmax import LOG2E
+from .options import FASTMATH, INLINE, KERNEL
+from .storage import cast, load
+
+#: Query rows per tile (the tiles' columns): one micro-tile wide.
+BQ = NR
+#: Keys per block (the tiles' rows).
+BK = 128
+#: Tasks the key-group split aims at when batch x heads is small (shape-only, never the
+#: thread count, so that results do not depend on the thread count).
+TASKS = 16
+#: At most this many key groups (each one holds a partial dQ).
+MAX_GROUPS = 16
+
+
+@njit(**INLINE)
+def round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+@njit(**INLINE)
+def key_groups(n_bh, n_kb):
+    """Key groups per (batch, kv head) for ``n_bh`` of them and ``n_kb`` key blocks."""
+    if n_kb == 0 or n_bh >= TASKS:
+        return 1
+    g = (TASKS + n_bh - 1) // n_bh
+    return max(1, min(g, n_kb, MAX_GROUPS))
+
+
+@njit(**INLINE)
+def _zigzag(t, n):
+    """0, n-1, 1, n-2, ...: consecutive tasks pair a costly causal group with a cheap one."""
+    return t // 2 if t % 2 == 0 else n - 1 - t // 2
+
+
+def as_dropout(dropout):
+    """The kernels' dropout tuple for ``dropout`` (None becomes "off") (jitted only)."""
+    raise NotImplementedError("as_dropout is only callable from jitted code")
+
+
+@overload(as_dropout, fastmath=FASTMATH)
+def _as_dropout(dropout):
+    if isinstance(dropout, (types.NoneType, types.Omitted)):
+        return lambda dropout: (np.uint64(0), np.uint64(0), 1.0, 0)
+    return lambda dropout: dropout
+
+
+def has_mask(mask):
+    """False for None or an empty array (no mask), True otherwise (jitted only)."""
+    raise NotImplementedError("has_mask is only callable from jitted code")
+
+
+@overload(has_mask, fastmath=FASTMATH)
+def _has_mask(mask):
+    if isinstance(mask, (types.NoneType, types.Omitted)):
+        return lambda mask: False
+    return lambda mask: mask.size > 0
+
+
+def as_dmask(dmask, like):
+    """``dmask``, or an empty 4-D array of ``like``'s dtype for None (jitted only)."""
+    raise NotImplementedError("as_dmask is only callable from jitted code")
+
+
+@overload(as_dmask, fastmath=FASTMATH)
+def _as_dmask(dmask, like):
+    if isinstance(dmask, (types.NoneType, types.Omitted)):
+        return lambda dmask, like: np.zeros((0, 0, 0, 0), like.dtype)
+    return lambda dmask, like: dmask
+
+
+@njit(**KERNEL)
+def _tile_set(a, lda, b, ldb, c, ldc, k_len):
+    """``c = a @ b`` on an MR x NR tile (:func:`tile_product`, compiled once, not inlined:
+    the backward calls it from several places)."""
+    no_inline()
+    tile_product(a, lda, 1, b, ldb, c, ldc, k_len, None)
+
+
+@njit(**KERNEL)
+def _tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
+    """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, :func:`tile_product`'s alpha)."""
+    no_inline()
+    tile_product(a, lda, 1, b, ldb, c, ldc, k_len, ones)
+
+
+@njit(**INLINE)
+def prepare_block(q, dout, out, lse, i0, nv, scale2, e_pad, ev_pad, qt, qr, dot, dor, l2, dd):
+    """Pack query rows ``[i0, i0 + nv)`` of one head for the key loop (pointers, see module doc).
+
+    ``qt`` (E x BQ) = scale2 · Qᵀ, ``qr`` (BQ x e_pad) = Q, ``dot`` (Ev x BQ) = dOᵀ,
+    ``dor`` (BQ x ev_pad) = dO, ``l2`` = lse in base 2 (0 for fully masked rows, whose scores
+    are all -inf), ``dd`` = rowsum(dO ∘ O); zeros past ``nv`` rows and in the padding.
+    """
+    e_len = q.shape[1]
+    ev = dout.shape[1]
+    zero = cast(0.0, lse)
+    for e in range(e_len):
+        for c in range(nv):
+            qt[e * BQ + c] = load(q[i0 + c, e]) * scale2
+        for c in range(nv, BQ):
+            qt[e * BQ + c] = zero
+    for d in range(ev):
+        for c in range(nv):
+            dot[d * BQ + c] = load(dout[i0 + c, d])
+        for c in range(nv, BQ):
+            dot[d * BQ + c] = zero
+    for c in range(BQ):
+        if c < nv:
+            for e in range(e_len):
+                qr[c * e_pad + e] = load(q[i0 + c, e])
+            for e in range(e_len, e_pad):
+                qr[c * e_pad + e] = zero
+            acc = zero
+            for d in range(ev):
+                g = load(dout[i0 + c, d])
+                dor[c * ev_pad + d] = g
+                acc += g * load(out[i0 + c, d])
+            for d in range(ev, ev_pad):
+                dor[c * ev_pad + d] = zero
+            x = lse[i0 + c]
+            l2[c] = zero if x == -np.inf else x * cast(LOG2E, lse)
+            dd[c] = acc
+        else:
+            for e in range(e_pad):
+                qr[c * e_pad + e] = zero
+            for d in range(ev_pad):
+                dor[c * ev_pad + d] = zero
+            l2[c] = zero
+            dd[c] = zero
+
+
+@njit(**INLINE)
+def _pack_keys(k, v, j0, nk, zero, kp, kt, vp):
+    """Key block ``[j0, j0 + nk)`` into kp (BK x E, K rows), kt (e4 x BK, Kᵀ) and vp (BK x Ev,
+    V rows), pointers; zero padding up to MR-multiple rows (kp, vp), BK columns and e4 rows
+    (kt)."""
+    e_len = k.shape[1]
+    ev = v.shape[1]
+    nk4 = round_up(nk, MR)
+    for r in range(nk):
+        for e in range(e_len):
+            x = load(k[j0 + r, e])
+            kp[r * e_len + e] = x
+            kt[e * BK + r] = x
+        for d in range(ev):
+            vp[r * ev + d] = load(v[j0 + r, d])
+    for t in range(nk * e_len, nk4 * e_len):
+        kp[t] = zero
+    for t in range(nk * ev, nk4 * ev):
+        vp[t] = zero
+    for e in range(e_len):
+        for r in range(nk, BK):
+            kt[e * BK + r] = zero
+    for t in range(e_len * BK, round_up(e_len, MR) * BK):
+        kt[t] = zero
+
+
+@njit(**INLINE)
+def _mask_scores(st, nk, nv, j0, i0, mask, use_mask, b, h, is_causal):
+    """Mask the transposed score tile (pointer): key ``j0 + r`` (row) against query ``i0 + c``
+    (column); ``mask`` None or (B, Hq, L, S), read at ``[b, h]`` when ``use_mask``."""
+    neg_inf = -np.inf
+    for r in range(nk):
+        j = j0 + r
+        row = ptr_add(st, r * BQ)
+        c0 = 0
+        if is_causal:
+            c0 = min(max(j - i0, 0), nv)  # query i0 + c < j: key j is in its future
+            for c in range(c0):
+                row[c] = neg_inf
+        if mask is not None and use_mask:
+            for c in range(c0, nv):
+                row[c] = masked_score(row[c], mask[b, h, i0 + c, j])
+
+
+@njit(**INLINE)
+def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j0):
+    """In place on the tiles (pointers): ``st`` (Sᵀ, base 2) becomes (P Z)ᵀ and ``dpt`` (dPᵀ
+    before dropout) becomes dSᵀ. Padding (key rows past ``nk``, query columns past ``nv``)
+    gets exact zeros."""
+    for r in range(nk4):
+        srow = ptr_add(st, r * BQ)
+        drow = ptr_add(dpt, r * BQ)
+        if r >= nk:
+            for c in range(BQ):
+                srow[c] = zero
+                drow[c] = zero
+        elif drop_on:
+            j = j0 + r
+            for c in range(BQ):
+                p = exp2(srow[c] - l2[c])
+                z = inv if kept(rk[c], j, thresh) else zero
+                valid = c < nv
+                srow[c] = p * z if valid else zero
+                drow[c] = p * (drow[c] * z - dd[c]) if valid else zero
+        else:
+            for c in range(BQ):
+                p = exp2(srow[c] - l2[c])
+                valid = c < nv
+                srow[c] = p if valid else zero
+                drow[c] = p * (drow[c] - dd[c]) if valid else zero
+
+
+@njit(**KERNEL)
+def pair_scores(keys, e_len, ev, nk, queries):
+    """Sᵀ and dPᵀ tiles of one key block against one query block (before masking).
+
+    Pointers: ``keys`` = (kp, kt, vp, st, dpt, dka, dva, ones), the packed key block and the
+    task's tiles; ``queries`` = (qt, qr, dot, dor, l2, dd, dqt), the packed query block.
+    Depends on the compute dtype only: one compilation serves every mask kind and storage
+    dtype.
+    """
+    no_inline()
+    kp, kt, vp, st, dpt, dka, dva, ones = keys
+    qt, qr, dot, dor, l2, dd, dqt = queries
+    for rt in range(0, round_up(nk, MR), MR):
+        _tile_set(ptr_add(kp, rt * e_len), e_len, qt, BQ, ptr_add(st, rt * BQ), BQ, e_len)
+        _tile_set(ptr_add(vp, rt * ev), ev, dot, BQ, ptr_add(dpt, rt * BQ), BQ, ev)
+
+
+@njit(**KERNEL)
+def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop):
+    """From the masked tiles of :func:`pair_scores`: (P Z)ᵀ and dSᵀ in place, then adds the
+    pair's dK, dV into ``dka``, ``dva`` and its dQᵀ into ``dqt``.
+
+    ``drop`` = (on, row keys of the query block, threshold, 1 / (1 - p)). Depends on the
+    compute dtype only.
+    """
+    no_inline()
+    prefer_512_bit()
+    kp, kt, vp, st, dpt, dka, dva, ones = keys
+    qt, qr, dot, dor, l2, dd, dqt = queries
+    drop_on, rk, thresh, inv = drop
+    nk4 = round_up(nk, MR)
+    e4 = round_up(e_len, MR)
+    e_pad = round_up(e_len, NR)
+    ev_pad = round_up(ev, NR)
+    _score_grads(st, dpt, nk, nk4, nv, l2, dd, inv - inv, drop_on, rk, thresh, inv, j0)
+    for rt in range(0, nk4, MR):
+        for d0 in range(0, ev_pad, NR):
+            _tile_add(ptr_add(st, rt * BQ), BQ, ptr_add(dor, d0), ev_pad,
+                      ptr_add(dva, rt * ev_pad + d0), ev_pad, nv, ones)
+        for e0 in range(0, e_pad, NR):
+            _tile_add(ptr_add(dpt, rt * BQ), BQ, ptr_add(qr, e0), e_pad,
+                      ptr_add(dka, rt * e_pad + e0), e_pad, nv, ones)
+    for et in range(0, e4, MR):
+        _tile_add(ptr_add(kt, et * BK), BK, dpt, BQ, ptr_add(dqt, et * BQ), BQ, nk, ones)
+
+
+@njit(**KERNEL)
+def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0, kb1,
+              dq, dq_part, g, dk, dv, dropout, dmask):
+    """Everything that key blocks ``[kb0, kb1)`` of key/value head (``b``, ``kh``) contribute.
+
+    Arrays as in :func:`backward`. Packs the group's keys once; then for each query head
+    ``kh * heads ...`` that reads them and each block of ``BQ`` query rows that sees them:
+    packs the block, accumulates the pair products (dK, dV of the group in the task, dQᵀ of
+    the query block), and writes the block's dQ: ``scale`` x it into ``dq`` when the group
+    holds every key (``dq_part`` empty), else unscaled into ``dq_part[g]``. Finally writes
+    the group's rows of ``dk``, ``dv``; with ``dmask`` (non-empty), its columns of the mask
+    gradient too.
+    """
+    prefer_512_bit()
+    no_inline()
+    L, e_len = q.shape[2], q.shape[3]
+    s_len = k.shape[2]
+    ev = v.shape[3]
+    ct = lse.dtype
+    zero = cast(0.0, lse)
+    e4 = round_up(e_len, MR)
+    e_pad = round_up(e_len, NR)
+    ev_pad = round_up(ev, NR)
+    nqb = (L + BQ - 1) // BQ
+    nb = kb1 - kb0
+    kk, vv = k[b, kh], v[b, kh]
+    # the group's keys, packed once: per key block kp (BK x E), kt (e4 x BK), vp (BK x Ev),
+    # and its dK, dV accumulators (BK x e_pad, BK x ev_pad)
+    kp = np.empty(max(nb * BK * e_len, 1), ct)
+    kt = np.empty(max(nb * e4 * BK, 1), ct)
+    vp = np.empty(max(nb * BK * ev, 1), ct)
+    dka = np.zeros(max(nb * BK * e_pad, 1), ct)
+    dva = np.zeros(max(nb * BK * ev_pad, 1), ct)
+    p_kp, p_kt, p_vp, p_dka, p_dva = (data_ptr(kp), data_ptr(kt), data_ptr(vp), data_ptr(dka),
+                                      data_ptr(dva))
+    for kb in range(kb0, kb1):
+        t = kb - kb0
+        j0 = kb * BK
+        _pack_keys(kk, vv, j0, min(BK, s_len - j0), zero, ptr_add(p_kp, t * BK * e_len),
+                   ptr_add(p_kt, t * e4 * BK), ptr_add(p_vp, t * BK * ev))
+    # one query block, packed; its dQᵀ accumulator; the score tiles
+    qt = np.empty(max(e_len * BQ, 1), ct)
+    qr = np.empty(max(BQ * e_pad, 1), ct)
+    dot = np.empty(max(ev * BQ, 1), ct)
+    dor = np.empty(max(BQ * ev_pad, 1), ct)
+    l2 = np.empty(BQ, ct)
+    dd = np.empty(BQ, ct)
+    dqt = np.empty(max(e4 * BQ, 1), ct)
+    st = np.empty(BK * BQ, ct)
+    dpt = np.empty(BK * BQ, ct)
+    ones = np.ones(MR, ct)
+    rk = np.zeros(BQ, np.uint64)
+    queries = (data_ptr(qt), data_ptr(qr), data_ptr(dot), data_ptr(dor), data_ptr(l2),
+               data_ptr(dd), data_ptr(dqt))
+    p_st, p_dpt, p_ones = data_ptr(st), data_ptr(dpt), data_ptr(ones)
+    scale2 = cast(scale * LOG2E, lse)
+    sc = cast(scale, lse)
+    direct = dq_part.shape[0] == 0
+    seed, thresh, inv_keep, b_off = dropout
+    drop_on = inv_keep != 1.0
+    inv = cast(inv_keep, lse)
+    use_mask = has_mask(mask)
+    want_dm = dmask.shape[0] > 0
+    j_first = kb0 * BK
+    j_end = min(s_len, kb1 * BK)
+    for h in range(kh * heads, (kh + 1) * heads):
+        if want_dm:
+            dmask[b, h, :, j_first:j_end] = 0
+        hkey = head_key(seed, b_off + b, h)
+        for qb in range(nqb):
+            i0 = qb * BQ
+            nv = min(BQ, L - i0)
+            kb_stop = kb1
+            if is_causal:  # key blocks that start after the block's last row are unseen
+                kb_stop = min(kb1, (i0 + nv - 1) // BK + 1)
+            if kb_stop <= kb0:  # sees no key of the group
+                if direct:  # the only group (S == 0 here): its dQ is 0
+                    dq[b, h, i0:i0 + nv, :] = 0
+                continue
+            prepare_block(q[b, h], dout[b, h], out[b, h], lse[b, h], i0, nv, scale2, e_pad,
+                          ev_pad, queries[0], queries[1], queries[2], queries[3], queries[4],
+                          queries[5])
+            dqt[:] = 0
+            if drop_on:
+                for c in range(nv):
+                    rk[c] = stream_step(hkey, i0 + c)
+            for kb in range(kb0, kb_stop):
+                t = kb - kb0
+                j0 = kb * BK
+                nk = min(BK, s_len - j0)
+                keys = (ptr_add(p_kp, t * BK * e_len), ptr_add(p_kt, t * e4 * BK),
+                        ptr_add(p_vp, t * BK * ev), p_st, p_dpt,
+                        ptr_add(p_dka, t * BK * e_pad), ptr_add(p_dva, t * BK * ev_pad),
+                        p_ones)
+                pair_scores(keys, e_len, ev, nk, queries)
+                if use_mask or (is_causal and j0 + nk - 1 > i0):
+                    _mask_scores(p_st, nk, nv, j0, i0, mask, use_mask, b, h, is_causal)
+                pair_grads(keys, e_len, ev, nk, nv, j0, queries, (drop_on, rk, thresh, inv))
+                if want_dm:
+                    for r in range(nk):
+                        for c in range(nv):
+                            dmask[b, h, i0 + c, j0 + r] = dpt[r * BQ + c]
+            for c in range(nv):
+                for e in range(e_len):
+                    x = dqt[e * BQ + c]
+                    if direct:
+                        dq[b, h, i0 + c, e] = x * sc
+                    else:
+                        dq_part[g, b, h, i0 + c, e] = x
+    for kb in range(kb0, kb1):
+        t = kb - kb0
+        j0 = kb * BK
+        for r in range(min(BK, s_len - j0)):
+            for e in range(e_len):
+                dk[b, kh, j0 + r, e] = dka[(t * BK + r) * e_pad + e] * sc
+            for d in range(ev):
+                dv[b, kh, j0 + r, d] = dva[(t * BK + r) * ev_pad + d]
+    # The loops above reach these arrays through pointers only: keep them alive until here.
+    keep_alive((kp, kt, vp, dka, dva, qt, qr, dot, dor, l2, dd, dqt, st, dpt, ones, rk))
+
+
+@njit(**KERNEL)
+def _sum_dq(dq_part, scale, dq, b, h, qb):
+    """dq rows of query block ``qb`` of head (``b``, ``h``) = scale · the sum of the groups'
+    partials, in group order."""
+    L, e_len = dq.shape[2], dq.shape[3]
+    i0 = qb * BQ
+    sc = cast(scale, dq_part)
+    for i in range(i0, min(L, i0 + BQ)):
+        for e in range(e_len):
+            acc = dq_part[0, b, h, i, e]
+            for g in range(1, dq_part.shape[0]):
+                acc += dq_part[g, b, h, i, e]
+            dq[b, h, i, e] = acc * sc
+
+
+@njit(parallel=True, **KERNEL)
+def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropout=None,
+             dmask=None):
+    """Gradients of the batched attention forward, parallel and deterministic.
+
+    Parameters
+    ----------
+    q, k, v, mask, is_causal, scale
+        As given to :func:`~sdpa_numba.cpu.forward` (``q`` (B, Hq, L, E), ``k`` (B, H, S, E),
+        ``v`` (B, H, S, Ev), ``mask`` None or (B, Hq, L, S)); any strides, float16 as uint16.
+        An empty mask (size 0) means no mask, like None, so that "no mask" and "bool mask"
+        can share one compiled specialization.
+    dout : ndarray, shape (B, Hq, L, Ev)
+        Gradient of the loss with respect to the forward's output (storage dtype).
+    out : ndarray, shape (B, Hq, L, Ev)
+        The forward's output (storage dtype).
+    lse : ndarray, shape (B, Hq, L)
+        The forward's log-sum-exp, in the compute dtype (float32, or float64 for float64).
+    dq : ndarray, shape (B, Hq, L, E)
+        Written: gradient of ``q``, in the compute dtype.
+    dk, dv : ndarray, shapes (B, H, S, E), (B, H, S, Ev)
+        Written: gradients of ``k``, ``v`` in the compute dtype, summed over the query heads
+        that read each key/value head (grouped-query attention).
+    dropout : None or tuple, optional
+        The forward's ``dropout`` argument, :func:`sdpa_numba.dropout.params`; the same seed
+        regenerates the same mask. ``inv_keep == 1.0`` (``p == 0``) means no dropout.
+    dmask : None or ndarray, shape (B, Hq, L, S), optional
+        Written (compute dtype) when given: the gradient of an additive mask, i.e. of the
+        scores ``scale · q · k + mask``. Full size: reduce broadcast dims yourself.
+
+    Notes
+    -----
+    Gradients of broadcast inputs come per batch/head: sum them over the broadcast dims.
+    Arguments are trusted (the Python API validates them). Bitwise the same for any thread
+    count. Calls from users' jitted code compile their own specialization.
+    """
+    b_len, n_heads, L, e_len = q.shape
+    h_len, s_len = k.shape[1], k.shape[2]
+    group = n_heads // h_len if h_len else 1
+    drop = as_dropout(dropout)
+    dm = as_dmask(dmask, lse)
+    n_kb = (s_len + BK - 1) // BK
+    groups = key_groups(b_len * h_len, n_kb)
+    # With several key groups, each writes its part of dQ apart; they are summed in order.
+    np_ = groups if groups > 1 else 0
+    dq_part = np.zeros((np_, b_len, n_heads, L, e_len), lse.dtype)
+
+    # Static schedule: each thread runs a contiguous run of tasks; the zigzag order pairs
+    # costly and cheap causal key groups of one head.
+    for t in prange(b_len * h_len * groups):
+        bkh = t // groups
+        g = _zigzag(t % groups, groups)
+        b = bkh // h_len
+        kh = bkh % h_len
+        kb0 = g * n_kb // groups
+        kb1 = (g + 1) * n_kb // groups
+        # (one call for any mask type: an `if mask is None` branch here would compile both)
+        key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, group, kb0, kb1,
+                  dq, dq_part, g, dk, dv, drop, dm)
+
+    if groups > 1:
+        nqb = (L + BQ - 1) // BQ
+        for t in prange(b_len * n_heads * nqb):
+            bh = t // nqb
+            _sum_dq(dq_part, scale, dq, bh // n_heads, bh % n_heads, t % nqb)
