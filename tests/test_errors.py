@@ -93,7 +93,7 @@ def test_dropout():
     raises(ValueError, r"dropout_p must be in \[0, 1\)", *qkv(), dropout_p=1.0)
     raises(ValueError, r"dropout_p must be in \[0, 1\)", *qkv(), dropout_p=-0.1)
     raises(TypeError, "dropout_p must be a real number", *qkv(), dropout_p="0.1")
-    raises(NotImplementedError, "dropout comes with the backward pass", *qkv(), dropout_p=0.1)
+    raises(ValueError, "dropout_p must be in", *qkv(), dropout_p=np.nan)
 
 
 def test_out():
