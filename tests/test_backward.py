@@ -66,6 +66,10 @@ CASES = {
     "one_key": ((3, 127, 5), (3, 1, 5), (3, 1, 7), {"scale": 0.3}),
     "two_dim": ((65, 17), (129, 17), (129, 17), {"is_causal": True}),
     "broadcast_batch_heads": ((2, 1, 3, 17, 8), (1, 4, 1, 19, 8), (2, 4, 1, 19, 4), {}),
+    # more keys than a task holds at once (CHUNK_BLOCKS), one key group per head
+    "key_chunks": ((16, 1, 130, 4), (16, 1, 4200, 4), (16, 1, 4200, 3), {}),
+    "key_chunks_causal": ((16, 1, 130, 4), (16, 1, 4200, 4), (16, 1, 4200, 3),
+                          {"is_causal": True}),
 }
 
 
