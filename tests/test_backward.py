@@ -202,13 +202,14 @@ def test_empty_sizes():
 
 
 def test_numba_entry_from_user_code():
-    """sdpa_numba.cpu.backward called from a user's @njit function, on poisoned buffers."""
+    """sdpa_numba.cpu.backward called from a user's @njit function, on NaN-poisoned buffers
+    (including the mask gradient, here of the scores: a zero additive mask's)."""
     from sdpa_numba.cpu import backward
 
     @numba.njit
-    def user_step(q, k, v, g, out, lse, dq, dk, dv):
-        backward(q, k, v, None, True, 0.25, g, out, lse, dq, dk, dv)
-        return dq.sum() + dk.sum() + dv.sum()
+    def user_step(q, k, v, g, out, lse, dq, dk, dv, dmask):
+        backward(q, k, v, None, True, 0.25, g, out, lse, dq, dk, dv, None, dmask)
+        return dq.sum() + dk.sum() + dv.sum() + dmask.sum()
 
     rng = np.random.default_rng(10)
     q, k, v = rand(rng, (2, 2, 70, 16), np.float64), rand(rng, (2, 1, 90, 16), np.float64), \
@@ -217,9 +218,10 @@ def test_numba_entry_from_user_code():
     kw = dict(is_causal=True, scale=0.25, enable_gqa=True)
     out, lse = sdpa(q, k, v, return_lse=True, **kw)
     dq, dk, dv = np.full(q.shape, np.nan), np.full(k.shape, np.nan), np.full(v.shape, np.nan)
-    assert np.isfinite(user_step(q, k, v, g, out, lse, dq, dk, dv))
-    want = reference.attention_backward(g, q, k, v, **kw)
-    for a, b in zip((dq, dk, dv), want):
+    dmask = np.full((2, 2, 70, 90), np.nan)
+    assert np.isfinite(user_step(q, k, v, g, out, lse, dq, dk, dv, dmask))
+    want = reference.attention_backward(g, q, k, v, np.zeros((2, 2, 70, 90)), **kw)
+    for a, b in zip((dq, dk, dv, dmask), want):
         assert rel(a, b) <= 1e-12
 
 
