@@ -70,6 +70,9 @@ CASES = {
     "key_chunks": ((16, 1, 130, 4), (16, 1, 4200, 4), (16, 1, 4200, 3), {}),
     "key_chunks_causal": ((16, 1, 130, 4), (16, 1, 4200, 4), (16, 1, 4200, 3),
                           {"is_causal": True}),
+    # one kv head: its keys split into 3 groups with partial dQs summed at the end
+    "key_groups": ((1, 2, 1500, 8), (1, 1, 1500, 8), (1, 1, 1500, 8),
+                   {"enable_gqa": True, "is_causal": True}),
 }
 
 
@@ -106,6 +109,13 @@ def test_additive_mask_with_neg_inf_and_mask_grad():
     dq, dk, dv, dm = check(q, k, v, full, is_causal=True)
     assert (dm[np.isneginf(full)] == 0).all()
     assert (dq[0, 1, 4] == 0).all()
+    # several key groups (1100 keys, one head): each zeroes and fills its columns
+    q, k, v = rand(rng, (40, 8), np.float64), rand(rng, (1100, 8), np.float64), \
+        rand(rng, (1100, 8), np.float64)
+    mask = rand(rng, (40, 1100), np.float64)
+    mask[:, ::7] = -np.inf
+    check(q, k, v, mask, is_causal=True)
+    check(q, k, v, mask)
 
 
 def test_large_logits_are_stable():
@@ -169,8 +179,8 @@ def test_finite_differences():
 def test_deterministic_across_thread_counts():
     rng = np.random.default_rng(9)
     # one kv head: the keys are split into several groups, each with its own partial dQ
-    q, k, v = rand(rng, (1, 2, 300, 32), np.float32), rand(rng, (1, 1, 700, 32), np.float32), \
-        rand(rng, (1, 1, 700, 32), np.float32)
+    q, k, v = rand(rng, (1, 2, 300, 32), np.float32), rand(rng, (1, 1, 1100, 32), np.float32), \
+        rand(rng, (1, 1, 1100, 32), np.float32)
     out, lse = sdpa(q, k, v, return_lse=True, enable_gqa=True, is_causal=True)
     g = rand(rng, out.shape, np.float32)
     n = numba.get_num_threads()

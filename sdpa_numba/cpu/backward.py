@@ -57,6 +57,9 @@ BK = 128
 TASKS = 16
 #: At most this many key groups (each one holds a partial dQ).
 MAX_GROUPS = 16
+#: At least this many key blocks per group: every group packs each query block it sees,
+#: which must stay cheap next to the products with its keys.
+MIN_GROUP_BLOCKS = 4
 #: A task holds at most this many key blocks at a time (4096 keys): its memory is bounded
 #: whatever the sequence length.
 CHUNK_BLOCKS = 32
@@ -70,10 +73,10 @@ def round_up(n, m):
 @njit(**INLINE)
 def key_groups(n_bh, n_kb):
     """Key groups per (batch, kv head) for ``n_bh`` of them and ``n_kb`` key blocks."""
-    if n_kb == 0 or n_bh >= TASKS:
+    if n_bh >= TASKS:
         return 1
     g = (TASKS + n_bh - 1) // n_bh
-    return max(1, min(g, n_kb, MAX_GROUPS))
+    return max(1, min(g, n_kb // MIN_GROUP_BLOCKS, MAX_GROUPS))
 
 
 @njit(**INLINE)
