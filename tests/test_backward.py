@@ -66,6 +66,13 @@ CASES = {
     "one_key": ((3, 127, 5), (3, 1, 5), (3, 1, 7), {"scale": 0.3}),
     "two_dim": ((65, 17), (129, 17), (129, 17), {"is_causal": True}),
     "broadcast_batch_heads": ((2, 1, 3, 17, 8), (1, 4, 1, 19, 8), (2, 4, 1, 19, 4), {}),
+    # more keys than a task holds at once (CHUNK_BLOCKS), one key group per head
+    "key_chunks": ((16, 1, 130, 4), (16, 1, 4200, 4), (16, 1, 4200, 3), {}),
+    "key_chunks_causal": ((16, 1, 130, 4), (16, 1, 4200, 4), (16, 1, 4200, 3),
+                          {"is_causal": True}),
+    # one kv head: its keys split into 3 groups with partial dQs summed at the end
+    "key_groups": ((1, 2, 1500, 8), (1, 1, 1500, 8), (1, 1, 1500, 8),
+                   {"enable_gqa": True, "is_causal": True}),
 }
 
 
@@ -102,6 +109,13 @@ def test_additive_mask_with_neg_inf_and_mask_grad():
     dq, dk, dv, dm = check(q, k, v, full, is_causal=True)
     assert (dm[np.isneginf(full)] == 0).all()
     assert (dq[0, 1, 4] == 0).all()
+    # several key groups (1100 keys, one head): each zeroes and fills its columns
+    q, k, v = rand(rng, (40, 8), np.float64), rand(rng, (1100, 8), np.float64), \
+        rand(rng, (1100, 8), np.float64)
+    mask = rand(rng, (40, 1100), np.float64)
+    mask[:, ::7] = -np.inf
+    check(q, k, v, mask, is_causal=True)
+    check(q, k, v, mask)
 
 
 def test_large_logits_are_stable():
@@ -165,8 +179,8 @@ def test_finite_differences():
 def test_deterministic_across_thread_counts():
     rng = np.random.default_rng(9)
     # one kv head: the keys are split into several groups, each with its own partial dQ
-    q, k, v = rand(rng, (1, 2, 300, 32), np.float32), rand(rng, (1, 1, 700, 32), np.float32), \
-        rand(rng, (1, 1, 700, 32), np.float32)
+    q, k, v = rand(rng, (1, 2, 300, 32), np.float32), rand(rng, (1, 1, 1100, 32), np.float32), \
+        rand(rng, (1, 1, 1100, 32), np.float32)
     out, lse = sdpa(q, k, v, return_lse=True, enable_gqa=True, is_causal=True)
     g = rand(rng, out.shape, np.float32)
     n = numba.get_num_threads()
@@ -198,13 +212,14 @@ def test_empty_sizes():
 
 
 def test_numba_entry_from_user_code():
-    """sdpa_numba.cpu.backward called from a user's @njit function, on poisoned buffers."""
+    """sdpa_numba.cpu.backward called from a user's @njit function, on NaN-poisoned buffers
+    (including the mask gradient, here of the scores: a zero additive mask's)."""
     from sdpa_numba.cpu import backward
 
     @numba.njit
-    def user_step(q, k, v, g, out, lse, dq, dk, dv):
-        backward(q, k, v, None, True, 0.25, g, out, lse, dq, dk, dv)
-        return dq.sum() + dk.sum() + dv.sum()
+    def user_step(q, k, v, g, out, lse, dq, dk, dv, dmask):
+        backward(q, k, v, None, True, 0.25, g, out, lse, dq, dk, dv, None, dmask)
+        return dq.sum() + dk.sum() + dv.sum() + dmask.sum()
 
     rng = np.random.default_rng(10)
     q, k, v = rand(rng, (2, 2, 70, 16), np.float64), rand(rng, (2, 1, 90, 16), np.float64), \
@@ -213,9 +228,10 @@ def test_numba_entry_from_user_code():
     kw = dict(is_causal=True, scale=0.25, enable_gqa=True)
     out, lse = sdpa(q, k, v, return_lse=True, **kw)
     dq, dk, dv = np.full(q.shape, np.nan), np.full(k.shape, np.nan), np.full(v.shape, np.nan)
-    assert np.isfinite(user_step(q, k, v, g, out, lse, dq, dk, dv))
-    want = reference.attention_backward(g, q, k, v, **kw)
-    for a, b in zip((dq, dk, dv), want):
+    dmask = np.full((2, 2, 70, 90), np.nan)
+    assert np.isfinite(user_step(q, k, v, g, out, lse, dq, dk, dv, dmask))
+    want = reference.attention_backward(g, q, k, v, np.zeros((2, 2, 70, 90)), **kw)
+    for a, b in zip((dq, dk, dv, dmask), want):
         assert rel(a, b) <= 1e-12
 
 

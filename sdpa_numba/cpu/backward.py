@@ -57,6 +57,12 @@ BK = 128
 TASKS = 16
 #: At most this many key groups (each one holds a partial dQ).
 MAX_GROUPS = 16
+#: At least this many key blocks per group: every group packs each query block it sees,
+#: which must stay cheap next to the products with its keys.
+MIN_GROUP_BLOCKS = 4
+#: A task holds at most this many key blocks at a time (4096 keys): its memory is bounded
+#: whatever the sequence length.
+CHUNK_BLOCKS = 32
 
 
 @njit(**INLINE)
@@ -67,10 +73,10 @@ def round_up(n, m):
 @njit(**INLINE)
 def key_groups(n_bh, n_kb):
     """Key groups per (batch, kv head) for ``n_bh`` of them and ``n_kb`` key blocks."""
-    if n_kb == 0 or n_bh >= TASKS:
+    if n_bh >= TASKS:
         return 1
     g = (TASKS + n_bh - 1) // n_bh
-    return max(1, min(g, n_kb, MAX_GROUPS))
+    return max(1, min(g, n_kb // MIN_GROUP_BLOCKS, MAX_GROUPS))
 
 
 @njit(**INLINE)
@@ -299,13 +305,14 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
               dq, dq_part, g, dk, dv, dropout, dmask):
     """Everything that key blocks ``[kb0, kb1)`` of key/value head (``b``, ``kh``) contribute.
 
-    Arrays as in :func:`backward`. Packs the group's keys once; then for each query head
-    ``kh * heads ...`` that reads them and each block of ``BQ`` query rows that sees them:
-    packs the block, accumulates the pair products (dK, dV of the group in the task, dQᵀ of
-    the query block), and writes the block's dQ: ``scale`` x it into ``dq`` when the group
-    holds every key (``dq_part`` empty), else unscaled into ``dq_part[g]``. Finally writes
-    the group's rows of ``dk``, ``dv``; with ``dmask`` (non-empty), its columns of the mask
-    gradient too.
+    Arrays as in :func:`backward`. Works through the keys in chunks of at most
+    ``CHUNK_BLOCKS`` blocks (bounded memory): packs a chunk's keys; then for each query head
+    ``kh * heads ...`` that reads them and each block of ``BQ`` query rows that sees them,
+    packs the query block, accumulates the pair products (dK, dV of the chunk, dQᵀ of the
+    query block) and writes (first chunk) or adds (later chunks) the block's dQ: ``scale`` x
+    it into ``dq`` when this task holds every key (``dq_part`` empty), else unscaled into
+    ``dq_part[g]``; then writes the chunk's rows of ``dk``, ``dv``. With ``dmask``
+    (non-empty), also the group's columns of the mask gradient.
     """
     prefer_512_bit()
     no_inline()
@@ -318,22 +325,28 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     e_pad = round_up(e_len, NR)
     ev_pad = round_up(ev, NR)
     nqb = (L + BQ - 1) // BQ
-    nb = kb1 - kb0
     kk, vv = k[b, kh], v[b, kh]
-    # the group's keys, packed once: per key block kp (BK x E), kt (e4 x BK), vp (BK x Ev),
-    # and its dK, dV accumulators (BK x e_pad, BK x ev_pad)
+    direct = dq_part.shape[0] == 0
+    want_dm = dmask.shape[0] > 0
+    h0, h1 = kh * heads, (kh + 1) * heads
+    if want_dm:
+        for h in range(h0, h1):
+            dmask[b, h, :, kb0 * BK:min(s_len, kb1 * BK)] = 0
+    if kb1 <= kb0:  # no keys (S == 0): dQ is 0
+        if direct:
+            for h in range(h0, h1):
+                dq[b, h] = 0
+        return
+    # a chunk of keys, packed: per key block kp (BK x E), kt (e4 x BK), vp (BK x Ev), and
+    # its dK, dV accumulators (BK x e_pad, BK x ev_pad)
+    nb = min(kb1 - kb0, CHUNK_BLOCKS)
     kp = np.empty(max(nb * BK * e_len, 1), ct)
     kt = np.empty(max(nb * e4 * BK, 1), ct)
     vp = np.empty(max(nb * BK * ev, 1), ct)
-    dka = np.zeros(max(nb * BK * e_pad, 1), ct)
-    dva = np.zeros(max(nb * BK * ev_pad, 1), ct)
+    dka = np.empty(max(nb * BK * e_pad, 1), ct)
+    dva = np.empty(max(nb * BK * ev_pad, 1), ct)
     p_kp, p_kt, p_vp, p_dka, p_dva = (data_ptr(kp), data_ptr(kt), data_ptr(vp), data_ptr(dka),
                                       data_ptr(dva))
-    for kb in range(kb0, kb1):
-        t = kb - kb0
-        j0 = kb * BK
-        _pack_keys(kk, vv, j0, min(BK, s_len - j0), zero, ptr_add(p_kp, t * BK * e_len),
-                   ptr_add(p_kt, t * e4 * BK), ptr_add(p_vp, t * BK * ev))
     # one query block, packed; its dQᵀ accumulator; the score tiles
     qt = np.empty(max(e_len * BQ, 1), ct)
     qr = np.empty(max(BQ * e_pad, 1), ct)
@@ -351,66 +364,77 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     p_st, p_dpt, p_ones = data_ptr(st), data_ptr(dpt), data_ptr(ones)
     scale2 = cast(scale * LOG2E, lse)
     sc = cast(scale, lse)
-    direct = dq_part.shape[0] == 0
     seed, thresh, inv_keep, b_off = dropout
     drop_on = inv_keep != 1.0
     inv = cast(inv_keep, lse)
     use_mask = has_mask(mask)
-    want_dm = dmask.shape[0] > 0
-    j_first = kb0 * BK
-    j_end = min(s_len, kb1 * BK)
-    for h in range(kh * heads, (kh + 1) * heads):
-        if want_dm:
-            dmask[b, h, :, j_first:j_end] = 0
-        hkey = head_key(seed, b_off + b, h)
-        for qb in range(nqb):
-            i0 = qb * BQ
-            nv = min(BQ, L - i0)
-            kb_stop = kb1
-            if is_causal:  # key blocks that start after the block's last row are unseen
-                kb_stop = min(kb1, (i0 + nv - 1) // BK + 1)
-            if kb_stop <= kb0:  # sees no key of the group
-                if direct:  # the only group (S == 0 here): its dQ is 0
-                    dq[b, h, i0:i0 + nv, :] = 0
-                continue
-            prepare_block(q[b, h], dout[b, h], out[b, h], lse[b, h], i0, nv, scale2, e_pad,
-                          ev_pad, queries[0], queries[1], queries[2], queries[3], queries[4],
-                          queries[5])
-            dqt[:] = 0
-            if drop_on:
+    for c0 in range(kb0, kb1, CHUNK_BLOCKS):
+        c1 = min(kb1, c0 + CHUNK_BLOCKS)
+        for kb in range(c0, c1):
+            t = kb - c0
+            j0 = kb * BK
+            _pack_keys(kk, vv, j0, min(BK, s_len - j0), zero, ptr_add(p_kp, t * BK * e_len),
+                       ptr_add(p_kt, t * e4 * BK), ptr_add(p_vp, t * BK * ev))
+        dka[:] = 0
+        dva[:] = 0
+        for h in range(h0, h1):
+            hkey = head_key(seed, b_off + b, h)
+            for qb in range(nqb):
+                i0 = qb * BQ
+                nv = min(BQ, L - i0)
+                kb_stop = c1
+                if is_causal:  # key blocks that start after the block's last row are unseen
+                    kb_stop = min(c1, (i0 + nv - 1) // BK + 1)
+                if kb_stop <= c0:
+                    # Sees no key of the chunk. (Then not of the group's first chunk either,
+                    # unless that is key block 0, which every row sees: so such rows are
+                    # those of a later group, whose dq_part rows stay 0.)
+                    continue
+                prepare_block(q[b, h], dout[b, h], out[b, h], lse[b, h], i0, nv, scale2,
+                              e_pad, ev_pad, queries[0], queries[1], queries[2], queries[3],
+                              queries[4], queries[5])
+                dqt[:] = 0
+                if drop_on:
+                    for c in range(nv):
+                        rk[c] = stream_step(hkey, i0 + c)
+                for kb in range(c0, kb_stop):
+                    t = kb - c0
+                    j0 = kb * BK
+                    nk = min(BK, s_len - j0)
+                    keys = (ptr_add(p_kp, t * BK * e_len), ptr_add(p_kt, t * e4 * BK),
+                            ptr_add(p_vp, t * BK * ev), p_st, p_dpt,
+                            ptr_add(p_dka, t * BK * e_pad), ptr_add(p_dva, t * BK * ev_pad),
+                            p_ones)
+                    pair_scores(keys, e_len, ev, nk, queries)
+                    if use_mask or (is_causal and j0 + nk - 1 > i0):
+                        _mask_scores(p_st, nk, nv, j0, i0, mask, use_mask, b, h, is_causal)
+                    pair_grads(keys, e_len, ev, nk, nv, j0, queries,
+                               (drop_on, rk, thresh, inv))
+                    if want_dm:
+                        for r in range(nk):
+                            for c in range(nv):
+                                dmask[b, h, i0 + c, j0 + r] = dpt[r * BQ + c]
+                first = c0 == kb0
                 for c in range(nv):
-                    rk[c] = stream_step(hkey, i0 + c)
-            for kb in range(kb0, kb_stop):
-                t = kb - kb0
-                j0 = kb * BK
-                nk = min(BK, s_len - j0)
-                keys = (ptr_add(p_kp, t * BK * e_len), ptr_add(p_kt, t * e4 * BK),
-                        ptr_add(p_vp, t * BK * ev), p_st, p_dpt,
-                        ptr_add(p_dka, t * BK * e_pad), ptr_add(p_dva, t * BK * ev_pad),
-                        p_ones)
-                pair_scores(keys, e_len, ev, nk, queries)
-                if use_mask or (is_causal and j0 + nk - 1 > i0):
-                    _mask_scores(p_st, nk, nv, j0, i0, mask, use_mask, b, h, is_causal)
-                pair_grads(keys, e_len, ev, nk, nv, j0, queries, (drop_on, rk, thresh, inv))
-                if want_dm:
-                    for r in range(nk):
-                        for c in range(nv):
-                            dmask[b, h, i0 + c, j0 + r] = dpt[r * BQ + c]
-            for c in range(nv):
+                    for e in range(e_len):
+                        x = dqt[e * BQ + c]
+                        if direct:
+                            if first:
+                                dq[b, h, i0 + c, e] = x * sc
+                            else:
+                                dq[b, h, i0 + c, e] += x * sc
+                        elif first:
+                            dq_part[g, b, h, i0 + c, e] = x
+                        else:
+                            dq_part[g, b, h, i0 + c, e] += x
+        for kb in range(c0, c1):
+            t = kb - c0
+            j0 = kb * BK
+            for r in range(min(BK, s_len - j0)):
                 for e in range(e_len):
-                    x = dqt[e * BQ + c]
-                    if direct:
-                        dq[b, h, i0 + c, e] = x * sc
-                    else:
-                        dq_part[g, b, h, i0 + c, e] = x
-    for kb in range(kb0, kb1):
-        t = kb - kb0
-        j0 = kb * BK
-        for r in range(min(BK, s_len - j0)):
-            for e in range(e_len):
-                dk[b, kh, j0 + r, e] = dka[(t * BK + r) * e_pad + e] * sc
-            for d in range(ev):
-                dv[b, kh, j0 + r, d] = dva[(t * BK + r) * ev_pad + d]
+                    dk[b, kh, j0 + r, e] = dka[(t * BK + r) * e_pad + e] * sc
+                for d in range(ev):
+                    dv[b, kh, j0 + r, d] = dva[(t * BK + r) * ev_pad + d]
     # The loops above reach these arrays through pointers only: keep them alive until here.
     keep_alive((kp, kt, vp, dka, dva, qt, qr, dot, dor, l2, dd, dqt, st, dpt, ones, rk))
 
