@@ -261,6 +261,7 @@ def pair_scores(keys, e_len, ev, nk, queries):
     Depends on the compute dtype only: one compilation serves every mask kind and storage
     dtype.
     """
+    prefer_512_bit()  # also for the tiles, should LLVM inline them here
     kp, kt, vp, st, dpt, dka, dva, ones = keys
     qt, qr, dot, dor, l2, dd, dqt = queries
     for rt in range(0, round_up(nk, MR), MR):
