@@ -131,22 +131,6 @@ def pow2_of_integral(typingctx, n):
 
 
 @intrinsic
-def no_inline(typingctx):
-    """Keep LLVM from inlining the function this is compiled into into its callers.
-
-    For big kernels called from several places (or from parallel loops): inlining them would
-    only make LLVM optimize the same code again, at a large cost in compile time.
-    """
-    sig = types.void()
-
-    def codegen(context, builder, signature, args):
-        builder.function.attributes.add("noinline")
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def keep_alive(typingctx, x):
     """Does nothing, but counts as a use of ``x`` (e.g. a tuple of arrays).
 

@@ -39,7 +39,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add
+from ._llvm import data_ptr, keep_alive, prefer_512_bit, ptr_add
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
 from .forward import masked_score
@@ -123,16 +123,14 @@ def _as_dmask(dmask, like):
 
 @njit(**KERNEL)
 def _tile_set(a, lda, b, ldb, c, ldc, k_len):
-    """``c = a @ b`` on an MR x NR tile (:func:`tile_product`, compiled once, not inlined:
-    the backward calls it from several places)."""
-    no_inline()
+    """``c = a @ b`` on an MR x NR tile (:func:`tile_product`, compiled once per dtype for the
+    backward's several call sites)."""
     tile_product(a, lda, 1, b, ldb, c, ldc, k_len, None)
 
 
 @njit(**KERNEL)
 def _tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
     """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, :func:`tile_product`'s alpha)."""
-    no_inline()
     tile_product(a, lda, 1, b, ldb, c, ldc, k_len, ones)
 
 
@@ -263,7 +261,7 @@ def pair_scores(keys, e_len, ev, nk, queries):
     Depends on the compute dtype only: one compilation serves every mask kind and storage
     dtype.
     """
-    no_inline()
+    prefer_512_bit()  # also for the tiles, should LLVM inline them here
     kp, kt, vp, st, dpt, dka, dva, ones = keys
     qt, qr, dot, dor, l2, dd, dqt = queries
     for rt in range(0, round_up(nk, MR), MR):
@@ -279,7 +277,6 @@ def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop):
     ``drop`` = (on, row keys of the query block, threshold, 1 / (1 - p)). Depends on the
     compute dtype only.
     """
-    no_inline()
     prefer_512_bit()
     kp, kt, vp, st, dpt, dka, dva, ones = keys
     qt, qr, dot, dor, l2, dd, dqt = queries
@@ -315,7 +312,6 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     (non-empty), also the group's columns of the mask gradient.
     """
     prefer_512_bit()
-    no_inline()
     L, e_len = q.shape[2], q.shape[3]
     s_len = k.shape[2]
     ev = v.shape[3]
