@@ -57,9 +57,11 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     Notes
     -----
     Rows whose every key is masked get zero gradients. The result is bitwise the same for
-    any thread count (no atomics; every sum in a fixed order). Memory beyond the gradients is
-    O((E + Ev) · L) per query head, times a small number of key groups for dQ: never L x S
-    (except the ``mask_grad`` array above).
+    any thread count (no atomics; every sum in a fixed order). Memory beyond the gradients:
+    O((E + Ev) · min(S, 4096)) per running task, plus, when batch x heads is small (< 16) and
+    the keys are split into groups for parallelism, one partial dQ per group (at most 16);
+    never L x S (except the ``mask_grad`` array above). The gradients are computed in the
+    compute dtype at the broadcast shapes, then reduced and cast.
     """
     device = _device_of([("grad_out", grad_out), ("query", query), ("key", key),
                          ("value", value), ("out", out), ("lse", lse),
