@@ -9,6 +9,29 @@ import math
 import numpy as np
 
 
+def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """float64 operands (key/value heads repeated for GQA), the scale, the GQA repeat factor,
+    and the masked, scaled scores."""
+    q = np.asarray(query, dtype=np.float64)
+    k = np.asarray(key, dtype=np.float64)
+    v = np.asarray(value, dtype=np.float64)
+    rep = 1
+    if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k = np.repeat(k, rep, axis=-3)
+        v = np.repeat(v, rep, axis=-3)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if is_causal:
+        L, S = s.shape[-2:]
+        s = np.where(np.tril(np.ones((L, S), dtype=bool)), s, -np.inf)
+    if attn_mask is not None:
+        mask = np.asarray(attn_mask)
+        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(np.float64)
+    return q, k, v, scale, rep, s
+
+
 def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """Reference attention; returns ``(out, lse)`` in float64.
 
@@ -31,22 +54,7 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, en
     lse : ndarray, float64, ``(..., Hq, L)``; ``-inf`` for a row whose every key is masked,
         whose output row is then 0.
     """
-    q = np.asarray(query, dtype=np.float64)
-    k = np.asarray(key, dtype=np.float64)
-    v = np.asarray(value, dtype=np.float64)
-    if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        k = np.repeat(k, rep, axis=-3)
-        v = np.repeat(v, rep, axis=-3)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if is_causal:
-        L, S = s.shape[-2:]
-        s = np.where(np.tril(np.ones((L, S), dtype=bool)), s, -np.inf)
-    if attn_mask is not None:
-        mask = np.asarray(attn_mask)
-        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(np.float64)
+    q, k, v, scale, _, s = _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isneginf(m), 0.0, m)
     p = np.exp(s - m_safe)
@@ -70,23 +78,8 @@ def _train_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     """Everything the training references need, in float64 with explicit broadcasting."""
     from .dropout import keep_mask
 
-    q = np.asarray(query, dtype=np.float64)
-    k = np.asarray(key, dtype=np.float64)
-    v = np.asarray(value, dtype=np.float64)
-    rep = 1
-    if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        k = np.repeat(k, rep, axis=-3)
-        v = np.repeat(v, rep, axis=-3)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if is_causal:
-        L, S = s.shape[-2:]
-        s = np.where(np.tril(np.ones((L, S), dtype=bool)), s, -np.inf)
-    if attn_mask is not None:
-        mask = np.asarray(attn_mask)
-        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(np.float64)
+    q, k, v, scale, rep, s = _scores(query, key, value, attn_mask, is_causal, scale,
+                                     enable_gqa)
     s = np.broadcast_to(s, np.broadcast_shapes(s.shape, () if attn_mask is None
                                                else np.shape(attn_mask)))
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)

@@ -21,19 +21,26 @@ _entries = {}
 DROPOUT_TYPE = types.Tuple((types.uint64, types.uint64, types.float64, types.int64))
 
 
+def arr(dt, nd, readonly):
+    """An 'A'-layout (any strides) array type: one specialization whatever the layout."""
+    return types.Array(dt, nd, "A", readonly=readonly)
+
+
+def kernel_types(dtype, mask_kind):
+    """Numba types of a storage dtype: (storage, compute, mask argument)."""
+    st = _NB[np.dtype(dtype)]
+    ct = types.float64 if st == types.float64 else types.float32
+    mask_t = {"none": types.none, "bool": arr(types.boolean, 4, True),
+              "additive": arr(st, 4, True)}[mask_kind]
+    return st, ct, mask_t
+
+
 def _entry(dtype, mask_kind, dropout=False):
     """The compiled forward for a storage dtype, mask kind and dropout on/off (compiled once,
     then cached)."""
     key = (dtype, mask_kind, dropout)
     if key not in _entries:
-        st = _NB[np.dtype(dtype)]
-        ct = types.float64 if st == types.float64 else types.float32
-
-        def arr(dt, nd, readonly):
-            return types.Array(dt, nd, "A", readonly=readonly)
-
-        mask_t = {"none": types.none, "bool": arr(types.boolean, 4, True),
-                  "additive": arr(st, 4, True)}[mask_kind]
+        st, ct, mask_t = kernel_types(dtype, mask_kind)
         sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), mask_t, types.boolean,
                types.float64, arr(st, 4, False), arr(ct, 3, False),
                DROPOUT_TYPE if dropout else types.none)

@@ -19,7 +19,7 @@ import numpy as np
 from numba import types
 
 from .backward import backward
-from .launch import DROPOUT_TYPE, _NB, _flatten_batch
+from .launch import DROPOUT_TYPE, _flatten_batch, arr, kernel_types
 from .storage import storage_view
 
 _entries = {}
@@ -31,14 +31,7 @@ def _entry(dtype, mask_kind):
     """The compiled backward for a storage dtype and mask kind (compiled once, then cached)."""
     key = (dtype, mask_kind)
     if key not in _entries:
-        st = _NB[np.dtype(dtype)]
-        ct = types.float64 if st == types.float64 else types.float32
-
-        def arr(dt, nd, readonly):
-            return types.Array(dt, nd, "A", readonly=readonly)
-
-        mask_t = {"none": types.none, "bool": arr(types.boolean, 4, True),
-                  "additive": arr(st, 4, True)}[mask_kind]
+        st, ct, mask_t = kernel_types(dtype, mask_kind)
         ro = arr(st, 4, True)
         sig = (ro, ro, ro, mask_t, types.boolean, types.float64, ro, ro, arr(ct, 3, True),
                arr(ct, 4, False), arr(ct, 4, False), arr(ct, 4, False), DROPOUT_TYPE,
