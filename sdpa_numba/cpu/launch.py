@@ -86,22 +86,27 @@ def _launch(p, q, k, v, mask, out, lse, dropout=None):
         dropout)
 
 
+def batched_view(p, x, heads, rows, cols):
+    """``x`` seen as ``(*p.batch, heads, rows, cols)``: leading 1s added, broadcast dims at
+    stride 0 (a view, never a copy)."""
+    x = x.reshape((1,) * (len(p.batch) + 3 - x.ndim) + x.shape)
+    return np.broadcast_to(x, (*p.batch, heads, rows, cols))
+
+
+def operand_views(p, query, key, value, attn_mask):
+    """The kernels' views of query, key, value and the mask (None stays None)."""
+    return (batched_view(p, query, p.hq, p.L, p.E), batched_view(p, key, p.h, p.S, p.E),
+            batched_view(p, value, p.h, p.S, p.Ev),
+            None if attn_mask is None else batched_view(p, attn_mask, p.hq, p.L, p.S))
+
+
 def run(p, query, key, value, attn_mask, out, dropout=None):
     """Compute attention on the CPU for plan ``p``; returns ``(out, lse)``.
 
     ``dropout``: None or :func:`sdpa_numba.dropout.params` (batch offset 0).
     """
-    nd = len(p.batch) + 3
     full = (*p.batch, p.hq)
-
-    def view(x, heads, rows, cols):
-        x = x.reshape((1,) * (nd - x.ndim) + x.shape)
-        return np.broadcast_to(x, (*p.batch, heads, rows, cols))
-
-    q = view(query, p.hq, p.L, p.E)
-    k = view(key, p.h, p.S, p.E)
-    v = view(value, p.h, p.S, p.Ev)
-    mask = None if attn_mask is None else view(attn_mask, p.hq, p.L, p.S)
+    q, k, v, mask = operand_views(p, query, key, value, attn_mask)
     result = np.empty(p.out_shape, p.dtype) if out is None else out
     o = result.reshape((*full, p.L, p.Ev), copy=False)
     lse = np.empty((*full, p.L), p.compute_dtype)

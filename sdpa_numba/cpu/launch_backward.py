@@ -19,7 +19,8 @@ import numpy as np
 from numba import types
 
 from .backward import backward
-from .launch import DROPOUT_TYPE, _flatten_batch, arr, kernel_types
+from .launch import (DROPOUT_TYPE, _flatten_batch, arr, batched_view, kernel_types,
+                     operand_views)
 from .storage import storage_view
 
 _entries = {}
@@ -86,20 +87,11 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
 
     ``dropout``: None or :func:`sdpa_numba.dropout.params` (batch offset 0).
     """
-    nd = len(p.batch) + 3
     full = (*p.batch, p.hq)
     ct = p.compute_dtype
-
-    def view(x, heads, rows, cols):
-        x = x.reshape((1,) * (nd - x.ndim) + x.shape)
-        return np.broadcast_to(x, (*p.batch, heads, rows, cols))
-
-    q = view(query, p.hq, p.L, p.E)
-    k = view(key, p.h, p.S, p.E)
-    v = view(value, p.h, p.S, p.Ev)
-    mask = None if attn_mask is None else view(attn_mask, p.hq, p.L, p.S)
-    dout = view(grad_out, p.hq, p.L, p.Ev)
-    o = view(out, p.hq, p.L, p.Ev)
+    q, k, v, mask = operand_views(p, query, key, value, attn_mask)
+    dout = batched_view(p, grad_out, p.hq, p.L, p.Ev)
+    o = batched_view(p, out, p.hq, p.L, p.Ev)
     lse4 = np.reshape(lse, (*full, p.L))
     dq = np.empty((*full, p.L, p.E), ct)
     dk = np.empty((*p.batch, p.h, p.S, p.E), ct)
