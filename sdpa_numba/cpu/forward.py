@@ -124,11 +124,19 @@ def _softmax_tile(st, n_keys, m, l, alpha):
     Overwrites scores with p = 2**(s - m_new) (and the rows past ``n_keys`` with 0) and
     updates ``m``, ``l``, ``alpha`` (pointers to BM lanes).
     """
+    # The lane state is worked on in stack buffers and copied in and out: LLVM cannot prove
+    # that the pointers m, l and alpha don't overlap, and kept the loops over them scalar
+    # (64 scalar exp2 per tile for alpha alone); a private alloca overlaps nothing.
+    m_old = _lanes(m)
     m_new = _lanes(m)
     m_use = _lanes(m)
     total = _lanes(m)
+    a = _lanes(m)
+    l_new = _lanes(m)
     for i in range(BM):
-        m_new[i] = m[i]
+        m_old[i] = m[i]
+    for i in range(BM):
+        m_new[i] = m_old[i]
     for j in range(n_keys):
         row = ptr_add(st, j * BM)
         for i in range(BM):
@@ -136,7 +144,7 @@ def _softmax_tile(st, n_keys, m, l, alpha):
     for i in range(BM):
         # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
         m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
-        alpha[i] = exp2(m[i] - m_use[i])
+        a[i] = exp2(m_old[i] - m_use[i])
         total[i] = 0
     for j in range(n_keys):
         row = ptr_add(st, j * BM)
@@ -145,8 +153,13 @@ def _softmax_tile(st, n_keys, m, l, alpha):
             row[i] = p
             total[i] += p
     for i in range(BM):
-        l[i] = alpha[i] * l[i] + total[i]
+        l_new[i] = a[i] * l[i] + total[i]
+    for i in range(BM):
+        l[i] = l_new[i]
+    for i in range(BM):
         m[i] = m_new[i]
+    for i in range(BM):
+        alpha[i] = a[i]
     # P·V always runs over all BN keys: a constant trip count keeps its accumulator in
     # registers (a runtime one measured 4x slower), so keys past n_keys get p = 0.
     for t in range(n_keys * BM, BN * BM):
