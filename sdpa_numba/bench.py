@@ -3,7 +3,9 @@
 Speed is measured as DESIGN.md §5 says: every implementation runs on the same inputs in the
 same process with the same thread count; each is warmed up first (for sdpa_numba that call
 compiles or loads the kernels from Numba's cache, and its time is reported separately), then
-the implementations are timed in interleaved rounds and each keeps its minimum. FLOPs are
+sdpa_numba and torch are timed in interleaved rounds and each keeps its minimum; the naive NumPy
+floor is timed in rounds of its own afterwards (its BLAS threads, spinning after each call, and
+its L x S allocations slowed the next implementation timed, torch most: up to 2x here). FLOPs are
 ``4·B·H·L·S·E`` for the forward (``Q Kᵀ`` and ``P V``), half of that when causal.
 
 The implementations compared:
@@ -173,7 +175,7 @@ def rel_error(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), np.finfo(float).tiny))
 
 
-def sgemm_rates(n=4096, repeats=3):
+def sgemm_rates(n=4096, repeats=5):
     """GFLOP/s of an ``n x n`` float32 matmul: NumPy ``@`` and, if installed, ``torch.mm``."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
@@ -184,10 +186,11 @@ def sgemm_rates(n=4096, repeats=3):
 
         ta, tb = torch.from_numpy(a), torch.from_numpy(b)
         fns["torch"] = lambda: torch.mm(ta, tb)
-    for fn in fns.values():
+    rates = {}
+    for name, fn in fns.items():  # each in rounds of its own: two BLAS thread pools
         fn()
-    best = time_interleaved(fns, repeats)
-    return {name: 2.0 * n**3 / t / 1e9 for name, t in best.items()}
+        rates[name] = 2.0 * n**3 / time_interleaved({name: fn}, repeats)[name] / 1e9
+    return rates
 
 
 def set_threads(n=None, torch_too=True):
@@ -237,11 +240,15 @@ def run_cases(cases, impls=IMPLS, repeats=5, progress=None, pause=None):
             if progress:
                 progress(1, case.label)
         best = {name: math.inf for name in fns}
+        peers = {n: f for n, f in fns.items() if n != "numpy"}
+        floor = {n: f for n, f in fns.items() if n == "numpy"}
         for _ in range(repeats):
-            for name, t in time_interleaved(fns, 1, pause).items():
+            for name, t in time_interleaved(peers, 1, pause).items():
                 best[name] = min(best[name], t)
             if progress:
                 progress(1, case.label)
+        for name, t in time_interleaved(floor, repeats, pause).items():
+            best[name] = t
         r = asdict(case)
         r["flops"] = case.flops
         r["time_s"] = best
