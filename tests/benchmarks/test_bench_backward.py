@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 from sdpa_numba import scaled_dot_product_attention as sdpa  # noqa: E402
 from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward  # noqa: E402
+from sdpa_numba.bench import PAUSE  # noqa: E402
 
 B, H, L, D = 1, 8, 2048, 64
 
@@ -71,6 +72,7 @@ def interleaved(causal, repeats=10):
     t_ours, t_theirs = [], []
     for _ in range(repeats):
         for fn, ts in ((ours, t_ours), (theirs, t_theirs)):
+            time.sleep(PAUSE)  # let the other library's spinning workers go to sleep
             t = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t)
