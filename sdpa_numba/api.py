@@ -261,7 +261,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         # sees NumPy dtypes; restore() hands results back as the caller's kind of array.
         from .cuda.arrays import adopt
 
-        (query, key, value, attn_mask, out), restore = adopt(query, key, value, attn_mask, out)
+        arrays, restore = adopt([("query", query), ("key", key), ("value", value),
+                                 ("attn_mask", attn_mask)], out)
+        query, key, value, attn_mask = arrays[:4]
+        out = arrays[4] if out is not None else None
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)

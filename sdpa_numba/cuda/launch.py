@@ -86,7 +86,7 @@ def operand_views(p, query, key, value, attn_mask):
             None if attn_mask is None else broadcast_view(attn_mask, (*full, p.L, p.S)))
 
 
-def _check_strides(named):
+def check_strides(named):
     # Numba's own views with negative strides point at their lowest address, other libraries'
     # at element 0: no view could be built for both, so such operands are refused.
     for name, x in named:
@@ -102,7 +102,7 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
     asynchronously on the default stream. ``dropout``: None or
     :func:`sdpa_numba.dropout.params` (batch offset 0).
     """
-    _check_strides([("query", query), ("key", key), ("value", value),
+    check_strides([("query", query), ("key", key), ("value", value),
                     ("attn_mask", attn_mask), ("out", out)])
     if out is not None:
         _check_out(out, [("query", query), ("key", key), ("value", value),
