@@ -7,6 +7,8 @@ from the reference (rounded to the storage and compute dtypes) unless a test say
 it saves the simulator a forward per case.
 """
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -193,10 +195,13 @@ def test_bitwise_reproducible():
 
 def test_every_gradient_element_is_written(monkeypatch):
     """Gradient buffers (and D) poisoned with NaN: every element must be written."""
-    import sdpa_numba.cuda.backward as cuda_backward
-    import sdpa_numba.cuda.launch_backward as launch_backward
+    # by name: the package's attribute `backward` is the launcher function
+    cuda_backward = importlib.import_module("sdpa_numba.cuda.backward")
+    launch_backward = importlib.import_module("sdpa_numba.cuda.launch_backward")
+    shapes = []
 
     def poisoned(shape, dtype):
+        shapes.append(tuple(shape))
         return dev(np.full(shape, np.nan, dtype))
 
     monkeypatch.setattr(launch_backward, "device_array", poisoned)
@@ -206,6 +211,7 @@ def test_every_gradient_element_is_written(monkeypatch):
         randn(rng, (2, 2, 9, 2), np.float64)
     mask = randn(rng, (2, 2, 6, 9), np.float64)
     check(q, k, v, mask, is_causal=True)  # mask gradient above the diagonal: zeros
+    assert {(2, 2, 6), (2, 2, 6, 3), (2, 2, 9, 2), (2, 2, 6, 9)} <= set(shapes)  # D, dq, ...
     check(q[:, :, :1], k, v, mask[:, :, :1])  # L = 1: most key blocks see one row
 
 
@@ -273,7 +279,7 @@ def test_result_kind_and_dtypes():
 
 
 def test_bad_input_raises_before_any_kernel(monkeypatch):
-    import sdpa_numba.cuda.launch_backward as launch_backward
+    launch_backward = importlib.import_module("sdpa_numba.cuda.launch_backward")
 
     def no_kernels(*args, **kwargs):
         raise AssertionError("a kernel was launched")
