@@ -150,3 +150,4 @@ def test_gpu_check_logic_on_the_simulator():
     done = _gpu_check("--simulate", "--skip-tests", "--runs", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TFLOP/s" in done.stdout and "float16" in done.stdout
+    assert "Backward" in done.stdout and "differ from torch" not in done.stdout
