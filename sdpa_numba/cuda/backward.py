@@ -39,43 +39,60 @@ import numpy as np
 from numba import cuda
 
 from .arrays import device_array
-from .dropout import NO_DROPOUT, dropout_factor, row_key
+from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .forward import DROPOUT_ARGS, arr, jit_options, launch_blocks, mask_kind_of, \
     operand_types
 from .options import FASTMATH
-from .tiles import load_tile, masked, tile_product, u
+from .tiles import clear, grid_block, keys_seen, load_tile, masked, query_block, \
+    tile_product, tile_thread, u
 
 _kernels = {}
 
 
-def _layout(blocks, e, ev):
-    """Shared-memory offsets (in elements) of the tiles both kernels stage, and their end.
+def layout(bm, sp, e, ev):
+    """Shared-memory layout (offsets in elements) of the tiles both kernels stage.
 
-    Q (``block_m`` rows of ``e | 1``, pre-scaled), dO (``block_m`` rows of ``ev | 1``), the
-    rows' ``lse`` and ``D``, Kᵀ (``e`` rows of ``block_n + 1``), Vᵀ (``ev`` rows of
-    ``block_n + 1``), then one score-sized tile (``block_m`` rows of ``block_n + 1``).
+    Q (``bm`` rows of ``qp = e | 1``, pre-scaled), dO (``bm`` rows of ``dp = ev | 1``), the
+    rows' ``lse`` and ``D``, Kᵀ (``e`` rows of ``sp = block_n + 1``), Vᵀ (``ev`` rows of
+    ``sp``), then two score-sized tiles (``bm`` rows of ``sp``: P Z and dS, or dS alone), then
+    the kernel's accumulators. Returns ``(qp, dp, do_at, lse_at, dd_at, kt_at, vt_at, pz_at,
+    ds_at, end)``: ``ds_at`` and ``end`` as the dK/dV kernel has them; the dQ kernel uses
+    ``pz_at`` for dS and ``ds_at`` for dQ. (Plain Python, also compiled as a device function:
+    the host sizes shared memory with the kernels' own arithmetic.)
     """
-    bm, sp = blocks.block_m, blocks.block_n + 1
-    do_at = bm * (e | 1)
-    lse_at = do_at + bm * (ev | 1)
+    qp = e | 1
+    dp = ev | 1
+    do_at = bm * qp
+    lse_at = do_at + bm * dp
     dd_at = lse_at + bm
     kt_at = dd_at + bm
     vt_at = kt_at + e * sp
-    tile_at = vt_at + ev * sp
-    return do_at, lse_at, dd_at, kt_at, vt_at, tile_at, tile_at + bm * sp
+    pz_at = vt_at + ev * sp
+    ds_at = pz_at + bm * sp
+    return qp, dp, do_at, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at, ds_at + bm * sp
+
+
+_layout = cuda.jit(device=True, inline="always")(layout)
 
 
 def dq_shared_elements(blocks, e, ev):
-    """Shared memory of the dQ kernel, in elements: the common tiles (dS in the score-sized
-    one) and dQ (``block_m x e``)."""
-    return _layout(blocks, e, ev)[-1] + blocks.block_m * e
+    """Shared memory of the dQ kernel, in elements: the common tiles, dS and dQ
+    (``block_m x e``)."""
+    return layout(blocks.block_m, blocks.block_n + 1, e, ev)[8] + blocks.block_m * e
 
 
 def dkv_shared_elements(blocks, e, ev):
-    """Shared memory of the dK/dV kernel, in elements: the common tiles (P Z in the
-    score-sized one), dS (``block_m x (block_n + 1)``) and dKᵀ, dVᵀ (``(e + ev) x block_n``)."""
-    return (_layout(blocks, e, ev)[-1] + blocks.block_m * (blocks.block_n + 1)
-            + (e + ev) * blocks.block_n)
+    """Shared memory of the dK/dV kernel, in elements: the common tiles, P Z, dS and dKᵀ,
+    dVᵀ (``(e + ev) x block_n``)."""
+    return layout(blocks.block_m, blocks.block_n + 1, e, ev)[9] + (e + ev) * blocks.block_n
+
+
+def _tiling(blocks):
+    """The kernels' compile-time constants: ``(BM, BN, NT, RM, TC, G, SC, SP)`` (see the
+    module doc)."""
+    TC = blocks.threads_per_row
+    return (blocks.block_m, blocks.block_n, blocks.threads, blocks.rows_per_thread, TC,
+            blocks.row_groups, blocks.block_n // TC, blocks.block_n + 1)
 
 
 def dq_signature(dtype, mask_kind):
@@ -98,22 +115,27 @@ def dkv_signature(dtype, mask_kind):
 def _pair_grads(blocks, mask_kind, ct):
     """The device function both kernels run on a (query block, key block) pair: one thread's
     ``RM x SC`` entries of ``P Z`` and ``dS``, written to shared tiles."""
-    BN, RM, TC = blocks.block_n, blocks.rows_per_thread, blocks.threads_per_row
-    SC = BN // TC
-    SP = BN + 1
+    BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
+    NS = RM * SC  # entries of a score tile per thread (a constant: local array size)
     HAS_MASK = mask_kind != "none"
     BOOL_MASK = mask_kind == "bool"
     CT = ct
 
     @cuda.jit(device=True, inline="always")
     def pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, is_causal, mask, b, h, drop_on, rk,
-                   threshold, inv, kreg, sreg, dpreg):
-        """``at`` = (Q, dO, lse, D, Kᵀ, Vᵀ, P Z, dS) offsets and the Q, dO row lengths; a
-        negative P Z offset: not wanted. Rows past ``L`` and keys past ``nj`` get zeros."""
-        q_at, qp, do_at, dp, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at = at
+                   threshold, inv):
+        """``at`` = (Q row length, dO row length, then the dO, lse, D, Kᵀ, Vᵀ, P Z and dS
+        offsets; Q is at 0); a negative P Z offset: not wanted. Rows past ``L`` and keys past
+        ``nj`` get zeros."""
+        qp, dp, do_at, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at = at
         zero = CT(0)
         neg_inf = CT(-math.inf)
-        tile_product(sm, q_at, qp, kt_at, SP, E, r0, tc, TC, RM, SC, kreg, sreg)  # scaled S
+        sreg = cuda.local.array(NS, CT)
+        dpreg = cuda.local.array(NS, CT)
+        kreg = cuda.local.array(SC, CT)
+        clear(sreg, NS)
+        tile_product(sm, 0, qp, kt_at, SP, E, r0, tc, TC, RM, SC, kreg, sreg)  # scaled S
+        clear(dpreg, NS)
         tile_product(sm, do_at, dp, vt_at, SP, Ev, r0, tc, TC, RM, SC, kreg, dpreg)  # dO Vᵀ
         for a in range(RM):
             r = r0 + a
@@ -141,44 +163,23 @@ def _pair_grads(blocks, mask_kind, ct):
 def _make_dq_kernel(dtype, mask_kind, blocks):
     """The dQ kernel for storage ``dtype``, mask kind and tiling ``blocks``."""
     sig, ct = dq_signature(dtype, mask_kind)
-    BM, BN, NT, RM = blocks.block_m, blocks.block_n, blocks.threads, blocks.rows_per_thread
-    TC = blocks.threads_per_row
-    SC = BN // TC
-    NS = RM * SC  # entries of a score tile per thread (a constant: local array size)
-    SP = BN + 1
+    BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
     CT = ct
     pair_grads = _pair_grads(blocks, mask_kind, ct)
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
     def dq_kernel(q, k, v, mask, is_causal, scale, dout, out, lse, seed, threshold, inv_keep,
                   b_off, D, dq, dmask, want_dmask):
-        _, Hq, L, E = q.shape
+        _, _, L, E = q.shape
         S = k.shape[2]
         Ev = v.shape[3]
-        group = Hq // k.shape[1]
-        nqb = (L + BM - 1) // BM
-        bid = cuda.blockIdx.x
-        bh = bid // nqb
-        # Heaviest query blocks (last under causal) first, so the tail of the grid is short.
-        i0 = (nqb - 1 - bid % nqb) * BM
+        b, h, kh, i0 = query_block(q, k, BM)
         nv = min(BM, L - i0)
-        b = bh // Hq
-        h = bh % Hq
-        kh = h // group
-        tid = cuda.threadIdx.x
-        r0 = (tid // TC) * RM  # this thread's rows of the tiles
-        tc = tid % TC  # its first key of the tiles and first column of dQ
+        tid, g, tc = tile_thread(TC)
+        r0 = g * RM  # this thread's rows of the tiles; tc: its first key and column of dQ
 
-        QP = E | 1
-        DP = Ev | 1
-        do_at = BM * QP
-        lse_at = do_at + BM * DP
-        dd_at = lse_at + BM
-        kt_at = dd_at + BM
-        vt_at = kt_at + E * SP
-        ds_at = vt_at + Ev * SP
-        dq_at = ds_at + BM * SP
-        at = (0, QP, do_at, DP, lse_at, dd_at, kt_at, vt_at, -1, ds_at)
+        QP, DP, do_at, lse_at, dd_at, kt_at, vt_at, ds_at, dq_at, _ = _layout(BM, SP, E, Ev)
+        at = (QP, DP, do_at, lse_at, dd_at, kt_at, vt_at, -1, ds_at)
         sm = cuda.shared.array(0, CT)
         zero = CT(0)
         one = CT(1)
@@ -204,20 +205,14 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
                     x = zero
             sm[lse_at + r] = x
             sm[dd_at + r] = dd
-        sreg = cuda.local.array(NS, CT)
-        dpreg = cuda.local.array(NS, CT)
-        kreg = cuda.local.array(SC, CT)
         acc = cuda.local.array(RM, CT)
         drop_on = inv_keep != 1.0  # 1: no dropout
         inv = CT(inv_keep)
         rk = cuda.local.array(RM, numba.uint64)
         if drop_on:
-            for a in range(RM):
-                rk[a] = row_key(seed, b_off + b, h, i0 + r0 + a)
+            row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
 
-        kv_end = S
-        if is_causal:
-            kv_end = min(S, i0 + BM)  # blocks above the diagonal: unseen
+        kv_end = keys_seen(S, i0 + BM, is_causal)  # blocks above the diagonal: unseen
         for j0 in range(0, kv_end, BN):
             nj = min(BN, kv_end - j0)
             cuda.syncthreads()  # the previous block's tiles are consumed (and lse, D written)
@@ -225,7 +220,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
             load_tile(v, b, kh, j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
             cuda.syncthreads()
             pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, is_causal, mask, b, h, drop_on,
-                       rk, threshold, inv, kreg, sreg, dpreg)
+                       rk, threshold, inv)
             if want_dmask:  # this thread's own entries of dS: no barrier needed
                 for a in range(RM):
                     i = i0 + r0 + a
@@ -236,8 +231,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
             cuda.syncthreads()  # the dS tile is complete
             # dQ += dS K for this thread's rows and columns e = tc, tc + TC, ...
             for e in range(tc, E, TC):
-                for a in range(RM):
-                    acc[a] = zero
+                clear(acc, RM)
                 for j in range(nj):
                     x = sm[u(kt_at + e * SP + j)]
                     for a in range(RM):
@@ -262,12 +256,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
 def _make_dkv_kernel(dtype, mask_kind, blocks):
     """The dK/dV kernel for storage ``dtype``, mask kind and tiling ``blocks``."""
     sig, ct = dkv_signature(dtype, mask_kind)
-    BM, BN, NT, RM = blocks.block_m, blocks.block_n, blocks.threads, blocks.rows_per_thread
-    TC = blocks.threads_per_row
-    G = blocks.row_groups
-    SC = BN // TC
-    NS = RM * SC  # entries of a score tile per thread (a constant: local array size)
-    SP = BN + 1
+    BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
     CT = ct
     pair_grads = _pair_grads(blocks, mask_kind, ct)
 
@@ -275,35 +264,22 @@ def _make_dkv_kernel(dtype, mask_kind, blocks):
     def dkv_kernel(q, k, v, mask, is_causal, scale, dout, lse, seed, threshold, inv_keep, b_off,
                    D, dk, dv):
         _, Hq, L, E = q.shape
-        H = k.shape[1]
-        S = k.shape[2]
+        H, S = k.shape[1], k.shape[2]
         Ev = v.shape[3]
         group = Hq // H
         nkb = (S + BN - 1) // BN
-        bid = cuda.blockIdx.x
-        bkh = bid // nkb
+        b, kh, kb = grid_block(H, nkb)
         # Under causal the first key blocks are seen by the most rows: they go first.
-        j0 = (bid % nkb) * BN
+        j0 = kb * BN
         nj = min(BN, S - j0)
-        b = bkh // H
-        kh = bkh % H
-        tid = cuda.threadIdx.x
-        g = tid // TC  # this thread's row group: first column of dK, dV
+        tid, g, tc = tile_thread(TC)
+        # g: this thread's row group (first column of dK, dV); tc: its first key
         r0 = g * RM  # its rows of the tiles
-        tc = tid % TC  # its first key of the tiles (and of dK, dV)
 
-        QP = E | 1
-        DP = Ev | 1
-        do_at = BM * QP
-        lse_at = do_at + BM * DP
-        dd_at = lse_at + BM
-        kt_at = dd_at + BM
-        vt_at = kt_at + E * SP
-        pz_at = vt_at + Ev * SP
-        ds_at = pz_at + BM * SP
-        dk_at = ds_at + BM * SP  # dKᵀ, E rows of BN
-        dv_at = dk_at + E * BN  # dVᵀ, Ev rows of BN
-        at = (0, QP, do_at, DP, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at)
+        QP, DP, do_at, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at, dk_at = _layout(BM, SP, E,
+                                                                                   Ev)
+        dv_at = dk_at + E * BN  # dKᵀ (E rows of BN), then dVᵀ (Ev rows of BN)
+        at = (QP, DP, do_at, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at)
         sm = cuda.shared.array(0, CT)
         zero = CT(0)
         one = CT(1)
@@ -317,9 +293,6 @@ def _make_dkv_kernel(dtype, mask_kind, blocks):
                 sm[dk_at + e * BN + j] = zero
             for d in range(g, Ev, G):
                 sm[dv_at + d * BN + j] = zero
-        sreg = cuda.local.array(NS, CT)
-        dpreg = cuda.local.array(NS, CT)
-        kreg = cuda.local.array(SC, CT)
         acc = cuda.local.array(SC, CT)
         drop_on = inv_keep != 1.0  # 1: no dropout
         inv = CT(inv_keep)
@@ -348,17 +321,15 @@ def _make_dkv_kernel(dtype, mask_kind, blocks):
                     sm[lse_at + r] = x
                     sm[dd_at + r] = dd
                 if drop_on:
-                    for a in range(RM):
-                        rk[a] = row_key(seed, b_off + b, h, i0 + r0 + a)
+                    row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
                 cuda.syncthreads()
                 pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, is_causal, mask, b, h,
-                           drop_on, rk, threshold, inv, kreg, sreg, dpreg)
+                           drop_on, rk, threshold, inv)
                 cuda.syncthreads()  # the P Z and dS tiles are complete
                 # dV += (P Z)ᵀ dO and dK += dSᵀ (scale Q), this thread's keys and columns,
                 # summed over the block's rows in order
                 for d in range(g, Ev, G):
-                    for c in range(SC):
-                        acc[c] = zero
+                    clear(acc, SC)
                     for r in range(nv):
                         x = sm[u(do_at + r * DP + d)]
                         for c in range(SC):
@@ -366,8 +337,7 @@ def _make_dkv_kernel(dtype, mask_kind, blocks):
                     for c in range(SC):
                         sm[dv_at + d * BN + tc + TC * c] += acc[c]
                 for e in range(g, E, G):
-                    for c in range(SC):
-                        acc[c] = zero
+                    clear(acc, SC)
                     for r in range(nv):
                         x = sm[u(r * QP + e)]
                         for c in range(SC):

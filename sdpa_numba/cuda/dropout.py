@@ -36,6 +36,14 @@ def row_key(seed, b, h, i):
 
 
 @cuda.jit(device=True, inline="always")
+def row_keys(rk, n, seed, b, h, i0):
+    """``rk[a] = row_key(seed, b, h, i0 + a)`` for ``a < n``: the keys of a thread's rows, drawn
+    once and kept in a local uint64 array."""
+    for a in range(n):
+        rk[a] = row_key(seed, b, h, i0 + a)
+
+
+@cuda.jit(device=True, inline="always")
 def dropout_factor(rkey, j, threshold, inv_keep, zero):
     """``inv_keep`` if key ``j`` of the row with key ``rkey`` is kept, else ``zero``.
 

@@ -29,10 +29,10 @@ from numba.np import numpy_support
 
 from . import options
 from .arrays import is_simulated_mode
-from .dropout import NO_DROPOUT, dropout_factor, row_key
+from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .online_softmax import online_softmax_lse, online_softmax_update
 from .options import CANDIDATES, FASTMATH, Blocks
-from .tiles import load_tile, masked, tile_product, u
+from .tiles import clear, keys_seen, load_tile, masked, query_block, tile_product, tile_thread
 
 _kernels = {}
 
@@ -88,21 +88,12 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
     def kernel(q, k, v, mask, is_causal, scale, out, lse, seed, threshold, inv_keep, b_off):
-        _, Hq, L, E = q.shape
+        _, _, L, E = q.shape
         S = k.shape[2]
         Ev = v.shape[3]
-        group = Hq // k.shape[1]
-        nqb = (L + BM - 1) // BM
-        bid = cuda.blockIdx.x
-        bh = bid // nqb
-        # Heaviest query blocks (last under causal) first, so the tail of the grid is short.
-        i0 = (nqb - 1 - bid % nqb) * BM
-        b = bh // Hq
-        h = bh % Hq
-        kh = h // group
-        tid = cuda.threadIdx.x
-        r0 = (tid // TC) * RM  # this thread's first row in the tile
-        tc = tid % TC  # its column among the row group's threads
+        b, h, kh, i0 = query_block(q, k, BM)
+        tid, g, tc = tile_thread(TC)
+        r0 = g * RM  # this thread's first row in the tile; tc: its column in the row group
 
         QP = E | 1
         kt_at = BM * QP
@@ -121,8 +112,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
             sm[m_at + r] = neg_inf
             sm[l_at + r] = zero
         acc = cuda.local.array(NA, CT)
-        for t in range(NA):
-            acc[t] = zero
+        clear(acc, NA)
         sreg = cuda.local.array(NS, CT)
         kreg = cuda.local.array(SC, CT)
         vreg = cuda.local.array(DC, CT)
@@ -131,12 +121,9 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
         inv = CT(inv_keep)
         rk = cuda.local.array(RM, numba.uint64)
         if drop_on:
-            for a in range(RM):
-                rk[a] = row_key(seed, b_off + b, h, i0 + r0 + a)
+            row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
 
-        kv_end = S
-        if is_causal:
-            kv_end = min(S, i0 + BM)  # blocks above the diagonal: never loaded
+        kv_end = keys_seen(S, i0 + BM, is_causal)  # blocks above the diagonal: never loaded
         for j0 in range(0, kv_end, BN):
             nj = min(BN, kv_end - j0)
             cuda.syncthreads()  # the previous block's tiles are consumed
@@ -145,6 +132,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
             load_tile(v, b, kh, j0, nj, BN, Ev, VP, one, sm, vs_at, VP, 1, tid, NT)
             cuda.syncthreads()
 
+            clear(sreg, NS)
             tile_product(sm, 0, QP, kt_at, SP, E, r0, tc, TC, RM, SC, kreg, sreg)
             for a in range(RM):
                 i = i0 + r0 + a
@@ -181,13 +169,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
                 alpha = sm[a_at + r0 + a]
                 for c in range(DC):
                     acc[a * DC + c] *= alpha
-            for j in range(nj):
-                for c in range(DC):
-                    vreg[c] = sm[u(vs_at + j * VP + tc + TC * c)]
-                for a in range(RM):
-                    p = sm[u(ss_at + (r0 + a) * SP + j)]
-                    for c in range(DC):
-                        acc[a * DC + c] += p * vreg[c]
+            tile_product(sm, ss_at, SP, vs_at, VP, nj, r0, tc, TC, RM, DC, vreg, acc)  # += P V
 
         cuda.syncthreads()  # the last block's m and l are written
         for a in range(RM):

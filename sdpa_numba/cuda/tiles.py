@@ -56,18 +56,46 @@ def load_tile(src, b, h, row0, n_valid, n_rows, n_cols, n_pad, factor, sm, at, r
 
 
 @cuda.jit(device=True, inline="always")
-def tile_product(sm, a_at, a_ld, bt_at, bt_ld, n, r0, tc, tcn, rm, sc, breg, acc):
-    """One thread's ``rm x sc`` register tile of ``A Bᵀ`` from two shared tiles::
+def grid_block(n_heads, n_blocks):
+    """``(b, h, n)``: batch, head and block index of this thread block in a grid over
+    (batch, head, block of ``n_blocks``), blocks fastest."""
+    bid = cuda.blockIdx.x
+    bh = bid // n_blocks
+    return bh // n_heads, bh % n_heads, bid % n_blocks
 
-        acc[a * sc + c] = sum over e < n, in order, of
-                          sm[a_at + (r0 + a) * a_ld + e] * sm[bt_at + e * bt_ld + tc + tcn * c]
+
+@cuda.jit(device=True, inline="always")
+def query_block(q, k, bm):
+    """``(b, h, kh, i0)``: batch, query head, its key/value head and first row of this thread
+    block in a grid over (batch, query head, block of ``bm`` query rows). The heaviest query
+    blocks (the last, under causal) go first, so that the tail of the grid is short."""
+    n_heads, L = q.shape[1], q.shape[2]
+    nqb = (L + bm - 1) // bm
+    b, h, qb = grid_block(n_heads, nqb)
+    return b, h, h // (n_heads // k.shape[1]), (nqb - 1 - qb) * bm
+
+
+@cuda.jit(device=True, inline="always")
+def tile_thread(tcn):
+    """``(tid, g, tc)``: this thread, its row group ``g`` (rows ``g * rows_per_thread ...`` of
+    the score tiles) and its first column ``tc`` (then ``tc + tcn``, ...) among the ``tcn``
+    threads of the group."""
+    tid = cuda.threadIdx.x
+    return tid, tid // tcn, tid % tcn
+
+
+@cuda.jit(device=True, inline="always")
+def tile_product(sm, a_at, a_ld, bt_at, bt_ld, n, r0, tc, tcn, rm, sc, breg, acc):
+    """Add one thread's ``rm x sc`` register tile of ``A Bᵀ`` from two shared tiles::
+
+        acc[a * sc + c] += sum over e < n, in order, of
+                           sm[a_at + (r0 + a) * a_ld + e] * sm[bt_at + e * bt_ld + tc + tcn * c]
 
     ``A`` is stored by rows (rows ``r0 ... r0 + rm - 1`` are the thread's), ``B`` transposed
     (the thread's columns ``tc, tc + tcn, ...``: consecutive threads read consecutive
-    addresses). ``breg`` (``sc`` elements) and ``acc`` (``rm * sc``) are local arrays.
+    addresses). ``breg`` (``sc`` elements) and ``acc`` (``rm * sc``) are local arrays; zero
+    ``acc`` first (:func:`clear`) for the product itself.
     """
-    for t in range(rm * sc):
-        acc[t] = 0
     for e in range(n):
         for c in range(sc):
             breg[c] = sm[u(bt_at + e * bt_ld + tc + tcn * c)]
@@ -75,6 +103,20 @@ def tile_product(sm, a_at, a_ld, bt_at, bt_ld, n, r0, tc, tcn, rm, sc, breg, acc
             x = sm[u(a_at + (r0 + a) * a_ld + e)]
             for c in range(sc):
                 acc[a * sc + c] += x * breg[c]
+
+
+@cuda.jit(device=True, inline="always")
+def clear(acc, n):
+    """``acc[:n] = 0`` (a local array)."""
+    for t in range(n):
+        acc[t] = 0
+
+
+@cuda.jit(device=True, inline="always")
+def keys_seen(S, i_end, is_causal):
+    """How many keys rows before ``i_end`` see: all ``S``, or under ``is_causal`` (top-left
+    aligned) those before ``i_end``; key blocks past it are never loaded."""
+    return min(S, i_end) if is_causal else S
 
 
 @cuda.jit(device=True, inline="always")

@@ -13,15 +13,13 @@ import numpy as np
 import pytest
 
 import sdpa_numba
+from checks import check_backward
 from sdpa_numba import reference
 from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
 from sdpa_numba.cuda import Blocks, options
 from sdpa_numba.cuda.arrays import broadcast_view
 from sdpa_numba.cuda.reduce import broadcast_axes
-from sdpa_cuda_testing import REAL_GPU, dev, permuted, randn, rel_err
-
-#: Relative Frobenius error allowed for the gradients of each dtype (as the CPU backward's).
-TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 2e-5, np.dtype(np.float16): 5e-3}
+from sdpa_cuda_testing import dev, permuted, randn, rel_err, torch_cuda
 
 
 def forward(q, k, v, mask=None, *, on_device=False, **kw):
@@ -50,16 +48,7 @@ def check(q, k, v, mask=None, *, on_device=False, tol=None, **kw):
     rng = np.random.default_rng(1)
     out, lse = forward(q, k, v, mask, on_device=on_device, **kw)
     g = randn(rng, out.shape, q.dtype)
-    mask_grad = mask is not None and mask.dtype != bool
-    got = device_grads(g, q, k, v, out, lse, mask, mask_grad=mask_grad, **kw)
-    want = reference.attention_backward(g, q, k, v, mask, **kw)
-    tol = TOL[np.dtype(q.dtype)] if tol is None else tol
-    for name, a, b, x in zip(("query", "key", "value", "attn_mask"), got, want,
-                             (q, k, v, mask)):
-        assert a.shape == x.shape and a.dtype == x.dtype, name
-        assert np.isfinite(a).all(), name
-        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
-    return got
+    return check_backward(device_grads, g, q, k, v, out, lse, mask, tol, **kw)
 
 
 CASES = {
@@ -304,21 +293,11 @@ def test_bad_input_raises_before_any_kernel(monkeypatch):
         sdpa_backward(d, d, dev(x[..., :3]), d, d, dl)
 
 
-def _torch_cuda():
-    if not REAL_GPU:
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-@pytest.mark.skipif(_torch_cuda() is None, reason="needs a GPU and torch with CUDA")
+@pytest.mark.skipif(torch_cuda() is None, reason="needs a GPU and torch with CUDA")
 def test_torch_autograd_on_cuda_tensors():
     """sdpa_numba.torch on CUDA tensors: forward and backward on the CUDA kernels, gradients
     as torch's own SDPA gives them."""
-    torch = _torch_cuda()
+    torch = torch_cuda()
     import sdpa_numba.torch as snt
 
     F = torch.nn.functional
