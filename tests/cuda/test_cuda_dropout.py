@@ -111,3 +111,31 @@ def test_mask_independent_of_launch_split():
     np.testing.assert_array_equal(split, whole)
     want, _ = reference.attention_dropout(q, k, v, dropout_p=0.4, seed=5)
     assert rel_err(split, want) <= 1e-12
+
+
+def test_poisoned_out_buffer_is_fully_written():
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, s, np.float32) for s in ((2, 3, 7, 4), (2, 3, 9, 4), (2, 3, 9, 5)))
+    out = dev(np.full((2, 3, 7, 5), np.nan, np.float32))
+    result = sdpa_numba.scaled_dot_product_attention(dev(q), dev(k), dev(v), dropout_p=0.6,
+                                                     seed=1, is_causal=True, out=out)
+    assert result is out
+    want, _ = reference.attention_dropout(q, k, v, dropout_p=0.6, seed=1, is_causal=True)
+    assert rel_err(out.copy_to_host(), want) <= TOL[np.dtype(np.float32)]
+
+
+@pytest.mark.parametrize("kw, err", [(dict(dropout_p=1.0), ValueError),
+                                     (dict(dropout_p=0.1, seed=-1), ValueError),
+                                     (dict(dropout_p=0.1, seed=1.5), TypeError)])
+def test_bad_dropout_arguments_raise_before_any_kernel(monkeypatch, kw, err):
+    import importlib
+
+    launch = importlib.import_module("sdpa_numba.cuda.launch")
+
+    def no_kernels(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(launch, "forward", no_kernels)
+    x = dev(np.zeros((2, 5, 4), np.float32))
+    with pytest.raises(err, match="dropout_p" if "seed" not in kw else "seed"):
+        sdpa_numba.scaled_dot_product_attention(x, x, x, **kw)
