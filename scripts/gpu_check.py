@@ -6,6 +6,12 @@
    and float16, B=4 H=16 L=S=4096, head dim 64 and 128, causal and not. Each figure is the
    median of many runs after warm-up (the first call compiles), timed with CUDA events;
    TFLOP/s counts 4·B·H·L·S·D flops, half that when causal.
+3. Times the backward on the same problems against torch's autograd backward of its SDPA
+   (``torch.autograd.grad`` on a retained graph: the backward kernels only), given the
+   forward's output and log-sum-exp; TFLOP/s counts 8·B·H·L·S·D flops (the four L x S x D
+   products dV, dP, dQ, dK; recomputing S is not counted), half that when causal: the
+   convention of the CPU benchmark (tests/benchmarks/test_bench_backward.py). The gradients
+   are checked against torch's.
 
 Usage::
 
@@ -14,7 +20,8 @@ Usage::
     python scripts/gpu_check.py --simulate # no GPU: the same logic on Numba's CUDA simulator,
                                            # tiny sizes (checks the script, times nothing real)
 
-Exit status: 0 when the tests passed and every timed result matched torch, 1 otherwise,
+Exit status: 0 when the tests passed and every timed result (output and gradients) matched
+torch, 1 otherwise,
 2 when there is no GPU to run on.
 """
 
@@ -74,7 +81,7 @@ def run_tests(simulate):
 def configs(args):
     """(dtype name, B, H, L, D, causal) of each timed problem."""
     if args.simulate:
-        shapes = [(1, 2, 9, 8)]
+        shapes = [(1, 1, 7, 4)]  # checks the script's logic only: tiny
     elif args.quick:
         shapes = [(1, 8, 1024, 64), (1, 8, 1024, 128)]
     else:
@@ -98,26 +105,24 @@ class Device:
             print("torch has no CUDA here: timing sdpa_numba alone", flush=True)
             self.torch = None
 
+    def put(self, x):
+        """Host array ``x`` on the device: ``(ours, peer)``, peer None without torch."""
+        from numba import cuda
+
+        if self.simulate or self.torch is None:
+            return cuda.to_device(x), (self.torch.from_numpy(x) if self.torch else None)
+        t = self.torch.from_numpy(x).cuda()
+        return t, t
+
     def inputs(self, dtype, B, H, L, D, seed=0):
+        """``([q, k, v, out buffer], [q, k, v] for torch or None)``; standard normal."""
         import numpy as np
 
         rng = np.random.default_rng(seed)
-        host = [rng.standard_normal((B, H, L, D)).astype(dtype) for _ in range(3)]
-        if self.simulate:
-            from numba import cuda
-
-            ours = [cuda.to_device(x) for x in host]
-            ours.append(cuda.to_device(np.empty((B, H, L, D), dtype)))
-            peer = [self.torch.from_numpy(x) for x in host] if self.torch else None
-            return ours, peer
-        if self.torch is None:
-            from numba import cuda
-
-            ours = [cuda.to_device(x) for x in host]
-            ours.append(cuda.device_array((B, H, L, D), dtype))
-            return ours, None
-        peer = [self.torch.from_numpy(x).cuda() for x in host]
-        return peer + [self.torch.empty_like(peer[0])], peer
+        pairs = [self.put(rng.standard_normal((B, H, L, D)).astype(dtype)) for _ in range(3)]
+        ours = [o for o, _ in pairs]
+        ours.append(self.put(np.empty((B, H, L, D), dtype))[0])
+        return ours, (None if self.torch is None else [t for _, t in pairs])
 
     def sync(self):
         from numba import cuda
@@ -157,6 +162,18 @@ class Device:
         return x.detach().float().cpu().numpy()
 
 
+def rel_err(got, want):
+    import numpy as np
+
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+#: Relative Frobenius error allowed against torch: forward output, and gradients.
+FORWARD_TOL = {"float32": 1e-4, "float16": 2e-3}
+BACKWARD_TOL = {"float32": 1e-4, "float16": 5e-3}
+
+
 def bench(args, started):
     import numpy as np
 
@@ -169,7 +186,9 @@ def bench(args, started):
     dev = Device(args.simulate)
     runs = args.runs or (2 if args.simulate else 5 if args.quick else 20)
     warmup = 1 if args.simulate else 3
-    rows, ok = [], True
+    rows, back_rows, ok = [], [], True
+    sdpa = sdpa_numba.scaled_dot_product_attention
+    sdpa_backward = sdpa_numba.scaled_dot_product_attention_backward
     for dtype, B, H, L, D, causal in configs(args):
         if time.perf_counter() - started > BUDGET_S:
             print(f"time budget spent: skipping {dtype} D={D} causal={causal}", flush=True)
@@ -179,34 +198,61 @@ def bench(args, started):
         t0 = time.perf_counter()
 
         def ours():
-            sdpa_numba.scaled_dot_product_attention(q, k, v, is_causal=causal, out=out)
+            sdpa(q, k, v, is_causal=causal, out=out)
 
         t_ours = dev.time(ours, warmup, runs)
         t_peer = err = None
         if dev.torch is not None:
-            sdpa = dev.torch.nn.functional.scaled_dot_product_attention
+            torch_sdpa = dev.torch.nn.functional.scaled_dot_product_attention
 
             def theirs():
-                return sdpa(*peer, is_causal=causal)
+                return torch_sdpa(*peer, is_causal=causal)
 
             t_peer = dev.time(theirs, warmup, runs)
-            want = dev.to_numpy(theirs()).astype(np.float64)
-            got = dev.to_numpy(out).astype(np.float64)
-            err = np.linalg.norm(got - want) / np.linalg.norm(want)
-            ok &= bool(err <= (2e-3 if dtype == "float16" else 1e-4))
+            err = rel_err(dev.to_numpy(out), dev.to_numpy(theirs()))
+            ok &= err <= FORWARD_TOL[dtype]
         rows.append((dtype, B, H, L, D, causal, t_ours, flops, t_peer, err))
-        print(f"  timed {dtype} B={B} H={H} L={L} D={D} causal={causal} "
+
+        # The backward, given the forward's output and lse, against torch's autograd backward
+        # (retained graph: only the backward kernels are timed).
+        g, g_peer = dev.put(np.random.default_rng(1).standard_normal((B, H, L, D))
+                            .astype(dtype))
+        o, lse = sdpa(q, k, v, is_causal=causal, return_lse=True)
+        grads = []
+
+        def ours_backward():
+            grads[:] = sdpa_backward(g, q, k, v, o, lse, is_causal=causal)
+
+        t_ours_b = dev.time(ours_backward, warmup, runs)
+        t_peer_b = err_b = None
+        if dev.torch is not None:
+            leaves = [x.detach().clone().requires_grad_() for x in peer]
+            out_peer = torch_sdpa(*leaves, is_causal=causal)
+
+            def theirs_backward():
+                return dev.torch.autograd.grad(out_peer, leaves, g_peer, retain_graph=True)
+
+            t_peer_b = dev.time(theirs_backward, warmup, runs)
+            err_b = max(rel_err(dev.to_numpy(a), dev.to_numpy(b))
+                        for a, b in zip(grads, theirs_backward()))
+            ok &= err_b <= BACKWARD_TOL[dtype]
+        back_rows.append((dtype, B, H, L, D, causal, t_ours_b, 2 * flops, t_peer_b, err_b))
+        print(f"  timed {dtype} B={B} H={H} L={L} D={D} causal={causal} (forward, backward) "
               f"in {time.perf_counter() - t0:.1f}s", flush=True)
-    print_table(rows, args.simulate)
+    print_table("Forward", rows, args.simulate,
+                "TFLOP/s: 4*B*H*L*S*D flops, half when causal.")
+    print_table("Backward (given out and lse; torch: autograd.grad of its SDPA)", back_rows,
+                args.simulate, "TFLOP/s: 8*B*H*L*S*D flops (dV, dP, dQ, dK), half when causal; "
+                "rel err: the largest of dQ, dK, dV's.")
     return ok
 
 
-def print_table(rows, simulate):
+def print_table(title, rows, simulate, flops_note):
     peer = "torch (CPU)" if simulate else "torch"
     head = (f"{'dtype':8} {'B':>2} {'H':>3} {'L=S':>5} {'D':>4} {'causal':>6} | "
             f"{'ours ms':>9} {'TFLOP/s':>8} | {peer + ' ms':>11} {'TFLOP/s':>8} | "
             f"{'speed vs torch':>14} {'rel err':>8}")
-    print()
+    print(f"\n{title}")
     print(head)
     print("-" * len(head))
     for dtype, B, H, L, D, causal, t_ours, flops, t_peer, err in rows:
@@ -218,8 +264,8 @@ def print_table(rows, simulate):
             line += (f"{t_peer * 1e3:>11.3f} {flops / t_peer / 1e12:>8.2f} | "
                      f"{t_peer / t_ours:>13.3f}x {err:>8.1e}")
         print(line)
-    print("\nspeed vs torch = torch time / our time (above 1: faster than torch). "
-          "TFLOP/s: 4*B*H*L*S*D flops, half when causal.")
+    print(f"\nspeed vs torch = torch time / our time (above 1: faster than torch). "
+          f"{flops_note}")
 
 
 def main(argv=None):

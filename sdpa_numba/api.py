@@ -215,7 +215,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Probability in [0, 1) of dropping each attention probability; kept ones are scaled by
         ``1 / (1 - p)`` (torch's semantics; ``lse`` is that of the softmax before dropout).
         The mask is a counter-based random stream of ``(seed, batch, head, row, key)`` (see
-        :mod:`sdpa_numba.dropout`): never stored, redrawn by the backward from the seed.
+        :mod:`sdpa_numba.dropout`): never stored, redrawn by the backward from the seed. The
+        CPU and CUDA kernels draw the same mask for the same seed.
     is_causal : bool
         Query ``i`` sees keys ``j <= i`` (top-left aligned, as torch).
     scale : float, optional
@@ -244,7 +245,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     TypeError, ValueError
         For bad input, naming the argument, before any kernel runs.
     NotImplementedError
-        For ``dropout_p != 0`` on CUDA arrays (not implemented there yet).
+        For bfloat16 CUDA arrays (the CUDA kernels support float16, float32 and float64).
 
     Notes
     -----
@@ -260,7 +261,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         # sees NumPy dtypes; restore() hands results back as the caller's kind of array.
         from .cuda.arrays import adopt
 
-        (query, key, value, attn_mask, out), restore = adopt(query, key, value, attn_mask, out)
+        arrays, restore = adopt([("query", query), ("key", key), ("value", value),
+                                 ("attn_mask", attn_mask)], out)
+        query, key, value, attn_mask = arrays[:4]
+        out = arrays[4] if out is not None else None
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
@@ -276,10 +280,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
         result, lse = run(p, query, key, value, attn_mask, out, dropout)
     else:
-        if dropout is not None:
-            raise NotImplementedError("dropout_p > 0 is not implemented for CUDA arrays yet")
         from .cuda.launch import run
 
-        result, lse = run(p, query, key, value, attn_mask, out)
+        result, lse = run(p, query, key, value, attn_mask, out, dropout)
         result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -1,5 +1,5 @@
 """The public backward: validation (shared with the forward: :func:`~sdpa_numba.api.plan`) and
-dispatch to the CPU kernels."""
+dispatch to the CPU or CUDA kernels."""
 
 import numpy as np
 
@@ -22,14 +22,17 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
 
     Parameters
     ----------
-    grad_out : ndarray, shape (..., Hq, L, Ev)
+    grad_out : ndarray or CUDA array, shape (..., Hq, L, Ev)
         Gradient of the loss with respect to the forward's output; the inputs' dtype.
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         Exactly as given to the forward (same checks).
-    out, lse : ndarray
+    out, lse : ndarray or CUDA array
         What the forward returned with ``return_lse=True``: ``out`` of the output's shape and
         dtype, ``lse`` of shape ``(..., Hq, L)`` in the compute dtype (float32 for float16
         and float32 inputs, float64 for float64).
+
+    All arrays are NumPy arrays (CPU kernels) or all CUDA arrays (Numba device arrays, CuPy,
+    PyTorch CUDA tensors: CUDA kernels, gradients returned as the query's kind of array).
     seed : int, keyword-only
         The seed the forward used; required when ``dropout_p > 0`` (the dropout mask is
         regenerated from it, see :mod:`sdpa_numba.dropout`).
@@ -40,32 +43,41 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
 
     Returns
     -------
-    grad_query, grad_key, grad_value : ndarray
+    grad_query, grad_key, grad_value : ndarray or CUDA array
         The shapes and dtype of ``query``, ``key``, ``value``: gradients of broadcast inputs
         are summed over their broadcast dims; with ``enable_gqa``, key/value gradients are
         summed over the query heads of each group. float16 is computed in float32.
-    grad_attn_mask : ndarray, only with ``mask_grad=True``
+    grad_attn_mask : ndarray or CUDA array, only with ``mask_grad=True``
         The mask's shape and dtype.
 
     Raises
     ------
     TypeError, ValueError
-        For bad input, naming the argument, before any kernel runs.
+        For bad input (including host and device arrays mixed), naming the argument, before
+        any kernel runs.
     NotImplementedError
-        For CUDA arrays (the CUDA backward does not exist yet).
+        For bfloat16 CUDA arrays (the CUDA kernels support float16, float32 and float64).
 
     Notes
     -----
     Rows whose every key is masked get zero gradients. The result is bitwise the same for
-    any thread count (no atomics; every sum in a fixed order). Memory beyond the gradients:
-    O((E + Ev) · min(S, 4096)) per running task, plus, when batch x heads is small (< 16) and
-    the keys are split into groups for parallelism, one partial dQ per group (at most 16);
-    never L x S (except the ``mask_grad`` array above). The gradients are computed in the
-    compute dtype at the broadcast shapes, then reduced and cast.
+    any thread count and on every launch (no atomics; every sum in a fixed order). Memory
+    beyond the gradients, on the CPU: O((E + Ev) · min(S, 4096)) per running task, plus, when
+    batch x heads is small (< 16) and the keys are split into groups for parallelism, one
+    partial dQ per group (at most 16); on the GPU: one value per query row (``D``) and shared
+    memory. Never L x S (except the ``mask_grad`` array above). The gradients are computed in
+    the compute dtype at the broadcast shapes, then reduced and cast (on the GPU, on the
+    device: see :mod:`sdpa_numba.cuda.backward`).
     """
-    device = _device_of([("grad_out", grad_out), ("query", query), ("key", key),
-                         ("value", value), ("out", out), ("lse", lse),
-                         ("attn_mask", attn_mask)])
+    named = [("query", query), ("grad_out", grad_out), ("key", key), ("value", value),
+             ("out", out), ("lse", lse), ("attn_mask", attn_mask)]
+    device = _device_of(named)
+    restore = None
+    if device == "cuda":
+        # As in the forward: Numba device arrays (no copy), results as the caller's kind.
+        from .cuda.arrays import adopt
+
+        (query, grad_out, key, value, out, lse, attn_mask), restore = adopt(named)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
@@ -80,11 +92,13 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
                          "regenerates the dropout mask from it")
-    if device != "host":
-        raise NotImplementedError("the backward is not implemented for CUDA arrays yet")
-    from .cpu.launch_backward import run_backward
-
     dropout = dropout_params(dropout_p, seed) if dropout_p > 0 else None
-    dq, dk, dv, dmask = run_backward(p, grad_out, query, key, value, attn_mask, out, lse,
-                                     dropout, mask_grad)
-    return (dq, dk, dv, dmask) if mask_grad else (dq, dk, dv)
+    if device == "host":
+        from .cpu.launch_backward import run_backward
+    else:
+        from .cuda.launch_backward import run_backward
+    grads = run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
+                         mask_grad)
+    if restore is not None:
+        grads = [None if g is None else restore(g) for g in grads]
+    return tuple(grads) if mask_grad else tuple(grads[:3])

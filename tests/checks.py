@@ -1,7 +1,8 @@
-"""Shared test helpers: random inputs, the error measure, and the reference check."""
+"""Shared test helpers: random inputs, the error measure, and the reference checks."""
 
 import numpy as np
 
+from sdpa_numba import reference
 from sdpa_numba import scaled_dot_product_attention as sdpa
 from sdpa_numba.reference import attention
 
@@ -45,3 +46,23 @@ def check(query, key, value, tol=None, **kw):
         if a is not None:
             np.testing.assert_array_equal(a, c)
     return out, lse
+
+
+#: Relative Frobenius error allowed for gradients against the float64 reference.
+GRAD_TOL = {np.float64: 1e-12, np.float32: 2e-5, np.float16: 5e-3}
+
+
+def check_backward(backward, g, q, k, v, out, lse, mask=None, tol=None, **kw):
+    """Gradients from ``backward`` (the public backward's signature, host arrays in and out)
+    against the float64 reference: each of its input's shape and dtype, finite, within
+    ``tol``. A float mask's gradient is asked for and checked too. Returns the gradients."""
+    mask_grad = mask is not None and mask.dtype != bool
+    got = backward(g, q, k, v, out, lse, mask, mask_grad=mask_grad, **kw)
+    want = reference.attention_backward(g, q, k, v, mask, **kw)
+    tol = GRAD_TOL[q.dtype.type] if tol is None else tol
+    for name, a, b, x in zip(("query", "key", "value", "attn_mask"), got, want,
+                             (q, k, v, mask)):
+        assert a.shape == x.shape and a.dtype == x.dtype, name
+        assert np.isfinite(a).all(), name
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+    return got

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 import sdpa_numba
+from checks import check_backward
 from sdpa_numba import reference
 from sdpa_numba import scaled_dot_product_attention as sdpa
 from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
-
-TOL = {np.float64: 1e-12, np.float32: 2e-5, np.float16: 5e-3}
 
 
 def rel(a, b):
@@ -44,16 +43,7 @@ def check(q, k, v, mask=None, *, tol=None, use_reference=False, grad_out=None, s
     rng = np.random.default_rng(seed)
     out, lse = forward(q, k, v, mask, use_reference, **kw)
     g = rand(rng, out.shape, q.dtype) if grad_out is None else grad_out
-    mask_grad = mask is not None and mask.dtype != bool
-    got = sdpa_backward(g, q, k, v, out, lse, mask, mask_grad=mask_grad, **kw)
-    want = reference.attention_backward(g, q, k, v, mask, **kw)
-    tol = TOL[q.dtype.type] if tol is None else tol
-    for name, a, b, x in zip(("query", "key", "value", "attn_mask"), got, want,
-                             (q, k, v, mask)):
-        assert a.shape == x.shape and a.dtype == x.dtype, name
-        assert np.isfinite(a).all(), name
-        assert rel(a, b) <= tol, (name, rel(a, b))
-    return got
+    return check_backward(sdpa_backward, g, q, k, v, out, lse, mask, tol, **kw)
 
 
 CASES = {

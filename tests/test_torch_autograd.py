@@ -78,9 +78,16 @@ def test_dropout_without_seed_replays_its_mask():
                                atol=1e-12)
 
 
-def test_cuda_like_tensors_not_implemented():
+def test_devices_other_than_cpu_and_cuda_not_implemented():
+    """(CUDA tensors run on the CUDA kernels: tested on a GPU in tests/cuda.)"""
     q = torch.empty(1, 2, 3, 4, device="meta")
-    with pytest.raises(NotImplementedError, match="CPU"):
+    with pytest.raises(NotImplementedError, match="CPU and CUDA"):
+        snt.scaled_dot_product_attention(q, q, q)
+
+
+def test_unsupported_dtype_is_a_type_error():
+    q = torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16"):
         snt.scaled_dot_product_attention(q, q, q)
 
 

@@ -1,12 +1,15 @@
 """CUDA kernels (``@cuda.jit``) and device functions, callable from users' own Numba code.
 
 * :func:`forward`: launches the batched 4-D forward kernel (FlashAttention-2 style tiling,
-  see :mod:`sdpa_numba.cuda.forward`);
+  see :mod:`sdpa_numba.cuda.forward`), with optional dropout;
+* :func:`backward`: launches the two kernels of the deterministic backward
+  (:mod:`sdpa_numba.cuda.backward`);
 * :class:`Blocks`: its tiling; ``sdpa_numba.cuda.options.BLOCKS`` overrides the launcher's
   choice;
 * device functions for users' kernels: :func:`attend_row` (one query row against a key/value
   block), :func:`online_softmax_update` (the online-softmax step), :func:`online_softmax_lse`
-  and :func:`online_softmax_finalize`.
+  and :func:`online_softmax_finalize`; :func:`row_key` and :func:`dropout_factor`, the dropout
+  stream (the same bits as the CPU kernels, :mod:`sdpa_numba.cuda.dropout`).
 
 Importing this module imports ``numba.cuda`` (the numba-cuda package); importing
 ``sdpa_numba`` does not. Set ``NUMBA_ENABLE_CUDASIM=1`` before that import to run everything on
@@ -19,6 +22,8 @@ except ImportError as exc:
     raise ImportError("sdpa_numba.cuda needs the numba-cuda package: "
                       "pip install 'sdpa_numba[cuda]'") from exc
 
+from .backward import backward  # noqa: E402
+from .dropout import dropout_factor, row_key  # noqa: E402
 from .forward import forward  # noqa: E402
 from .online_softmax import (  # noqa: E402
     attend_row,
@@ -28,5 +33,5 @@ from .online_softmax import (  # noqa: E402
 )
 from .options import Blocks  # noqa: E402
 
-__all__ = ["forward", "Blocks", "attend_row", "online_softmax_update", "online_softmax_lse",
-           "online_softmax_finalize"]
+__all__ = ["forward", "backward", "Blocks", "attend_row", "online_softmax_update",
+           "online_softmax_lse", "online_softmax_finalize", "row_key", "dropout_factor"]

@@ -44,17 +44,22 @@ def _adopt_one(name, x):
     return cuda.as_cuda_array(x)
 
 
-def adopt(query, key, value, attn_mask, out):
+def adopt(named, out=None):
     """Numba device arrays for the CUDA operands, and a function that hands results back.
 
-    Returns ``((query, key, value, attn_mask, out), restore)``; ``restore(x)`` gives ``x`` as
-    the query's kind of array (CuPy, PyTorch or Numba; anything else stays a Numba device
-    array), and the caller's own ``out`` object for the adopted ``out``.
+    ``named``: ``(name, array)`` pairs (None stays None), the first one the query, whose kind
+    of array the results take; ``out``: the caller's output buffer or None, adopted last.
+    Returns ``(arrays, restore)``: the adopted operands in order (then ``out`` if given), and
+    ``restore(x)``, which gives ``x`` as the query's kind of array (CuPy, PyTorch or Numba;
+    anything else stays a Numba device array), and the caller's own ``out`` object for the
+    adopted ``out``.
     """
-    names = ("query", "key", "value", "attn_mask", "out")
-    arrays = tuple(_adopt_one(n, x) for n, x in zip(names, (query, key, value, attn_mask, out)))
+    if out is not None:
+        named = [*named, ("out", out)]
+    arrays = tuple(_adopt_one(n, x) for n, x in named)
+    query = named[0][1]
     kind = _kind(query)
-    adopted_out = arrays[4]
+    adopted_out = arrays[-1] if out is not None else None
 
     def restore(x):
         if out is not None and x is adopted_out:

@@ -9,6 +9,10 @@ each thread folds ``p · V`` into its register tile of the output. Key blocks en
 diagonal are never loaded under ``is_causal``. Shared memory is O(block · head dim); nothing of
 size L x S exists anywhere.
 
+With dropout, each thread drops its entries of the probability tile after the online-softmax
+step (so ``l`` and ``lse`` are those of the softmax before dropout) with the counter-based stream
+of :mod:`.dropout`, the same bits as the CPU kernels, and scales the kept ones by ``1 / (1 - p)``.
+
 Each output element is accumulated by one thread over keys in a fixed order, so results do not
 depend on scheduling: runs are bitwise reproducible.
 
@@ -25,32 +29,45 @@ from numba.np import numpy_support
 
 from . import options
 from .arrays import is_simulated_mode
+from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .online_softmax import online_softmax_lse, online_softmax_update
 from .options import CANDIDATES, FASTMATH, Blocks
+from .tiles import clear, keys_seen, load_tile, masked, query_block, tile_product, tile_thread
 
 _kernels = {}
 
+#: Numba types of the kernels' dropout arguments (seed, threshold, inv_keep, batch_offset).
+DROPOUT_ARGS = (numba.uint64, numba.uint64, numba.float64, numba.int64)
 
-@cuda.jit(device=True, inline="always")
-def _u(i):
-    """``i`` as an unsigned index: Numba then drops its negative-index wraparound, three
-    64-bit integer instructions per shared-memory load in the inner loops."""
-    return numba.uint64(i)
+
+def arr(t, nd):
+    """An 'A'-layout (any strides) array type: one compilation whatever the layout."""
+    return numba.types.Array(t, nd, "A")
+
+
+def operand_types(dtype, mask_kind):
+    """Numba types of a storage ``dtype``: (storage, compute, mask argument).
+
+    Numba cannot pass None to a kernel: without a mask, q stands in for it, unread.
+    """
+    st = numpy_support.from_dtype(dtype)
+    ct = numba.float64 if st == numba.float64 else numba.float32
+    return st, ct, arr(numba.boolean, 4) if mask_kind == "bool" else arr(st, 4)
 
 
 def _signature(dtype, mask_kind):
     """Every array 'A' (any strides): one compilation per dtype and mask kind, whatever the
-    operands' layouts (each compilation takes seconds)."""
-    st = numpy_support.from_dtype(dtype)
-    ct = numba.float64 if st == numba.float64 else numba.float32
-
-    def arr(t, nd):
-        return numba.types.Array(t, nd, "A")
-
-    # Numba cannot pass None to a kernel: without a mask, q stands in for it, unread.
-    mask = arr(numba.boolean, 4) if mask_kind == "bool" else arr(st, 4)
+    operands' layouts (each compilation takes seconds). Dropout is four runtime arguments
+    (see :mod:`.dropout`): no extra compilation."""
+    st, ct, mask = operand_types(dtype, mask_kind)
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.boolean, numba.float64,
-                      arr(st, 4), arr(ct, 3)), ct
+                      arr(st, 4), arr(ct, 3), *DROPOUT_ARGS), ct
+
+
+def jit_options(threads):
+    """Bounding the threads lets the compiler budget registers for them; the simulator has no
+    such option."""
+    return {} if is_simulated_mode() else {"launch_bounds": threads}
 
 
 def _make_kernel(dtype, mask_kind, blocks, dc):
@@ -68,27 +85,15 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
     HAS_MASK = mask_kind != "none"
     BOOL_MASK = mask_kind == "bool"
     CT = ct
-    # Bounding the threads lets the compiler budget registers for them; the simulator has no
-    # such option.
-    jit_options = {} if is_simulated_mode() else {"launch_bounds": NT}
 
-    @cuda.jit(sig, fastmath=FASTMATH, **jit_options)
-    def kernel(q, k, v, mask, is_causal, scale, out, lse):
-        _, Hq, L, E = q.shape
+    @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
+    def kernel(q, k, v, mask, is_causal, scale, out, lse, seed, threshold, inv_keep, b_off):
+        _, _, L, E = q.shape
         S = k.shape[2]
         Ev = v.shape[3]
-        group = Hq // k.shape[1]
-        nqb = (L + BM - 1) // BM
-        bid = cuda.blockIdx.x
-        bh = bid // nqb
-        # Heaviest query blocks (last under causal) first, so the tail of the grid is short.
-        i0 = (nqb - 1 - bid % nqb) * BM
-        b = bh // Hq
-        h = bh % Hq
-        kh = h // group
-        tid = cuda.threadIdx.x
-        r0 = (tid // TC) * RM  # this thread's first row in the tile
-        tc = tid % TC  # its column among the row group's threads
+        b, h, kh, i0 = query_block(q, k, BM)
+        tid, g, tc = tile_thread(TC)
+        r0 = g * RM  # this thread's first row in the tile; tc: its column in the row group
 
         QP = E | 1
         kt_at = BM * QP
@@ -99,80 +104,36 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
         a_at = l_at + BM
         sm = cuda.shared.array(0, CT)
         zero = CT(0)
+        one = CT(1)
         neg_inf = CT(-math.inf)
-        qscale = CT(scale)
 
-        # Q and K tiles are walked in steps of NT elements without dividing by E (a 64-bit
-        # division per element otherwise): (row, col) advances by (NT // E, NT % E).
-        e_row0 = 0
-        e_col0 = 0
-        e_rstep = 0
-        e_cstep = 0
-        if E > 0:
-            e_row0 = tid // E
-            e_col0 = tid - e_row0 * E
-            e_rstep = NT // E
-            e_cstep = NT - e_rstep * E
-        r = e_row0
-        e = e_col0
-        while r < BM and E > 0:
-            x = zero
-            if i0 + r < L:
-                x = CT(q[b, h, i0 + r, e]) * qscale
-            sm[r * QP + e] = x
-            r += e_rstep
-            e += e_cstep
-            if e >= E:
-                e -= E
-                r += 1
+        load_tile(q, b, h, i0, L - i0, BM, E, E, CT(scale), sm, 0, QP, 1, tid, NT)
         for r in range(tid, BM, NT):
             sm[m_at + r] = neg_inf
             sm[l_at + r] = zero
         acc = cuda.local.array(NA, CT)
-        for t in range(NA):
-            acc[t] = zero
+        clear(acc, NA)
         sreg = cuda.local.array(NS, CT)
         kreg = cuda.local.array(SC, CT)
         vreg = cuda.local.array(DC, CT)
+        # Dropout (inv_keep == 1: off): the stream's keys of this thread's rows.
+        drop_on = inv_keep != 1.0
+        inv = CT(inv_keep)
+        rk = cuda.local.array(RM, numba.uint64)
+        if drop_on:
+            row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
 
-        kv_end = S
-        if is_causal:
-            kv_end = min(S, i0 + BM)  # blocks above the diagonal: never loaded
+        kv_end = keys_seen(S, i0 + BM, is_causal)  # blocks above the diagonal: never loaded
         for j0 in range(0, kv_end, BN):
             nj = min(BN, kv_end - j0)
             cuda.syncthreads()  # the previous block's tiles are consumed
-            j = e_row0
-            e = e_col0
-            while j < BN and E > 0:
-                x = zero
-                if j < nj:
-                    x = CT(k[b, kh, j0 + j, e])
-                sm[kt_at + e * SP + j] = x
-                j += e_rstep
-                e += e_cstep
-                if e >= E:
-                    e -= E
-                    j += 1
-            # Padding (keys past nj, columns past Ev) is zeros, never stale shared memory:
-            # 0 * NaN would be NaN.
-            for t in range(tid, BN * VP, NT):
-                j = t // VP
-                d = t - j * VP
-                x = zero
-                if j < nj and d < Ev:
-                    x = CT(v[b, kh, j0 + j, d])
-                sm[vs_at + j * VP + d] = x
+            load_tile(k, b, kh, j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)  # Kᵀ
+            # V rows zero-padded to whole thread columns
+            load_tile(v, b, kh, j0, nj, BN, Ev, VP, one, sm, vs_at, VP, 1, tid, NT)
             cuda.syncthreads()
 
-            for t in range(NS):
-                sreg[t] = zero
-            for e in range(E):
-                for c in range(SC):
-                    kreg[c] = sm[_u(kt_at + e * SP + tc + TC * c)]
-                for a in range(RM):
-                    x = sm[_u((r0 + a) * QP + e)]
-                    for c in range(SC):
-                        sreg[a * SC + c] += x * kreg[c]
+            clear(sreg, NS)
+            tile_product(sm, 0, QP, kt_at, SP, E, r0, tc, TC, RM, SC, kreg, sreg)
             for a in range(RM):
                 i = i0 + r0 + a
                 for c in range(SC):
@@ -181,11 +142,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
                     if j >= nj or (is_causal and j0 + j > i):
                         s = neg_inf
                     elif HAS_MASK and i < L:
-                        if BOOL_MASK:
-                            if not mask[b, h, i, j0 + j]:
-                                s = neg_inf
-                        else:
-                            s += CT(mask[b, h, i, j0 + j])
+                        s = masked(s, mask, b, h, i, j0 + j, BOOL_MASK, neg_inf)
                     sm[ss_at + (r0 + a) * SP + j] = s
             cuda.syncthreads()
 
@@ -197,17 +154,22 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
                 sm[a_at + r] = alpha
             cuda.syncthreads()
 
+            if drop_on:
+                # Dropout of this thread's tile entries, now probabilities: in P·V only, so
+                # that l keeps the sum before dropout (lse is that of the undropped softmax).
+                for a in range(RM):
+                    for c in range(SC):
+                        j = tc + TC * c
+                        if j < nj:
+                            t = ss_at + (r0 + a) * SP + j
+                            sm[t] *= dropout_factor(rk[a], j0 + j, threshold, inv, zero)
+                cuda.syncthreads()
+
             for a in range(RM):
                 alpha = sm[a_at + r0 + a]
                 for c in range(DC):
                     acc[a * DC + c] *= alpha
-            for j in range(nj):
-                for c in range(DC):
-                    vreg[c] = sm[_u(vs_at + j * VP + tc + TC * c)]
-                for a in range(RM):
-                    p = sm[_u(ss_at + (r0 + a) * SP + j)]
-                    for c in range(DC):
-                        acc[a * DC + c] += p * vreg[c]
+            tile_product(sm, ss_at, SP, vs_at, VP, nj, r0, tc, TC, RM, DC, vreg, acc)  # += P V
 
         cuda.syncthreads()  # the last block's m and l are written
         for a in range(RM):
@@ -247,19 +209,45 @@ def device_limits():
             int(getattr(dev, "MAX_THREADS_PER_BLOCK", 1024)))
 
 
-def choose_blocks(itemsize, e, ev):
-    """The largest tiling of :data:`~.options.CANDIDATES` that fits the device's limits."""
+def choose_blocks(itemsize, e, ev, elements=Blocks.shared_elements):
+    """The largest tiling of :data:`~.options.CANDIDATES` that fits the device's limits.
+
+    ``elements(blocks, e, ev)``: the shared memory a kernel needs, in elements of
+    ``itemsize`` bytes (default: the forward's).
+    """
     shared, threads = device_limits()
     for blocks in CANDIDATES:
-        if (blocks.threads <= threads
-                and blocks.shared_elements(e, ev) * itemsize <= shared):
+        if blocks.threads <= threads and elements(blocks, e, ev) * itemsize <= shared:
             return blocks
     raise ValueError(f"head dims E={e}, Ev={ev} are too large for the CUDA kernel: even the "
                      f"smallest tiling needs more than the {shared} bytes of shared memory "
                      f"a block may use")
 
 
-def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0):
+def launch_blocks(blocks, itemsize, e, ev, elements=Blocks.shared_elements):
+    """The tiling of a launch and its shared memory in bytes: ``blocks``, else
+    :data:`~.options.BLOCKS`, else :func:`choose_blocks`'s; ValueError if it does not fit."""
+    if blocks is None:
+        blocks = options.BLOCKS or choose_blocks(itemsize, e, ev, elements)
+    if not isinstance(blocks, Blocks):
+        raise TypeError(f"blocks must be a Blocks, got {type(blocks).__name__}")
+    shared = elements(blocks, e, ev) * itemsize
+    limit, max_threads = device_limits()
+    if shared > limit or blocks.threads > max_threads:
+        raise ValueError(f"{blocks} needs {shared} bytes of shared memory and {blocks.threads} "
+                         f"threads for E={e}, Ev={ev}; a block may have {limit} and "
+                         f"{max_threads} on this device")
+    return blocks, shared
+
+
+def mask_kind_of(mask):
+    """"none", "bool" or "additive" for a mask argument (None or a device array)."""
+    if mask is None:
+        return "none"
+    return "bool" if np.dtype(mask.dtype) == np.bool_ else "additive"
+
+
+def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dropout=None):
     """Launch the batched attention forward on 4-D device arrays.
 
     Parameters
@@ -280,39 +268,31 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0):
         Written.
     lse : device array, shape (B, Hq, L)
         Written; its dtype is the compute dtype: float32 for float16 and float32 inputs,
-        float64 for float64.
+        float64 for float64. With dropout, that of the softmax before dropout.
     blocks : Blocks, optional
         Tiling; default :data:`~.options.BLOCKS`, else the largest that fits the device.
     stream : cuda stream, optional
+    dropout : None or tuple, optional
+        ``(seed, threshold, inv_keep, batch_offset)`` of :func:`sdpa_numba.dropout.params`:
+        drops probability ``(b, h, i, j)`` (``b``: ``batch_offset`` plus the index into this
+        launch's batch dim) as the CPU kernels do, bit for bit (:mod:`.dropout`), and scales
+        the kept ones by ``inv_keep``. None: no dropout.
 
     Notes
     -----
     Inputs are float16, float32 or float64 Numba device arrays with any non-negative strides
-    (:func:`sdpa_numba.cuda.arrays.adopt` wraps CuPy arrays and torch tensors as such). Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention`
-    validates them. The launch is asynchronous, on ``stream``.
+    (:func:`sdpa_numba.cuda.arrays.adopt` wraps CuPy arrays and torch tensors as such).
+    Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention` validates them. The
+    launch is asynchronous, on ``stream``.
     """
     n_bh, L, e = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
     ev = v.shape[3]
     if n_bh == 0 or L == 0:
         return
-    itemsize = np.dtype(lse.dtype).itemsize
-    if blocks is None:
-        blocks = options.BLOCKS or choose_blocks(itemsize, e, ev)
-    if not isinstance(blocks, Blocks):
-        raise TypeError(f"blocks must be a Blocks, got {type(blocks).__name__}")
-    if mask is None:
-        mask_kind = "none"
-    elif np.dtype(mask.dtype) == np.bool_:
-        mask_kind = "bool"
-    else:
-        mask_kind = "additive"
-    shared = blocks.shared_elements(e, ev) * itemsize
-    limit, max_threads = device_limits()
-    if shared > limit or blocks.threads > max_threads:
-        raise ValueError(f"{blocks} needs {shared} bytes of shared memory and {blocks.threads} "
-                         f"threads for E={e}, Ev={ev}; a block may have {limit} and "
-                         f"{max_threads} on this device")
-    kernel = _kernel(q.dtype, mask_kind, blocks, blocks.out_cols(ev))
+    blocks, shared = launch_blocks(blocks, np.dtype(lse.dtype).itemsize, e, ev)
+    kernel = _kernel(q.dtype, mask_kind_of(mask), blocks, blocks.out_cols(ev))
     n_qblocks = (L + blocks.block_m - 1) // blocks.block_m
+    seed, threshold, inv_keep, b_off = NO_DROPOUT if dropout is None else dropout
     kernel[n_bh * n_qblocks, blocks.threads, stream, shared](
-        q, k, v, q if mask is None else mask, bool(is_causal), float(scale), out, lse)
+        q, k, v, q if mask is None else mask, bool(is_causal), float(scale), out, lse,
+        np.uint64(seed), np.uint64(threshold), float(inv_keep), int(b_off))

@@ -7,6 +7,7 @@ the kernel is launched once per index of the leading batch dim, as on the CPU.
 """
 
 import dataclasses
+import math
 
 from .arrays import as_strided, broadcast_view, device_array, may_overlap
 from .forward import forward
@@ -47,22 +48,45 @@ def _merge_batch(arrays, nb):
     return merged, len(dims)
 
 
-def _launch(p, q, k, v, mask, o, lse):
-    arrays = [q, k, v, o, lse] + ([] if mask is None else [mask])
-    merged, n_left = _merge_batch(arrays, len(p.batch))
+def for_each_launch(p, arrays, dropout, launch):
+    """Call ``launch(arrays4d, dropout)`` once per kernel launch that covers batch ``p.batch``.
+
+    ``arrays``: device arrays with the batch dims of ``p`` leading (None entries pass through
+    as None). Their batch dims are merged into one where strides allow; otherwise there is one
+    launch per index of the leading (merged) batch dim, recursively. ``dropout`` (None or
+    :func:`sdpa_numba.dropout.params`) gets the batch offset of each launch, so that the
+    kernels' batch index stays the flat, row-major index into ``p.batch``: the mask does not
+    depend on how the work was split.
+    """
+    present = [a for a in arrays if a is not None]
+    merged, n_left = _merge_batch(present, len(p.batch))
     if n_left > 1:  # batch dims that no view can merge: one launch per leading index
+        inner = math.prod(merged[0].shape[1:n_left])
+        sub_p = dataclasses.replace(p, batch=merged[0].shape[1:n_left])
         for i in range(merged[0].shape[0]):
-            parts = [a[i] for a in merged] + [None]
-            mq, mk, mv, mo, ml, mm = parts[:6]
-            _launch(dataclasses.replace(p, batch=merged[0].shape[1:n_left]), mq, mk, mv,
-                    mm, mo, ml)
+            sub = None if dropout is None else (*dropout[:3], dropout[3] + i * inner)
+            for_each_launch(sub_p, _put_back(arrays, [a[i] for a in merged]), sub, launch)
         return
-    mq, mk, mv, mo, ml = merged[:5]
-    mm = merged[5] if mask is not None else None
-    forward(mq, mk, mv, mm, p.is_causal, p.scale, mo, ml)
+    launch(_put_back(arrays, merged), dropout)
 
 
-def _check_strides(named):
+def _put_back(arrays, present):
+    """``present`` in the places of the non-None entries of ``arrays``."""
+    it = iter(present)
+    return [None if a is None else next(it) for a in arrays]
+
+
+def operand_views(p, query, key, value, attn_mask):
+    """The kernels' views ``(*batch, heads, rows, cols)`` of query, key, value and the mask
+    (None stays None): leading unit dims and broadcast dims at stride 0, nothing copied."""
+    full = (*p.batch, p.hq)
+    return (broadcast_view(query, (*full, p.L, p.E)),
+            broadcast_view(key, (*p.batch, p.h, p.S, p.E)),
+            broadcast_view(value, (*p.batch, p.h, p.S, p.Ev)),
+            None if attn_mask is None else broadcast_view(attn_mask, (*full, p.L, p.S)))
+
+
+def check_strides(named):
     # Numba's own views with negative strides point at their lowest address, other libraries'
     # at element 0: no view could be built for both, so such operands are refused.
     for name, x in named:
@@ -71,24 +95,27 @@ def _check_strides(named):
                              f"path does not support: pass a copy")
 
 
-def run(p, query, key, value, attn_mask, out):
+def run(p, query, key, value, attn_mask, out, dropout=None):
     """Compute attention on the GPU for plan ``p``; returns ``(out, lse)`` as device arrays.
 
     The operands are Numba device arrays (see :func:`.arrays.adopt`); the kernel is launched
-    asynchronously on the default stream.
+    asynchronously on the default stream. ``dropout``: None or
+    :func:`sdpa_numba.dropout.params` (batch offset 0).
     """
-    _check_strides([("query", query), ("key", key), ("value", value),
+    check_strides([("query", query), ("key", key), ("value", value),
                     ("attn_mask", attn_mask), ("out", out)])
     if out is not None:
         _check_out(out, [("query", query), ("key", key), ("value", value),
                          ("attn_mask", attn_mask)])
     full = (*p.batch, p.hq)
-    q = broadcast_view(query, (*full, p.L, p.E))
-    k = broadcast_view(key, (*p.batch, p.h, p.S, p.E))
-    v = broadcast_view(value, (*p.batch, p.h, p.S, p.Ev))
-    mask = None if attn_mask is None else broadcast_view(attn_mask, (*full, p.L, p.S))
+    q, k, v, mask = operand_views(p, query, key, value, attn_mask)
     result = device_array(p.out_shape, p.dtype) if out is None else out
     lse = device_array(p.out_shape[:-1], p.compute_dtype)
-    _launch(p, q, k, v, mask, broadcast_view(result, (*full, p.L, p.Ev)),
-            broadcast_view(lse, (*full, p.L)))
+
+    def launch(arrays, drop):
+        mq, mk, mv, mm, mo, ml = arrays
+        forward(mq, mk, mv, mm, p.is_causal, p.scale, mo, ml, dropout=drop)
+
+    for_each_launch(p, [q, k, v, mask, broadcast_view(result, (*full, p.L, p.Ev)),
+                        broadcast_view(lse, (*full, p.L))], dropout, launch)
     return result, lse

@@ -19,6 +19,17 @@ SIMULATED = is_simulated_mode()
 TOL = {np.dtype(np.float16): 1e-3, np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
 
 
+def torch_cuda():
+    """The torch module when the tests run on a real GPU and torch has CUDA, else None."""
+    if not REAL_GPU:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
 def randn(rng, shape, dtype):
     return rng.standard_normal(shape).astype(dtype)
 

@@ -10,7 +10,7 @@ from numba import njit, prange
 
 import sdpa_numba
 from sdpa_numba import reference
-from sdpa_cuda_testing import REAL_GPU, SIMULATED, dev, rel_err
+from sdpa_cuda_testing import REAL_GPU, SIMULATED, dev, rel_err, torch_cuda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -87,19 +87,9 @@ def test_foreign_arrays_on_the_simulator_are_a_type_error():
         sdpa_numba.scaled_dot_product_attention(x, x, x)
 
 
-def _torch_cuda():
-    if not REAL_GPU:
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-@pytest.mark.skipif(_torch_cuda() is None, reason="needs a GPU and torch with CUDA")
+@pytest.mark.skipif(torch_cuda() is None, reason="needs a GPU and torch with CUDA")
 def test_torch_in_torch_out():
-    torch = _torch_cuda()
+    torch = torch_cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(s, device="cuda", generator=g) for s in ((2, 3, 9, 8), (2, 3, 7, 8),
                                                                      (2, 3, 7, 5)))
@@ -150,3 +140,4 @@ def test_gpu_check_logic_on_the_simulator():
     done = _gpu_check("--simulate", "--skip-tests", "--runs", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TFLOP/s" in done.stdout and "float16" in done.stdout
+    assert "Backward" in done.stdout and "differ from torch" not in done.stdout

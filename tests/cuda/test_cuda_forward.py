@@ -254,9 +254,12 @@ def test_kernel_arguments_are_launchable(dtype, mask_kind):
     import numba
 
     forward = importlib.import_module("sdpa_numba.cuda.forward")
-    sig, _ = forward._signature(np.dtype(dtype), mask_kind)
-    for t in sig.args:
-        assert isinstance(t, numba.types.Array) or t in (numba.boolean, numba.float64), t
+    backward = importlib.import_module("sdpa_numba.cuda.backward")
+    scalars = (numba.boolean, numba.float64, numba.uint64, numba.int64)
+    for signature in (forward._signature, backward.dq_signature, backward.dkv_signature):
+        sig, _ = signature(np.dtype(dtype), mask_kind)
+        for t in sig.args:
+            assert isinstance(t, numba.types.Array) or t in scalars, t
 
 
 def test_blocks_validation():
