@@ -51,6 +51,13 @@ def test_the_suite_has_what_issue_5_asks_for():
             "track_first_call_cached"} <= methods
 
 
+def test_the_suite_has_the_backward_issue_6_asks_for():
+    names = {n for n, _ in CLASSES}
+    assert {"cpu_backward.Backward", "cuda_forward.CudaBackward"} <= names
+    methods = {m for n, c in CLASSES if "Backward" in n for m in dir(c)}
+    assert {"time_backward", "track_gflops"} <= methods
+
+
 @pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
 def test_benchmark_runs_once_with_smallest_params(name, cls, tmp_path, monkeypatch):
     params = getattr(cls, "params", [])

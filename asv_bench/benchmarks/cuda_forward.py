@@ -1,4 +1,5 @@
-"""Forward attention on a CUDA GPU through the public API (device arrays in, device array out).
+"""Attention on a CUDA GPU through the public API (device arrays in, device arrays out): the
+forward and the backward.
 
 Skipped (setup raises NotImplementedError, which asv reports as n/a) where numba.cuda cannot
 be imported, no GPU is present, or the commit has no CUDA path yet.
@@ -87,5 +88,49 @@ class CudaForward:
     def track_gflops(self, L, e, causal, dtype):
         b, h, L, e = self.shape
         return flops(b, h, L, L, e, self.causal) / min_time(self._call, 5) / 1e9
+
+    track_gflops.unit = "GFLOP/s"
+
+
+class CudaBackward:
+    """B2 H16 D64 gradients on the GPU over L and causality (float16, float32); FLOPs
+    8·B·H·L·S·E, half when causal, as for the CPU backward. Skipped like :class:`CudaForward`,
+    and on commits whose backward has no CUDA path."""
+
+    params = ([1024, 4096], [False, True], ["float16", "float32"])
+    param_names = ["L", "causal", "dtype"]
+    number = 1
+    repeat = (3, 20, 20.0)
+    warmup_time = 0.0
+
+    def setup(self, L, causal, dtype):
+        cuda = cuda_or_skip()
+        import sdpa_numba
+
+        backward = getattr(sdpa_numba, "scaled_dot_product_attention_backward", None)
+        if backward is None:
+            raise NotImplementedError("this commit has no backward")
+        self.cuda, self.backward = cuda, backward
+        self.shape, self.causal = (2, 16, L, 64), causal
+        host = inputs(2, 16, L, 64, dtype) + inputs(2, 16, L, 64, dtype, seed=1)[:1]
+        self.q, self.k, self.v, self.grad_out = (cuda.to_device(x) for x in host)
+        try:
+            self.out, self.lse = sdpa_numba.scaled_dot_product_attention(
+                self.q, self.k, self.v, is_causal=causal, return_lse=True)
+            self._call()  # compile or load, warm up
+        except NotImplementedError as exc:
+            raise NotImplementedError(f"no CUDA backward at this commit: {exc}") from None
+
+    def _call(self):
+        self.backward(self.grad_out, self.q, self.k, self.v, self.out, self.lse,
+                      is_causal=self.causal)
+        self.cuda.synchronize()
+
+    def time_backward(self, L, causal, dtype):
+        self._call()
+
+    def track_gflops(self, L, causal, dtype):
+        b, h, L, e = self.shape
+        return 2 * flops(b, h, L, L, e, self.causal) / min_time(self._call, 5) / 1e9
 
     track_gflops.unit = "GFLOP/s"
