@@ -14,6 +14,7 @@ with torch), 2 bad usage, 3 an unexpected error (its traceback is printed).
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 import traceback
@@ -155,6 +156,10 @@ def build_parser():
                         "installed)")
     p.add_argument("--repeats", type=_positive_int, default=5,
                    help="interleaved timed rounds per case (default 5)")
+    p.add_argument("--runs", type=_positive_int, default=1, metavar="N",
+                   help="repeat the whole measurement N times and end with the median and "
+                        "range of each figure over the runs (on a shared machine the ratio to "
+                        "torch moves by 10-20%% between consecutive runs; default 1)")
     p.add_argument("--pause", type=_nonnegative_float, default=bench.PAUSE, metavar="SECONDS",
                    help=f"rest before each timed call, so that the previous library's spinning "
                         f"worker threads go to sleep (default {bench.PAUSE})")
@@ -307,6 +312,40 @@ def format_table(results, impls, markdown=False):
     return "\n".join(lines)
 
 
+def summarize_runs(runs, markdown=False):
+    """Median and range over ``runs`` (a list of ``(sgemm, results)``) of each case's ratio to
+    torch, GFLOP/s and, with the matmul rates, the fraction of torch's matmul rate."""
+
+    def stat(xs, spec, suffix=""):
+        xs = [x for x in xs if x is not None and math.isfinite(x)]
+        if not xs:
+            return "-"
+        return (f"{_fmt(statistics.median(xs), spec)}{suffix} "
+                f"({_fmt(min(xs), spec)}-{_fmt(max(xs), spec)})")
+
+    head = ["case", "vs torch", "sdpa_numba GFLOP/s", "torch GFLOP/s", "% of torch matmul"]
+    rows = []
+    for c, first in enumerate(runs[0][1]):
+        per = [results[c] for _, results in runs]
+        ours = [r["gflops"].get("sdpa_numba") for r in per]
+        roofs = [(sg or {}).get("torch") for sg, _ in runs]
+        rows.append([_label(first),
+                     stat([r.get("speed_vs_torch") for r in per], ".2f", "x"),
+                     stat(ours, ".1f"),
+                     stat([r["gflops"].get("torch") for r in per], ".1f"),
+                     stat([100 * o / m if o and m else None for o, m in zip(ours, roofs)],
+                          ".0f", "%")])
+    if markdown:
+        lines = ["| " + " | ".join(line) + " |" for line in [head] + rows]
+        lines.insert(1, "| --- |" + " ---: |" * (len(head) - 1))
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
+                       for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def plot_results(results, path, sgemm=None, title=None, sgemm_size=4096):
     """GFLOP/s against L, one panel per (B, H, E, dtype, causal), one line per implementation."""
     import matplotlib
@@ -393,19 +432,23 @@ def cmd_bench(args, out=None):
     if load is not None and load > 1.0:
         print(f"warning: load average {load:.1f} before the run: other processes are using the "
               f"CPUs, timings will be noisy", file=sys.stderr)
-    bar = _progress_bar(bench.steps(cases, impls, args.repeats), args.no_progress)
+    bar = _progress_bar(args.runs * bench.steps(cases, impls, args.repeats), args.no_progress)
 
     def progress(n, label):
         if bar is not None:
             bar.set_description(label)
             bar.update(n)
 
+    runs = []
     try:
-        sgemm = bench.sgemm_rates(args.sgemm_size) if args.sgemm else None
-        results = bench.run_cases(cases, impls, args.repeats, progress, args.pause)
+        for _ in range(args.runs):
+            sgemm = bench.sgemm_rates(args.sgemm_size) if args.sgemm else None
+            runs.append((sgemm, bench.run_cases(cases, impls, args.repeats, progress,
+                                                args.pause)))
     finally:
         if bar is not None:
             bar.close()
+    sgemm, results = runs[-1]
     shown = [i for i in impls if any(i in r["time_s"] for r in results)]
     disagree = [r for r in results
                 if r.get("rel_err_vs_torch", 0.0) > AGREEMENT[r["dtype"]]
@@ -414,7 +457,8 @@ def cmd_bench(args, out=None):
     if args.json:
         _dump_json({"info": info, "threads": threads, "load_average_1min_before": load,
                     "repeats": args.repeats, "sgemm_size": args.sgemm_size if sgemm else None,
-                    "sgemm_gflops": sgemm, "results": results}, out)
+                    "sgemm_gflops": sgemm, "results": results,
+                    "runs": [{"sgemm_gflops": sg, "results": rs} for sg, rs in runs]}, out)
     else:
         print(f"sdpa_numba bench: {threads} threads ({info['threading_layer']}), CPU "
               f"{info['cpu']['name']}, avx512f {'yes' if info['cpu']['avx512f'] else 'no'}, "
@@ -432,6 +476,10 @@ def cmd_bench(args, out=None):
             n = args.sgemm_size
             print(f"float32 {n}x{n} matmul: " + ", ".join(
                 f"{k} {v:.1f} GFLOP/s" for k, v in sgemm.items()), file=out)
+        if args.runs > 1:
+            print(f"\nover {args.runs} runs (the table above is the last): median (min-max)",
+                  file=out)
+            print(summarize_runs(runs, markdown=args.markdown), file=out)
     if args.plot:
         plot_results(results, args.plot, sgemm,
                      title=f"sdpa_numba bench, {threads} threads, {info['cpu']['name']}, "

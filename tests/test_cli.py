@@ -6,6 +6,7 @@ as a script to check what a shell sees.
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -108,6 +109,25 @@ def test_bench_json(capsys):
     assert "first_call_s" in res[0]
     assert doc["sgemm_gflops"]["numpy"] > 0
     assert doc["info"]["versions"]["sdpa_numba"] == sdpa_numba.__version__
+
+
+def test_bench_runs_summarizes_every_run(capsys):
+    rc, doc = run_json(capsys, TINY_BENCH + ["-L", "32", "--causal", "both", "--json",
+                                             "--runs", "3", "--sgemm", "--sgemm-size", "128"])
+    assert rc == cli.EXIT_OK
+    assert len(doc["runs"]) == 3
+    assert doc["runs"][-1]["results"] == doc["results"]
+    assert all(len(run["results"]) == 2 and run["sgemm_gflops"]["numpy"] > 0
+               for run in doc["runs"])
+    rc = cli.main(TINY_BENCH + ["-L", "32", "--causal", "both", "--runs", "2", "--markdown"])
+    text = capsys.readouterr().out
+    assert rc == cli.EXIT_OK
+    summary = text.split("over 2 runs")[1].strip().splitlines()
+    assert summary[1].startswith("| case | vs torch")
+    assert len([line for line in summary if line.startswith("| B1 H2 L32 D16")]) == 2, text
+    # median (min-max) of GFLOP/s in every row
+    assert all(re.search(r"\d \(\d+\.\d-\d+\.\d\)", line)
+               for line in summary if line.startswith("| B"))
 
 
 def test_bench_table_and_plot(capsys, tmp_path):
