@@ -468,7 +468,7 @@ def cmd_bench(args, out=None):
             print("torch is not installed: no torch column (pip install 'sdpa_numba[bench]')",
                   file=out)
         print(format_table(results, shown, markdown=args.markdown), file=out)
-        for r in results:
+        for r in runs[0][1]:  # the first run's: later runs find the kernels warm
             if "first_call_s" in r:
                 print(f"first sdpa_numba call, {r['dtype']} (compile or load from Numba's cache; "
                       f"not in the times): {r['first_call_s']:.2f} s", file=out)
