@@ -92,3 +92,28 @@ def test_float16_through_uint16_views_from_user_njit(rng):
          np.empty((1, 1, 40), np.float32))
     ref, _ = attention(q, k, v, scale=0.25)
     assert rel_err(out, ref) < TOL[np.float16]
+
+
+def test_batched_backward_from_user_njit(rng):
+    """A training step written in Numba: the forward, then the backward, from a user's @njit."""
+    from sdpa_numba.reference import attention_backward
+
+    @njit
+    def user(q, k, v, dout, scale):
+        out = np.empty(q.shape[:3] + (v.shape[3],), q.dtype)
+        lse = np.empty(q.shape[:3], q.dtype)
+        cpu.forward(q, k, v, None, True, scale, out, lse)
+        dq = np.full(q.shape, np.nan, q.dtype)
+        dk = np.full(k.shape, np.nan, k.dtype)
+        dv = np.full(v.shape, np.nan, v.dtype)
+        cpu.backward(q, k, v, None, True, scale, dout, out, lse, dq, dk, dv)
+        return dq, dk, dv
+
+    # GQA (4 query heads on 2 key/value heads), causal with L > S, Ev != E, odd sizes.
+    q = randn(rng, (2, 4, 37, 16), np.float64)
+    k, v = randn(rng, (2, 2, 29, 16), np.float64), randn(rng, (2, 2, 29, 8), np.float64)
+    dout = randn(rng, (2, 4, 37, 8), np.float64)
+    got = user(q, k, v, dout, 0.3)
+    want = attention_backward(dout, q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    for g, w in zip(got, want[:3]):
+        assert rel_err(g, w) < 1e-10
