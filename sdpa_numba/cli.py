@@ -277,6 +277,19 @@ def _label(r):
     return bench.Case(r["batch"], r["heads"], r["seq"], r["dim"], r["dtype"], r["causal"]).label
 
 
+def _render(head, rows, markdown):
+    """A table: Markdown (numbers right-aligned), or text with aligned columns."""
+    if markdown:
+        lines = ["| " + " | ".join(line) + " |" for line in [head] + rows]
+        lines.insert(1, "| --- |" + " ---: |" * (len(head) - 1))
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
+                       for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_table(results, impls, markdown=False):
     """One row per case: the speed ratio to torch, then ms and GFLOP/s per implementation.
 
@@ -301,15 +314,7 @@ def format_table(results, impls, markdown=False):
         if has_numpy:
             row.append(_fmt(r.get("speed_vs_numpy"), ".1f") + ("x" if "speed_vs_numpy" in r else ""))
         rows.append(row)
-    if markdown:
-        lines = ["| " + " | ".join(line) + " |" for line in [head] + rows]
-        lines.insert(1, "| --- |" + " ---: |" * (len(head) - 1))
-        return "\n".join(lines)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
-                       for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _render(head, rows, markdown)
 
 
 def summarize_runs(runs, markdown=False):
@@ -335,15 +340,7 @@ def summarize_runs(runs, markdown=False):
                      stat([r["gflops"].get("torch") for r in per], ".1f"),
                      stat([100 * o / m if o and m else None for o, m in zip(ours, roofs)],
                           ".0f", "%")])
-    if markdown:
-        lines = ["| " + " | ".join(line) + " |" for line in [head] + rows]
-        lines.insert(1, "| --- |" + " ---: |" * (len(head) - 1))
-        return "\n".join(lines)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
-                       for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _render(head, rows, markdown)
 
 
 def plot_results(results, path, sgemm=None, title=None, sgemm_size=4096):
