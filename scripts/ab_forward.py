@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""In-process A/B of the serial CPU forward: a git revision against the working tree.
+
+On a shared machine two runs of the same command differ by 10-20%, so a kernel change worth a
+few percent cannot be judged by two separate benchmark runs. This script loads both versions
+of the package into one process (copied under the names ``sdpa_old`` and ``sdpa_new``; the
+package imports itself relatively), runs ``sdpa_numba.cpu.forward_head`` on one thread for
+each in alternation, keeps each one's minimum, and checks that both give the same output.
+
+Usage::
+
+    python scripts/ab_forward.py HEAD~1 --L 1024 --D 64 --rounds 200
+    python scripts/ab_forward.py main --D 128 --causal --dtype float64
+
+The copies live in a temporary folder, so the first call of each compiles (seconds).
+"""
+
+import argparse
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rev", help="the git revision to compare the working tree with")
+    ap.add_argument("--L", type=int, default=1024, help="L = S (default 1024)")
+    ap.add_argument("--D", type=int, default=64, help="head dim (default 64)")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
+    ap.add_argument("--rounds", type=int, default=100, help="alternations (default 100)")
+    return ap.parse_args(argv)
+
+
+def _copy_packages(rev, where):
+    archive = os.path.join(where, "old.tar")
+    with open(archive, "wb") as f:
+        subprocess.run(["git", "-C", ROOT, "archive", rev, "sdpa_numba"], stdout=f, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(os.path.join(where, "old"), filter="data")
+    shutil.move(os.path.join(where, "old", "sdpa_numba"), os.path.join(where, "sdpa_old"))
+    shutil.copytree(os.path.join(ROOT, "sdpa_numba"), os.path.join(where, "sdpa_new"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import numba
+
+    numba.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as where:
+        _copy_packages(args.rev, where)
+        sys.path.insert(0, where)
+        heads = {name: importlib.import_module(f"sdpa_{name}.cpu").forward_head
+                 for name in ("old", "new")}
+        rng = np.random.default_rng(0)
+        dt = np.dtype(args.dtype)
+        q, k, v = (rng.standard_normal((args.L, args.D)).astype(dt) for _ in range(3))
+        ct = np.float64 if dt == np.float64 else np.float32
+        outs = {}
+        for name, f in heads.items():  # compile and warm up
+            outs[name] = (np.empty((args.L, args.D), dt), np.empty(args.L, ct))
+            f(q, k, v, None, args.causal, 1 / np.sqrt(args.D), *outs[name])
+        best = dict.fromkeys(heads, np.inf)
+        for _ in range(args.rounds):
+            for name, f in heads.items():
+                t0 = time.perf_counter()
+                f(q, k, v, None, args.causal, 1 / np.sqrt(args.D), *outs[name])
+                best[name] = min(best[name], time.perf_counter() - t0)
+    flops = 4 * args.L * args.L * args.D / (2 if args.causal else 1)
+    diff = np.max(np.abs(outs["old"][0].astype(np.float64) - outs["new"][0]))
+    print(f"L=S={args.L} D={args.D} {args.dtype}{' causal' if args.causal else ''}, 1 thread, "
+          f"min of {args.rounds} alternations: {args.rev} {flops / best['old'] / 1e9:.1f} "
+          f"GFLOP/s, working tree {flops / best['new'] / 1e9:.1f} GFLOP/s "
+          f"(new/old speed {best['old'] / best['new']:.3f}); max |difference| {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
