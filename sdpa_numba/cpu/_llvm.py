@@ -82,6 +82,22 @@ def prefer_512_bit(typingctx):
 
 
 @intrinsic
+def no_inline(typingctx):
+    """Keep LLVM from inlining the function this is compiled into into its callers.
+
+    Numba links a callee into its caller's module and LLVM inlines it there; this keeps it a
+    call, so that the callee's values (its hoisted constants) take no registers in the caller.
+    """
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.function.attributes.add("noinline")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def half_bits_to_float32(typingctx, bits):
     """The float32 value of a float16 stored as its uint16 bit pattern."""
     if bits != types.uint16:

@@ -22,18 +22,21 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, keep_alive, ptr_add, stack_buffer
+from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
-from .microkernel import MR, NR, tile_product
+from .microkernel import MR_WIDE, NR, tile_product
 from .online_softmax import LN2, LOG2E
-from .options import FASTMATH, INLINE, KERNEL
+from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .storage import cast, load, store
 
 #: Keys per key/value block.
 BN = 64
 #: Query rows per score tile: the micro-kernel's width, queries along the vector lanes.
 BM = NR
+# Blocks are covered by tiles of MR_WIDE rows and one tile of the remainder.
+assert BN % MR_WIDE != 0 and BM % MR_WIDE != 0
+
 #: Query rows per task when there are enough tasks to keep every core busy.
 CHUNK = 256
 
@@ -117,13 +120,15 @@ def _mask_tile(st, n_keys, i_first, n_real, j0, mask, is_causal):
                 row[i] = masked_score(row[i], mask[i_first + i, jj])
 
 
-@njit(**INLINE)
+@njit(**CALLED)
 def _softmax_tile(st, n_keys, m, l, alpha):
     """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
 
     Overwrites scores with p = 2**(s - m_new) (and the rows past ``n_keys`` with 0) and
     updates ``m``, ``l``, ``alpha`` (pointers to BM lanes).
     """
+    no_inline()  # as the tile products: a call of its own
+    prefer_512_bit()
     # The lane state is worked on in stack buffers and copied in and out: LLVM cannot prove
     # that the pointers m, l and alpha don't overlap, and kept the loops over them scalar
     # (64 scalar exp2 per tile for alpha alone); a private alloca overlaps nothing.
@@ -166,6 +171,41 @@ def _softmax_tile(st, n_keys, m, l, alpha):
         st[t] = 0
 
 
+@njit(**CALLED)
+def _scores(ks, e_len, qt, st, n_keys):
+    """Sᵀ = K Qᵀ for the first ``n_keys`` keys of a block (rounded up to whole tiles).
+
+    ``ks`` BN x E row-major, ``qt`` E x BM (a sub-block of packed queries), ``st`` BN x BM.
+    """
+    # The tile products are compiled as calls of their own (here and in _accumulate):
+    # inlined into attend_rows, LLVM kept the 6-row P·V accumulator in memory.
+    no_inline()
+    for jt in range(0, n_keys, MR_WIDE):
+        if jt + MR_WIDE <= BN:
+            tile_product(ptr_add(ks, jt * e_len), e_len, 1, qt, BM, ptr_add(st, jt * BM), BM,
+                         e_len, None, MR_WIDE)
+        else:
+            tile_product(ptr_add(ks, jt * e_len), e_len, 1, qt, BM, ptr_add(st, jt * BM), BM,
+                         e_len, None, BN % MR_WIDE)
+
+
+@njit(**CALLED)
+def _accumulate(pt, vs, ev_pad, acc, alpha):
+    """acc = diag(alpha) acc + P V for one sub-block: ``pt`` is Pᵀ (BN x BM), ``vs`` BN x
+    ev_pad, ``acc`` BM x ev_pad, all row-major."""
+    no_inline()
+    for rt in range(0, BM, MR_WIDE):
+        for d0 in range(0, ev_pad, NR):
+            if rt + MR_WIDE <= BM:
+                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vs, d0), ev_pad,
+                             ptr_add(acc, rt * ev_pad + d0), ev_pad, BN, ptr_add(alpha, rt),
+                             MR_WIDE)
+            else:
+                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vs, d0), ev_pad,
+                             ptr_add(acc, rt * ev_pad + d0), ev_pad, BN, ptr_add(alpha, rt),
+                             BM % MR_WIDE)
+
+
 @njit(**KERNEL)
 def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
@@ -205,21 +245,14 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
                 n_keys = min(nj, min(i1, i0 + r0 + BM) - j0)
                 if n_keys <= 0:
                     continue
-            for jt in range(0, n_keys, MR):
-                tile_product(ptr_add(p_ks, jt * e_len), e_len, 1,
-                             ptr_add(p_qt, r0 * e_len), BM, ptr_add(p_st, jt * BM), BM,
-                             e_len, None)
+            _scores(p_ks, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
             if mask is not None or (is_causal and j0 + n_keys - 1 > i0 + r0):
                 _mask_tile(st, n_keys, i0 + r0, min(BM, n - r0), j0, mask, is_causal)
             _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
                           ptr_add(p_alpha, r0))
             # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
-            for rt in range(0, BM, MR):
-                for d0 in range(0, ev_pad, NR):
-                    tile_product(ptr_add(p_st, rt), 1, BM, ptr_add(p_vs, d0), ev_pad,
-                                 ptr_add(p_acc, (r0 + rt) * ev_pad + d0), ev_pad, BN,
-                                 ptr_add(p_alpha, r0 + rt))
+            _accumulate(p_st, p_vs, ev_pad, ptr_add(p_acc, r0 * ev_pad), ptr_add(p_alpha, r0))
 
     for r in range(n):
         i = i0 + r

@@ -14,28 +14,33 @@ from numba.extending import overload
 from ._llvm import prefer_512_bit, ptr_add, stack_buffer
 from .options import INLINE
 
-#: Rows of a micro-tile (query rows).
+#: Rows of the backward's micro-tiles.
 MR = 4
+#: Rows of the forward's micro-tiles: a 6 x 64 float32 accumulator takes 24 of the 32 zmm
+#: registers and needs 10 loads per 24 FMAs, against 8 per 16 at 4 x 64. The forward's 64-row
+#: blocks are covered as ten tiles of 6 rows and one of 4.
+MR_WIDE = 6
 #: Columns of a micro-tile (keys for Q·Kᵀ, value dims for P·V). 64 measured fastest: 4 zmm
 #: per row for float32. (NR = 32 kept the accumulator in memory in our measurements.)
 NR = 64
 
-_acc_buffer = stack_buffer(MR * NR)
+_acc_buffer = stack_buffer(MR_WIDE * NR)
 
 
-def pass_rows(ptr):
-    """Rows per register pass for the element type of ``ptr`` (jitted code only)."""
+def pass_rows(ptr, rows):
+    """Rows per register pass of a ``rows``-row tile of the element type of ``ptr`` (jitted
+    code only)."""
     raise NotImplementedError("pass_rows is only callable from jitted code")
 
 
 @overload(pass_rows)
-def _pass_rows(ptr):
-    # 16 zmm of accumulators: 4 float32 rows of 4 vectors, or 2 float64 rows of 8 vectors
-    # (4 float64 rows would need all 32 zmm and spill; splitting columns instead kept the
-    # accumulator in memory in our measurements).
+def _pass_rows(ptr, rows):
+    # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass. float64 rows are
+    # 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill; splitting columns instead
+    # kept the accumulator in memory in our measurements).
     if ptr.dtype == types.float64:
-        return lambda ptr: MR // 2
-    return lambda ptr: MR
+        return lambda ptr, rows: 2
+    return lambda ptr, rows: rows
 
 
 @njit(**INLINE)
@@ -64,8 +69,8 @@ def _tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr):
 
 
 @njit(**INLINE)
-def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha):
-    """``c = a @ b`` over an MR x NR tile, or ``c = alpha[:, None] * c + a @ b``.
+def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR):
+    """``c = a @ b`` over a rows x NR tile, or ``c = alpha[:, None] * c + a @ b``.
 
     Parameters
     ----------
@@ -77,10 +82,18 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha):
         The reduction length.
     alpha : CPointer or None
         Per-row factors of the old ``c``; None overwrites ``c``.
+    rows : int
+        Rows of the tile, a compile-time constant: ``MR`` or ``MR_WIDE`` (float64 tiles are
+        done 2 rows at a time).
     """
     prefer_512_bit()
-    mr = pass_rows(a)
+    mr = pass_rows(a, rows)
+    # Passes written out, not a loop over them: a loop (even of one trip) left the
+    # accumulator stored to the stack on every step once inlined into the forward.
     _tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr)
-    if mr < MR:  # float64: the second half of the rows
+    if mr < rows:  # float64: the other rows, 2 at a time
         _tile_pass(ptr_add(a, mr * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, mr * ldc), ldc,
                    k_len, None if alpha is None else ptr_add(alpha, mr), mr)
+    if 2 * mr < rows:
+        _tile_pass(ptr_add(a, 2 * mr * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, 2 * mr * ldc),
+                   ldc, k_len, None if alpha is None else ptr_add(alpha, 2 * mr), mr)
