@@ -27,8 +27,9 @@ from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product
 from .online_softmax import LN2, LOG2E
+from .scratch import LINE, aligned_empty, aligned_full
 from .options import CALLED, FASTMATH, INLINE, KERNEL
-from .storage import cast, load, store
+from .storage import cast, is_compute_dtype, load, store
 
 #: Keys per key/value block.
 BN = 64
@@ -84,22 +85,55 @@ def _pack_queries(q, i0, n, n_pad, scale, qt, row):
 
 
 @njit(**INLINE)
-def _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one):
-    """K block into ks (BN x E) and V block into vs (BN x ev_pad), row-major.
+def _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one, pack_k, pack_v):
+    """K block into ks (BN x E) and V block into vs (BN x ev_pad), row-major, where asked.
 
-    K rows past ``nj`` are never read. V rows past ``nj`` meet p = 0 and columns past Ev are
-    accumulated but never output: both are zeroed, so that no NaN or denormal garbage enters.
+    K rows past ``nj`` are read only by the last score tile, whose scores for them are
+    discarded. V rows past ``nj`` meet p = 0 and columns past Ev are accumulated but never
+    output: both are zeroed, so that no NaN or denormal garbage enters.
     """
     e_len = k.shape[1]
     ev = v.shape[1]
     p_ks, p_vs = data_ptr(ks), data_ptr(vs)
     for j in range(nj):
-        _pack_row(k, j0 + j, e_len, ptr_add(p_ks, j * e_len), one)
-        _pack_row(v, j0 + j, ev, ptr_add(p_vs, j * ev_pad), one)
-        for d in range(ev, ev_pad):
-            vs[j * ev_pad + d] = 0
-    for t in range(nj * ev_pad, BN * ev_pad):
-        vs[t] = 0
+        if pack_k:
+            _pack_row(k, j0 + j, e_len, ptr_add(p_ks, j * e_len), one)
+        if pack_v:
+            _pack_row(v, j0 + j, ev, ptr_add(p_vs, j * ev_pad), one)
+            for d in range(ev, ev_pad):
+                vs[j * ev_pad + d] = 0
+    if pack_v:
+        for t in range(nj * ev_pad, BN * ev_pad):
+            vs[t] = 0
+
+
+def block_start(a, i, ld, packed, in_place):
+    """Pointer to row ``i`` of ``a`` (row stride ``ld``) if ``in_place``, else ``packed``
+    (jitted code only)."""
+    raise NotImplementedError("block_start is only callable from jitted code")
+
+
+@overload(block_start)
+def _block_start(a, i, ld, packed, in_place):
+    if a.dtype != packed.dtype:  # float16 storage: always packed
+        return lambda a, i, ld, packed, in_place: packed
+    return lambda a, i, ld, packed, in_place: (ptr_add(data_ptr(a), i * ld) if in_place
+                                               else packed)
+
+
+@njit(**INLINE)
+def _row_stride(a, like, n_cols, aligned):
+    """The row stride of ``a`` in elements if whole blocks of it can be read in place by the
+    tile products, else 0 (then blocks are packed): rows of ``n_cols`` contiguous elements
+    of the compute dtype of ``like``, a positive row stride, and, if ``aligned``, rows that
+    start cache lines (operands loaded 64 bytes at a time; see :mod:`.scratch`)."""
+    if not is_compute_dtype(a, like) or a.strides[1] != a.itemsize or a.shape[1] != n_cols:
+        return 0
+    if a.strides[0] <= 0 or a.strides[0] % a.itemsize != 0:
+        return 0
+    if aligned and (a.ctypes.data % LINE != 0 or a.strides[0] % LINE != 0):
+        return 0
+    return a.strides[0] // a.itemsize
 
 
 @njit(**INLINE)
@@ -172,36 +206,37 @@ def _softmax_tile(st, n_keys, m, l, alpha):
 
 
 @njit(**CALLED)
-def _scores(ks, e_len, qt, st, n_keys):
+def _scores(kb, ldk, e_len, qt, st, n_keys):
     """Sᵀ = K Qᵀ for the first ``n_keys`` keys of a block (rounded up to whole tiles).
 
-    ``ks`` BN x E row-major, ``qt`` E x BM (a sub-block of packed queries), ``st`` BN x BM.
+    ``kb`` BN x E (row stride ``ldk``), ``qt`` E x BM (a sub-block of packed queries), ``st``
+    BN x BM.
     """
     # The tile products are compiled as calls of their own (here and in _accumulate):
     # inlined into attend_rows, LLVM kept the 6-row P·V accumulator in memory.
     no_inline()
     for jt in range(0, n_keys, MR_WIDE):
         if jt + MR_WIDE <= BN:
-            tile_product(ptr_add(ks, jt * e_len), e_len, 1, qt, BM, ptr_add(st, jt * BM), BM,
+            tile_product(ptr_add(kb, jt * ldk), ldk, 1, qt, BM, ptr_add(st, jt * BM), BM,
                          e_len, None, MR_WIDE)
         else:
-            tile_product(ptr_add(ks, jt * e_len), e_len, 1, qt, BM, ptr_add(st, jt * BM), BM,
+            tile_product(ptr_add(kb, jt * ldk), ldk, 1, qt, BM, ptr_add(st, jt * BM), BM,
                          e_len, None, BN % MR_WIDE)
 
 
 @njit(**CALLED)
-def _accumulate(pt, vs, ev_pad, acc, alpha):
-    """acc = diag(alpha) acc + P V for one sub-block: ``pt`` is Pᵀ (BN x BM), ``vs`` BN x
-    ev_pad, ``acc`` BM x ev_pad, all row-major."""
+def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
+    """acc = diag(alpha) acc + P V for one sub-block: ``pt`` is Pᵀ (BN x BM), ``vb`` BN x
+    ev_pad (row stride ``ldv``), ``acc`` BM x ev_pad, all row-major."""
     no_inline()
     for rt in range(0, BM, MR_WIDE):
         for d0 in range(0, ev_pad, NR):
             if rt + MR_WIDE <= BM:
-                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vs, d0), ev_pad,
+                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vb, d0), ldv,
                              ptr_add(acc, rt * ev_pad + d0), ev_pad, BN, ptr_add(alpha, rt),
                              MR_WIDE)
             else:
-                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vs, d0), ev_pad,
+                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vb, d0), ldv,
                              ptr_add(acc, rt * ev_pad + d0), ev_pad, BN, ptr_add(alpha, rt),
                              BM % MR_WIDE)
 
@@ -220,39 +255,51 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     n_pad = (n + BM - 1) // BM * BM
     ev_pad = (ev + NR - 1) // NR * NR
     ct = lse.dtype
-    qt = np.empty(max(n_pad * e_len, 1), ct)
+    qt = aligned_empty(max(n_pad * e_len, 1), ct)
     row = np.empty(max(e_len, 1), ct)
-    ks = np.empty(max(BN * e_len, 1), ct)
-    vs = np.empty(max(BN * ev_pad, 1), ct)
-    st = np.empty(BN * BM, ct)
-    acc = np.zeros(max(n_pad * ev_pad, 1), ct)
-    m = np.full(n_pad, -np.inf, ct)
-    l = np.zeros(n_pad, ct)
-    alpha = np.empty(n_pad, ct)
+    ks = aligned_empty(max(BN * e_len, 1), ct)
+    vs = aligned_empty(max(BN * ev_pad, 1), ct)
+    st = aligned_empty(BN * BM, ct)
+    acc = aligned_full(max(n_pad * ev_pad, 1), 0, ct)
+    m = aligned_full(n_pad, -np.inf, ct)
+    l = aligned_full(n_pad, 0, ct)
+    alpha = aligned_empty(n_pad, ct)
     # Scores are computed in base 2: exp(x) = 2**(x log2 e), folded into the packed queries.
     _pack_queries(q, i0, n, n_pad, cast(scale * LOG2E, lse), qt, row)
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
+    # Full blocks of K and V are read in place when they are already rows of the compute
+    # dtype (float32, float64 storage): packing them cost ~5% of the time. K is only read
+    # by broadcasts; V, loaded 64 bytes at a time, must also be aligned to cache lines.
+    ldk = _row_stride(k, lse, e_len, False)
+    ldv = _row_stride(v, lse, ev_pad, True)
 
     kv_end = min(s_len, i1) if is_causal else s_len
     for j0 in range(0, kv_end, BN):
         nj = min(BN, kv_end - j0)
-        _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one)
+        k_in_place = ldk > 0 and nj == BN
+        v_in_place = ldv > 0 and nj == BN
+        _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one, not k_in_place, not v_in_place)
+        p_kb = block_start(k, j0, ldk, p_ks, k_in_place)
+        p_vb = block_start(v, j0, ldv, p_vs, v_in_place)
+        ldkb = ldk if k_in_place else e_len
+        ldvb = ldv if v_in_place else ev_pad
         for r0 in range(0, n_pad, BM):
             n_keys = nj
             if is_causal:  # keys past the sub-block's last real query are all masked
                 n_keys = min(nj, min(i1, i0 + r0 + BM) - j0)
                 if n_keys <= 0:
                     continue
-            _scores(p_ks, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
+            _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
             if mask is not None or (is_causal and j0 + n_keys - 1 > i0 + r0):
                 _mask_tile(st, n_keys, i0 + r0, min(BM, n - r0), j0, mask, is_causal)
             _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
                           ptr_add(p_alpha, r0))
             # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
-            _accumulate(p_st, p_vs, ev_pad, ptr_add(p_acc, r0 * ev_pad), ptr_add(p_alpha, r0))
+            _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),
+                        ptr_add(p_alpha, r0))
 
     for r in range(n):
         i = i0 + r

@@ -57,6 +57,18 @@ def compute_dtype(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+def is_compute_dtype(a, like):
+    """Whether the array ``a`` is stored in the compute dtype of the array ``like`` (jitted
+    code only; a compile-time constant)."""
+    raise NotImplementedError("is_compute_dtype is only callable from jitted code")
+
+
+@overload(is_compute_dtype)
+def _is_compute_dtype(a, like):
+    same = a.dtype == like.dtype
+    return lambda a, like: same
+
+
 def cast(value, like):
     """``value`` converted to the float type of ``like``, a scalar or an array (jitted only)."""
     raise NotImplementedError("cast is only callable from jitted code")
