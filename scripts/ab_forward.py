@@ -4,13 +4,15 @@
 On a shared machine two runs of the same command differ by 10-20%, so a kernel change worth a
 few percent cannot be judged by two separate benchmark runs. This script loads both versions
 of the package into one process (copied under the names ``sdpa_old`` and ``sdpa_new``; the
-package imports itself relatively), runs ``sdpa_numba.cpu.forward_head`` on one thread for
-each in alternation, keeps each one's minimum, and checks that both give the same output.
+package imports itself relatively), runs ``sdpa_numba.cpu.forward_head`` (or, with
+``--backward``, ``sdpa_numba.cpu.backward``) on one thread for each in alternation, keeps each
+one's minimum, and checks that both give the same output (dQ for the backward).
 
 Usage::
 
     python scripts/ab_forward.py HEAD~1 --L 1024 --D 64 --rounds 200
     python scripts/ab_forward.py main --D 128 --causal --dtype float64
+    python scripts/ab_forward.py HEAD~1 --backward
 
 The copies live in a temporary folder, so the first call of each compiles (seconds).
 """
@@ -38,6 +40,8 @@ def parse_args(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     ap.add_argument("--rounds", type=int, default=100, help="alternations (default 100)")
+    ap.add_argument("--backward", action="store_true",
+                    help="time the backward (one head; FLOPs 8 L S D) instead of the forward")
     return ap.parse_args(argv)
 
 
@@ -52,6 +56,15 @@ def _copy_packages(rev, where):
                     ignore=shutil.ignore_patterns("__pycache__"))
 
 
+def _stored(a):
+    """What the CPU kernels take: float16 as its uint16 bits."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def _loaded(a):
+    return (a.view(np.float16) if a.dtype == np.uint16 else a).astype(np.float64)
+
+
 def main(argv=None):
     args = parse_args(argv)
     import numba
@@ -60,25 +73,38 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as where:
         _copy_packages(args.rev, where)
         sys.path.insert(0, where)
-        heads = {name: importlib.import_module(f"sdpa_{name}.cpu").forward_head
-                 for name in ("old", "new")}
+        pkgs = {name: importlib.import_module(f"sdpa_{name}.cpu") for name in ("old", "new")}
         rng = np.random.default_rng(0)
         dt = np.dtype(args.dtype)
-        q, k, v = (rng.standard_normal((args.L, args.D)).astype(dt) for _ in range(3))
+        q, k, v = (_stored(rng.standard_normal((1, 1, args.L, args.D)).astype(dt))
+                   for _ in range(3))
         ct = np.float64 if dt == np.float64 else np.float32
-        outs = {}
-        for name, f in heads.items():  # compile and warm up
-            outs[name] = (np.empty((args.L, args.D), dt), np.empty(args.L, ct))
-            f(q, k, v, None, args.causal, 1 / np.sqrt(args.D), *outs[name])
-        best = dict.fromkeys(heads, np.inf)
+        scale = 1 / np.sqrt(args.D)
+        if args.backward:  # the working tree's forward gives both backwards their out, lse
+            out, lse = np.empty_like(q), np.empty((1, 1, args.L), ct)  # q: stored dtype
+            pkgs["new"].forward(q, k, v, None, args.causal, scale, out, lse)
+            dout = _stored(rng.standard_normal(q.shape).astype(dt))
+            calls = {name: (lambda cpu, res: cpu.backward(
+                q, k, v, None, args.causal, scale, dout, out, lse, *res)) for name in pkgs}
+            outs = {name: tuple(np.empty(q.shape, ct) for _ in range(3)) for name in pkgs}
+        else:
+            calls = {name: (lambda cpu, res: cpu.forward_head(
+                q[0, 0], k[0, 0], v[0, 0], None, args.causal, scale, *res)) for name in pkgs}
+            outs = {name: (np.empty((args.L, args.D), q.dtype), np.empty(args.L, ct))
+                    for name in pkgs}
+        for name, cpu in pkgs.items():  # compile and warm up
+            calls[name](cpu, outs[name])
+        best = dict.fromkeys(pkgs, np.inf)
         for _ in range(args.rounds):
-            for name, f in heads.items():
+            for name, cpu in pkgs.items():
                 t0 = time.perf_counter()
-                f(q, k, v, None, args.causal, 1 / np.sqrt(args.D), *outs[name])
+                calls[name](cpu, outs[name])
                 best[name] = min(best[name], time.perf_counter() - t0)
-    flops = 4 * args.L * args.L * args.D / (2 if args.causal else 1)
-    diff = np.max(np.abs(outs["old"][0].astype(np.float64) - outs["new"][0]))
-    print(f"L=S={args.L} D={args.D} {args.dtype}{' causal' if args.causal else ''}, 1 thread, "
+    flops = (8 if args.backward else 4) * args.L * args.L * args.D / (2 if args.causal else 1)
+    diff = np.max(np.abs(_loaded(outs["old"][0]) - _loaded(outs["new"][0])))
+    what = "backward" if args.backward else "forward"
+    print(f"{what} L=S={args.L} D={args.D} {args.dtype}{' causal' if args.causal else ''}, "
+          "1 thread, "
           f"min of {args.rounds} alternations: {args.rev} {flops / best['old'] / 1e9:.1f} "
           f"GFLOP/s, working tree {flops / best['new'] / 1e9:.1f} GFLOP/s "
           f"(new/old speed {best['old'] / best['new']:.3f}); max |difference| {diff:.2e}")

@@ -46,6 +46,7 @@ from .forward import masked_score
 from .microkernel import MR, NR, tile_product
 from .online_softmax import LOG2E
 from .options import FASTMATH, INLINE, KERNEL
+from .scratch import aligned_empty
 from .storage import cast, load
 
 #: Query rows per tile (the tiles' columns): one micro-tile wide.
@@ -336,23 +337,23 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     # a chunk of keys, packed: per key block kp (BK x E), kt (e4 x BK), vp (BK x Ev), and
     # its dK, dV accumulators (BK x e_pad, BK x ev_pad)
     nb = min(kb1 - kb0, CHUNK_BLOCKS)
-    kp = np.empty(max(nb * BK * e_len, 1), ct)
-    kt = np.empty(max(nb * e4 * BK, 1), ct)
-    vp = np.empty(max(nb * BK * ev, 1), ct)
-    dka = np.empty(max(nb * BK * e_pad, 1), ct)
-    dva = np.empty(max(nb * BK * ev_pad, 1), ct)
+    kp = aligned_empty(max(nb * BK * e_len, 1), ct)
+    kt = aligned_empty(max(nb * e4 * BK, 1), ct)
+    vp = aligned_empty(max(nb * BK * ev, 1), ct)
+    dka = aligned_empty(max(nb * BK * e_pad, 1), ct)
+    dva = aligned_empty(max(nb * BK * ev_pad, 1), ct)
     p_kp, p_kt, p_vp, p_dka, p_dva = (data_ptr(kp), data_ptr(kt), data_ptr(vp), data_ptr(dka),
                                       data_ptr(dva))
     # one query block, packed; its dQᵀ accumulator; the score tiles
-    qt = np.empty(max(e_len * BQ, 1), ct)
-    qr = np.empty(max(BQ * e_pad, 1), ct)
-    dot = np.empty(max(ev * BQ, 1), ct)
-    dor = np.empty(max(BQ * ev_pad, 1), ct)
-    l2 = np.empty(BQ, ct)
-    dd = np.empty(BQ, ct)
-    dqt = np.empty(max(e4 * BQ, 1), ct)
-    st = np.empty(BK * BQ, ct)
-    dpt = np.empty(BK * BQ, ct)
+    qt = aligned_empty(max(e_len * BQ, 1), ct)
+    qr = aligned_empty(max(BQ * e_pad, 1), ct)
+    dot = aligned_empty(max(ev * BQ, 1), ct)
+    dor = aligned_empty(max(BQ * ev_pad, 1), ct)
+    l2 = aligned_empty(BQ, ct)
+    dd = aligned_empty(BQ, ct)
+    dqt = aligned_empty(max(e4 * BQ, 1), ct)
+    st = aligned_empty(BK * BQ, ct)
+    dpt = aligned_empty(BK * BQ, ct)
     ones = np.ones(MR, ct)
     rk = np.zeros(BQ, np.uint64)
     queries = (data_ptr(qt), data_ptr(qr), data_ptr(dot), data_ptr(dor), data_ptr(l2),

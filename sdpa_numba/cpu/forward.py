@@ -27,8 +27,8 @@ from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product
 from .online_softmax import LN2, LOG2E
-from .scratch import LINE, aligned_empty, aligned_full
 from .options import CALLED, FASTMATH, INLINE, KERNEL
+from .scratch import LINE, aligned_empty, aligned_full
 from .storage import cast, is_compute_dtype, load, store
 
 #: Keys per key/value block.
