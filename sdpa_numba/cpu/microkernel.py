@@ -12,7 +12,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ._llvm import prefer_512_bit, ptr_add, stack_buffer
-from .options import INLINE
+from .options import INLINE, OVERLOAD
 
 #: Rows of the backward's micro-tiles.
 MR = 4
@@ -27,45 +27,44 @@ NR = 64
 _acc_buffer = stack_buffer(MR_WIDE * NR)
 
 
-def pass_rows(ptr, rows):
-    """Rows per register pass of a ``rows``-row tile of the element type of ``ptr`` (jitted
-    code only)."""
-    raise NotImplementedError("pass_rows is only callable from jitted code")
-
-
-@overload(pass_rows)
-def _pass_rows(ptr, rows):
-    # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass. float64 rows are
-    # 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill; splitting columns instead
-    # kept the accumulator in memory in our measurements).
-    if ptr.dtype == types.float64:
-        return lambda ptr, rows: 2
-    return lambda ptr, rows: rows
+@njit(**INLINE)
+def _zero(acc, c, ldc, alpha, mr):
+    for t in range(mr * NR):
+        acc[t] = 0
 
 
 @njit(**INLINE)
-def _tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr):
-    """Rows ``0 : mr`` of :func:`tile_product`, accumulated in registers."""
-    acc = _acc_buffer(a)
-    if alpha is None:
-        for t in range(mr * NR):
-            acc[t] = 0
-    else:
-        for r in range(mr):
-            cr = ptr_add(c, r * ldc)
-            ar = alpha[r]
-            for j in range(NR):
-                acc[r * NR + j] = ar * cr[j]
-    for kk in range(k_len):
-        bk = ptr_add(b, kk * ldb)
-        for r in range(mr):
-            a_rk = a[r * a_rs + kk * a_ks]
-            for j in range(NR):
-                acc[r * NR + j] += a_rk * bk[j]
+def _scaled(acc, c, ldc, alpha, mr):
     for r in range(mr):
         cr = ptr_add(c, r * ldc)
+        ar = alpha[r]
         for j in range(NR):
-            cr[j] = acc[r * NR + j]
+            acc[r * NR + j] = ar * cr[j]
+
+
+def _make_pass(init):
+    """A register pass over ``mr`` rows whose accumulator starts as ``init`` makes it."""
+
+    @njit(**INLINE)
+    def tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr):
+        acc = _acc_buffer(a)
+        init(acc, c, ldc, alpha, mr)
+        for kk in range(k_len):
+            bk = ptr_add(b, kk * ldb)
+            for r in range(mr):
+                a_rk = a[r * a_rs + kk * a_ks]
+                for j in range(NR):
+                    acc[r * NR + j] += a_rk * bk[j]
+        for r in range(mr):
+            cr = ptr_add(c, r * ldc)
+            for j in range(NR):
+                cr[j] = acc[r * NR + j]
+
+    return tile_pass
+
+
+_set_pass = _make_pass(_zero)
+_add_pass = _make_pass(_scaled)
 
 
 @njit(**INLINE)
@@ -87,13 +86,39 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR):
         done 2 rows at a time).
     """
     prefer_512_bit()
-    mr = pass_rows(a, rows)
-    # Passes written out, not a loop over them: a loop (even of one trip) left the
-    # accumulator stored to the stack on every step once inlined into the forward.
-    _tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr)
-    if mr < rows:  # float64: the other rows, 2 at a time
-        _tile_pass(ptr_add(a, mr * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, mr * ldc), ldc,
-                   k_len, None if alpha is None else ptr_add(alpha, mr), mr)
-    if 2 * mr < rows:
-        _tile_pass(ptr_add(a, 2 * mr * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, 2 * mr * ldc),
-                   ldc, k_len, None if alpha is None else ptr_add(alpha, 2 * mr), mr)
+    _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+
+def _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+    """The register passes of :func:`tile_product` (jitted code only)."""
+    raise NotImplementedError("_passes is only callable from jitted code")
+
+
+@overload(_passes, inline="always", **OVERLOAD)
+def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+    # Chosen by type when the caller is typed, so that no code for the other dtype's passes
+    # or the other kind of start reaches LLVM (it did, as dead branches, and doubled the
+    # forward's compile time).
+    scaled = not isinstance(alpha, types.NoneType)
+    tile_pass = _add_pass if scaled else _set_pass
+    if a.dtype != types.float64:
+        # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass.
+        def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+        return one_pass
+
+    # float64 rows are 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill; splitting
+    # columns instead kept the accumulator in memory in our measurements).
+    if scaled:
+        def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            for r0 in range(0, rows, 2):
+                tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc), ldc,
+                          k_len, ptr_add(alpha, r0), 2)
+    else:
+        def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            for r0 in range(0, rows, 2):
+                tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc), ldc,
+                          k_len, None, 2)
+
+    return row_pairs

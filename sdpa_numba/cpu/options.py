@@ -10,6 +10,9 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 #: Options of the small, inlined helpers (they are compiled into their callers).
 INLINE = dict(fastmath=FASTMATH, error_model="numpy", inline="always", boundscheck=False)
 
+#: Options of the implementations of the ``@overload``-ed helpers.
+OVERLOAD = dict(fastmath=FASTMATH, error_model="numpy", boundscheck=False)
+
 #: Options of helpers compiled as functions of their own (with ``_llvm.no_inline``).
 CALLED = dict(fastmath=FASTMATH, error_model="numpy", boundscheck=False)
 
