@@ -1,9 +1,10 @@
 """The register-tiled tile product at the heart of both attention matmuls.
 
-``c[0:MR, 0:NR] = a[0:MR, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``), on raw
-pointers with leading dimensions. The MR x NR accumulator is a fixed-size stack buffer indexed
-with constant bounds: once LLVM unrolls the loops it lives in vector registers (16 zmm for
-float32), which is what makes this run near the core's FMA peak. A Numba array would stay in
+``c[0:rows, 0:NR] = a[0:rows, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``), on raw
+pointers with leading dimensions, for ``rows`` = MR (4, the backward) or MR_WIDE (6, the
+forward). The rows x NR accumulator is a fixed-size stack buffer indexed with constant bounds:
+once LLVM unrolls the loops it lives in vector registers (16 or 24 zmm for float32), which is
+what makes this run near the core's FMA peak. A Numba array would stay in
 memory. Rows are independent: row r of c depends only on row r of a, in a fixed order, so the
 result of a row never depends on which tile or thread computed it.
 """
@@ -76,7 +77,7 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR):
     a, b, c : CPointer
         ``a[r, kk]`` is at ``a + r * a_rs + kk * a_ks`` (either layout: one scalar is
         broadcast per step), ``b`` is row-major k_len x NR (leading dimension ``ldb``),
-        ``c`` is row-major MR x NR (``ldc``). All of the compute dtype.
+        ``c`` is row-major rows x NR (``ldc``). All of the compute dtype.
     k_len : int
         The reduction length.
     alpha : CPointer or None
