@@ -35,8 +35,8 @@ from .storage import cast, is_compute_dtype, load, store
 BN = 64
 #: Query rows per score tile: the micro-kernel's width, queries along the vector lanes.
 BM = NR
-# Blocks are covered by tiles of MR_WIDE rows and one tile of the remainder.
-assert BN % MR_WIDE != 0 and BM % MR_WIDE != 0
+# P·V covers a sub-block's BM rows with tiles of MR_WIDE rows and one of the remainder.
+assert BM % MR_WIDE != 0
 
 #: Query rows per task when there are enough tasks to keep every core busy.
 CHUNK = 256
