@@ -2,7 +2,8 @@
 
 Work is split into tasks of (batch, head, chunk of query rows). Each task packs its queries
 once (transposed, scaled, in the compute dtype), then streams key/value blocks of ``BN`` keys:
-it packs the block, and for each sub-block of ``BM`` query rows computes the transposed score
+it packs the block (a full K block is read in place when its rows are already in the compute
+dtype, and a full V block too when its rows also start cache lines), and for each sub-block of ``BM`` query rows computes the transposed score
 tile ``Sᵀ = K Qᵀ`` (BN x BM) with the register-tiled :func:`tile_product`, applies masks, runs
 the online softmax and accumulates P·V. Memory per task is O(chunk · (E + Ev) + BN · (E + Ev));
 nothing of size L x S exists.

@@ -13,7 +13,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ._llvm import prefer_512_bit, ptr_add, stack_buffer
-from .options import INLINE, OVERLOAD
+from .options import CALLED, INLINE
 
 #: Rows of the backward's micro-tiles.
 MR = 4
@@ -95,7 +95,7 @@ def _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
     raise NotImplementedError("_passes is only callable from jitted code")
 
 
-@overload(_passes, inline="always", **OVERLOAD)
+@overload(_passes, inline="always", **CALLED)
 def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
     # Chosen by type when the caller is typed, so that no code for the other dtype's passes
     # or the other kind of start reaches LLVM (it did, as dead branches, and doubled the

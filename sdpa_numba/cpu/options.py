@@ -10,10 +10,8 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 #: Options of the small, inlined helpers (they are compiled into their callers).
 INLINE = dict(fastmath=FASTMATH, error_model="numpy", inline="always", boundscheck=False)
 
-#: Options of the implementations of the ``@overload``-ed helpers.
-OVERLOAD = dict(fastmath=FASTMATH, error_model="numpy", boundscheck=False)
-
-#: Options of helpers compiled as functions of their own (with ``_llvm.no_inline``).
+#: Options of helpers compiled as functions of their own: ``@njit`` functions kept out of line
+#: with ``_llvm.no_inline``, and the implementations of ``@overload``-ed helpers.
 CALLED = dict(fastmath=FASTMATH, error_model="numpy", boundscheck=False)
 
 #: Options of the kernels and entry points (cached on disk: compile time counts).
