@@ -6,13 +6,16 @@ few percent cannot be judged by two separate benchmark runs. This script loads b
 of the package into one process (copied under the names ``sdpa_old`` and ``sdpa_new``; the
 package imports itself relatively), runs ``sdpa_numba.cpu.forward_head`` (or, with
 ``--backward``, ``sdpa_numba.cpu.backward``) on one thread for each in alternation, keeps each
-one's minimum, and checks that both give the same output (dQ for the backward).
+one's minimum, and checks that both give the same output (dQ for the backward). With ``--api``
+it times ``scaled_dot_product_attention`` instead, on ``(1, H, L, D)`` NumPy inputs with all of
+Numba's threads: what ``python -m sdpa_numba bench`` times, launch layer included.
 
 Usage::
 
     python scripts/ab_forward.py HEAD~1 --L 1024 --D 64 --rounds 200
     python scripts/ab_forward.py main --D 128 --causal --dtype float64
     python scripts/ab_forward.py HEAD~1 --backward
+    python scripts/ab_forward.py HEAD~1 --api --heads 4 --L 4096 --D 128
 
 The copies live in a temporary folder, so the first call of each compiles (seconds).
 """
@@ -42,7 +45,13 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=100, help="alternations (default 100)")
     ap.add_argument("--backward", action="store_true",
                     help="time the backward (one head; FLOPs 8 L S D) instead of the forward")
-    return ap.parse_args(argv)
+    ap.add_argument("--api", action="store_true",
+                    help="time scaled_dot_product_attention on (1, H, L, D) with all threads")
+    ap.add_argument("--heads", type=int, default=4, help="H for --api (default 4)")
+    args = ap.parse_args(argv)
+    if args.api and args.backward:
+        ap.error("--api times the forward only")
+    return args
 
 
 def _copy_packages(rev, where):
@@ -69,18 +78,26 @@ def main(argv=None):
     args = parse_args(argv)
     import numba
 
-    numba.set_num_threads(1)
+    if not args.api:
+        numba.set_num_threads(1)
+    heads = args.heads if args.api else 1
     with tempfile.TemporaryDirectory() as where:
         _copy_packages(args.rev, where)
         sys.path.insert(0, where)
         pkgs = {name: importlib.import_module(f"sdpa_{name}.cpu") for name in ("old", "new")}
         rng = np.random.default_rng(0)
         dt = np.dtype(args.dtype)
-        q, k, v = (_stored(rng.standard_normal((1, 1, args.L, args.D)).astype(dt))
-                   for _ in range(3))
+        q, k, v = (rng.standard_normal((1, heads, args.L, args.D)).astype(dt) for _ in range(3))
+        if not args.api:
+            q, k, v = (_stored(x) for x in (q, k, v))
         ct = np.float64 if dt == np.float64 else np.float32
         scale = 1 / np.sqrt(args.D)
-        if args.backward:  # the working tree's forward gives both backwards their out, lse
+        if args.api:
+            apis = {name: importlib.import_module(f"sdpa_{name}") for name in pkgs}
+            calls = {name: (lambda cpu, res, name=name: apis[name].scaled_dot_product_attention(
+                q, k, v, is_causal=args.causal, out=res[0])) for name in pkgs}
+            outs = {name: (np.empty_like(q),) for name in pkgs}
+        elif args.backward:  # the working tree's forward gives both backwards their out, lse
             out, lse = np.empty_like(q), np.empty((1, 1, args.L), ct)  # q: stored dtype
             pkgs["new"].forward(q, k, v, None, args.causal, scale, out, lse)
             dout = _stored(rng.standard_normal(q.shape).astype(dt))
@@ -100,14 +117,16 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 calls[name](cpu, outs[name])
                 best[name] = min(best[name], time.perf_counter() - t0)
-    flops = (8 if args.backward else 4) * args.L * args.L * args.D / (2 if args.causal else 1)
+    flops = ((8 if args.backward else 4) * heads * args.L * args.L * args.D
+             / (2 if args.causal else 1))
     diff = np.max(np.abs(_loaded(outs["old"][0]) - _loaded(outs["new"][0])))
     what = "backward" if args.backward else "forward"
     print(f"{what} L=S={args.L} D={args.D} {args.dtype}{' causal' if args.causal else ''}, "
-          "1 thread, "
+          f"{f'H={heads}, API, {numba.get_num_threads()} threads' if args.api else '1 thread'}, "
           f"min of {args.rounds} alternations: {args.rev} {flops / best['old'] / 1e9:.1f} "
           f"GFLOP/s, working tree {flops / best['new'] / 1e9:.1f} GFLOP/s "
-          f"(new/old speed {best['old'] / best['new']:.3f}); max |difference| {diff:.2e}")
+          f"(new/old speed {best['old'] / best['new']:.3f}); max |difference| {diff:.2e}; "
+          f"V starts {v.ctypes.data % 64} bytes into a cache line")
 
 
 if __name__ == "__main__":
