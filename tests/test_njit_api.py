@@ -1,11 +1,17 @@
 """The Numba-level API (DESIGN.md §3), called from a user's own jitted code."""
 
+import importlib
+
 import numpy as np
+import pytest
 from numba import njit, prange
 
 from checks import TOL, randn, rel_err
 from sdpa_numba import cpu, scaled_dot_product_attention as sdpa
 from sdpa_numba.reference import attention
+
+# The module (its name is shadowed in sdpa_numba.cpu by the kernel it defines).
+forward_module = importlib.import_module("sdpa_numba.cpu.forward")
 
 
 def test_batched_forward_from_user_njit(rng):
@@ -51,6 +57,23 @@ def test_serial_head_forward_inside_user_prange(rng):
     assert rel_err(out, ref) < TOL[np.float32]
     # Same rows as the batched kernel, bit for bit.
     assert out.tobytes() == sdpa(q, k, v, scale=0.5).tobytes()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_do_not_depend_on_their_chunk(rng, causal):
+    # forward_head gives a task CHUNK rows; the batched kernel gives these 2 heads 64-row
+    # chunks (it halves chunks until there are MIN_TASKS tasks). Rows past CHUNK, and causal
+    # rows cut differently, must come out bit for bit the same either way.
+    q, k, v = randn(rng, (2, 700, 16)), randn(rng, (2, 650, 16)), randn(rng, (2, 650, 16))
+    assert q.shape[1] > forward_module.CHUNK
+    assert forward_module._chunk_rows(2, 700) < forward_module.CHUNK
+    out = np.full((2, 700, 16), np.nan, np.float32)
+    lse = np.full((2, 700), np.nan, np.float32)
+    for h in range(2):
+        cpu.forward_head(q[h], k[h], v[h], None, causal, 0.25, out[h], lse[h])
+    want, want_lse = sdpa(q, k, v, is_causal=causal, scale=0.25, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
 
 
 def test_online_softmax_block_update_from_user_njit(rng):
