@@ -65,8 +65,9 @@ def test_rows_do_not_depend_on_their_chunk(rng, causal):
     # chunks (it halves chunks until there are MIN_TASKS tasks). Rows past CHUNK, and causal
     # rows cut differently, must come out bit for bit the same either way.
     q, k, v = randn(rng, (2, 700, 16)), randn(rng, (2, 650, 16)), randn(rng, (2, 650, 16))
-    assert q.shape[1] > forward_module.CHUNK
-    assert forward_module._chunk_rows(2, 700) < forward_module.CHUNK
+    serial_rows = forward_module._task_rows(16, 16, 4)
+    assert serial_rows == forward_module.CHUNK < q.shape[1]
+    assert forward_module._chunk_rows(2, 700, 16, 16, 4) == forward_module.BM
     out = np.full((2, 700, 16), np.nan, np.float32)
     lse = np.full((2, 700), np.nan, np.float32)
     for h in range(2):
@@ -74,6 +75,21 @@ def test_rows_do_not_depend_on_their_chunk(rng, causal):
     want, want_lse = sdpa(q, k, v, is_causal=causal, scale=0.25, return_lse=True)
     np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_task_rows_keep_the_scratch_in_bounds():
+    # Packed queries and accumulator (the value dim rounded up to whole 64-column tiles) of
+    # one task stay within SCRATCH_BYTES, with CHUNK rows where that allows, never under BM.
+    f = forward_module
+    for e, ev, itemsize in [(64, 64, 4), (128, 128, 4), (128, 128, 8), (100, 80, 4),
+                            (256, 256, 4), (4096, 4096, 8), (1, 1, 4)]:
+        rows = f._task_rows(e, ev, itemsize)
+        scratch = rows * (e + -(-ev // f.NR) * f.NR) * itemsize
+        assert f.BM <= rows <= f.CHUNK
+        assert scratch <= f.SCRATCH_BYTES or rows == f.BM
+        assert rows == f.CHUNK or 2 * scratch > f.SCRATCH_BYTES
+    assert f._task_rows(128, 128, 4) == f.CHUNK  # issue 3's shapes keep 512 rows
+    assert f._task_rows(128, 128, 8) == f.CHUNK // 2
 
 
 def test_online_softmax_block_update_from_user_njit(rng):

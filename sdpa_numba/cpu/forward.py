@@ -43,6 +43,10 @@ assert BM % MR_WIDE != 0
 #: its rows and streams K and V through the caches once: 512 rows measured 2.5-4.5% faster
 #: than 256 on one core at D = 64 and D = 128 (1024: no better at D = 64).
 CHUNK = 512
+#: Bytes of a task's packed queries and accumulator, at most (chunks are halved to fit): they
+#: are swept once per key/value block and should stay in L2 (1-2 MiB per core on current
+#: server CPUs). 512 KiB keeps CHUNK rows for float32 up to E = Ev = 128.
+SCRATCH_BYTES = 512 * 1024
 #: Tasks a launch is split into, at least, where the rows allow: chunks are halved (down to
 #: BM rows) until there are this many, so that every core gets several tasks.
 MIN_TASKS = 16
@@ -324,13 +328,23 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
 
 
 @njit(**INLINE)
-def _chunk_rows(n_heads, L):
+def _task_rows(e_len, ev, itemsize):
+    """Query rows of a task whose scratch fits SCRATCH_BYTES: CHUNK halved, down to BM."""
+    per_row = (e_len + (ev + NR - 1) // NR * NR) * itemsize
+    rows = CHUNK
+    while rows > BM and rows * per_row > SCRATCH_BYTES:
+        rows //= 2
+    return rows
+
+
+@njit(**INLINE)
+def _chunk_rows(n_heads, L, e_len, ev, itemsize):
     """Query rows per task: big chunks amortize K/V packing, small ones fill the cores.
 
     Depends on the shape only, never on the thread count. (A row's result does not depend on
     its chunk either: the choice is about speed only.)
     """
-    chunk = CHUNK
+    chunk = _task_rows(e_len, ev, itemsize)
     while chunk > BM and n_heads * ((L + chunk - 1) // chunk) < MIN_TASKS:
         chunk //= 2
     return chunk
@@ -371,7 +385,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
     """
     b_len, hq, L, _ = q.shape
     group = hq // k.shape[1]
-    chunk = _chunk_rows(b_len * hq, L)
+    chunk = _chunk_rows(b_len * hq, L, q.shape[3], out.shape[3], lse.itemsize)
     n_chunks = (L + chunk - 1) // chunk
     n_tasks = b_len * hq * n_chunks
     # Numba's static schedule gives each thread a contiguous run of tasks. Causal chunks cost
@@ -421,5 +435,6 @@ def forward_head(q, k, v, mask, is_causal, scale, out, lse):
     heads. Gives bitwise the same rows as :func:`forward`.
     """
     L = q.shape[0]
-    for i0 in range(0, L, CHUNK):
-        attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, min(L, i0 + CHUNK))
+    rows = _task_rows(q.shape[1], out.shape[1], lse.itemsize)
+    for i0 in range(0, L, rows):
+        attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, min(L, i0 + rows))
