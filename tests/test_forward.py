@@ -147,14 +147,17 @@ def _packed_copy(a):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_blocks_read_in_place(rng, dtype, causal):
-    # Full 64-key blocks of K, and of V when its rows start cache lines, are read in place
-    # instead of packed (the tail block always is). Same arithmetic either way: the results
-    # must be bitwise those of contiguous copies, whose V rows are packed.
+@pytest.mark.parametrize("s_len, ev", [(200, 128), (192, 127)])
+def test_blocks_read_in_place(rng, dtype, causal, s_len, ev):
+    # Full 64-key blocks of K, and of V when its rows are not a multiple of 512 bytes apart
+    # (here 144 elements), are read in place at any alignment instead of packed (the tail
+    # block always is; with an odd Ev the last block too, since the tiles read Ev rounded up
+    # to even columns). Same arithmetic either way: the results must be bitwise those of
+    # copies with non-contiguous rows, which are packed.
     q = randn(rng, (2, 3, 150, 64), dtype)
-    k = _lined_view(rng, (2, 3, 200, 64), 80, dtype, 0)
+    k = _lined_view(rng, (2, 3, s_len, 64), 80, dtype, 0)
     for shift in (0, 1):
-        v = _lined_view(rng, (2, 3, 200, 128), 144, dtype, shift)
+        v = _lined_view(rng, (2, 3, s_len, ev), 144, dtype, shift)
         out, lse = check(q, k, v, is_causal=causal)
         out_c, lse_c = sdpa(q, _packed_copy(k), _packed_copy(v), is_causal=causal,
                             return_lse=True)

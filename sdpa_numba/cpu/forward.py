@@ -2,15 +2,19 @@
 
 Work is split into tasks of (batch, head, chunk of query rows). Each task packs its queries
 once (transposed, scaled, in the compute dtype), then streams key/value blocks of ``BN`` keys:
-it packs the block (a full K block is read in place when its rows are already in the compute
-dtype, and a full V block too when its rows also start cache lines), and for each sub-block of ``BM`` query rows computes the transposed score
-tile ``Sᵀ = K Qᵀ`` (BN x BM) with the register-tiled :func:`tile_product`, applies masks, runs
-the online softmax and accumulates P·V. Memory per task is O(chunk · (E + Ev) + BN · (E + Ev));
-nothing of size L x S exists.
+it packs the block (a full block is read in place when its rows are already in the compute
+dtype, and for V when its rows are not a multiple of SET_STRIDE bytes apart), and for each
+sub-block of ``BM`` query rows computes the transposed score tile ``Sᵀ = K Qᵀ`` (BN x BM) with
+the register-tiled :func:`tile_product`, applies masks, runs the online softmax and
+accumulates the transposed output ``Oᵀ += Vᵀ Pᵀ`` (Ev x BM) with
+:func:`tile_product_lanes`. Memory per task is O(chunk · (E + Ev) + BN · (E + Ev)); nothing of
+size L x S exists.
 
-Why the transposed tile: with queries along the vector lanes, the softmax's row max and row
+Why the transposed tiles: with queries along the vector lanes, the softmax's row max and row
 sum become lane-wise max and add over keys, so every step of it vectorizes (a horizontal
-max reduction would not: without the ``nnan`` flag LLVM keeps it scalar).
+max reduction would not: without the ``nnan`` flag LLVM keeps it scalar). In P·V, the same
+layout reads Pᵀ as the softmax left it and V by broadcasts: V needs no alignment and Ev no
+padding to whole vectors (only to a multiple of 4), and the rescaling by alpha is lane-wise.
 
 Each query row is reduced by one task, over key blocks in a fixed order, with arithmetic that
 does not depend on the row's place in its tile: the output is bitwise the same for any thread
@@ -26,7 +30,7 @@ from numba.extending import overload
 from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
-from .microkernel import MR_WIDE, NR, tile_product
+from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LN2, LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
@@ -36,8 +40,11 @@ from .storage import cast, is_compute_dtype, load, store
 BN = 64
 #: Query rows per score tile: the micro-kernel's width, queries along the vector lanes.
 BM = NR
-# P·V covers a sub-block's BM rows with tiles of MR_WIDE rows and one of the remainder.
-assert BM % MR_WIDE != 0
+
+#: V rows this many bytes apart (or a multiple) share few L1 sets: read down their columns, 64
+#: rows per tile, they evicted each other (P·V at D = 128 float32: 164 GFLOP/s with rows 512
+#: bytes apart, 171 at 576, 151 at 1024, 172 at 256). Such V is packed, with a padded stride.
+SET_STRIDE = 512
 
 #: Query rows per task, at most. A task packs every key/value block it reads once for all of
 #: its rows and streams K and V through the caches once: 512 rows measured 2.5-4.5% faster
@@ -95,8 +102,8 @@ def _pack_queries(q, i0, n, n_pad, scale, qt, row):
 
 
 @njit(**INLINE)
-def _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one, pack_k, pack_v):
-    """K block into ks (BN x E) and V block into vs (BN x ev_pad), row-major, where asked.
+def _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, pack_k, pack_v):
+    """K block into ks (BN x E) and V block into vs (BN rows of ``ldvs``), where asked.
 
     K rows past ``nj`` are read only by the last score tile, whose scores for them are
     discarded. V rows past ``nj`` meet p = 0 and columns past Ev are accumulated but never
@@ -109,11 +116,11 @@ def _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one, pack_k, pack_v):
         if pack_k:
             _pack_row(k, j0 + j, e_len, ptr_add(p_ks, j * e_len), one)
         if pack_v:
-            _pack_row(v, j0 + j, ev, ptr_add(p_vs, j * ev_pad), one)
-            for d in range(ev, ev_pad):
-                vs[j * ev_pad + d] = 0
+            _pack_row(v, j0 + j, ev, ptr_add(p_vs, j * ldvs), one)
+            for d in range(ev, ldvs):
+                vs[j * ldvs + d] = 0
     if pack_v:
-        for t in range(nj * ev_pad, BN * ev_pad):
+        for t in range(nj * ldvs, BN * ldvs):
             vs[t] = 0
 
 
@@ -132,16 +139,14 @@ def _block_start(a, i, ld, packed, in_place):
 
 
 @njit(**INLINE)
-def _row_stride(a, like, n_cols, aligned):
+def _row_stride(a, like, n_cols):
     """The row stride of ``a`` in elements if whole blocks of it can be read in place by the
     tile products, else 0 (then blocks are packed): rows of ``n_cols`` contiguous elements
-    of the compute dtype of ``like``, a positive row stride, and, if ``aligned``, rows that
-    start cache lines (operands loaded 64 bytes at a time; see :mod:`.scratch`)."""
+    of the compute dtype of ``like`` and a positive row stride. Both K and V are read by
+    broadcast loads, so no alignment is needed."""
     if not is_compute_dtype(a, like) or a.strides[1] != a.itemsize or a.shape[1] != n_cols:
         return 0
     if a.strides[0] <= 0 or a.strides[0] % a.itemsize != 0:
-        return 0
-    if aligned and (a.ctypes.data % LINE != 0 or a.strides[0] % LINE != 0):
         return 0
     return a.strides[0] // a.itemsize
 
@@ -234,21 +239,34 @@ def _scores(kb, ldk, e_len, qt, st, n_keys):
                      None, MR_WIDE)
 
 
+@njit(**INLINE)
+def _packed_stride(ev_pad, itemsize):
+    """Row stride (elements) of packed V blocks: ``ev_pad``, one cache line more if that
+    would put rows a multiple of SET_STRIDE bytes apart."""
+    if ev_pad * itemsize % SET_STRIDE == 0:
+        return ev_pad + LINE // itemsize
+    return ev_pad
+
+
 @njit(**CALLED)
 def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
-    """acc = diag(alpha) acc + P V for one sub-block: ``pt`` is Pᵀ (BN x BM), ``vb`` BN x
-    ev_pad (row stride ``ldv``), ``acc`` BM x ev_pad, all row-major."""
+    """accᵀ = accᵀ diag(alpha) + Vᵀ Pᵀ for one sub-block: ``pt`` is Pᵀ (BN x BM), ``vb`` BN x
+    ev_pad (row stride ``ldv``), ``acc`` is accᵀ, ev_pad x BM, all row-major.
+
+    Queries on the lanes, as in the score tiles: V is read by broadcasts, so its rows need
+    no alignment and full blocks are read in place whatever their address.
+    """
     no_inline()
-    for rt in range(0, BM, MR_WIDE):
-        for d0 in range(0, ev_pad, NR):
-            if rt + MR_WIDE <= BM:
-                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vb, d0), ldv,
-                             ptr_add(acc, rt * ev_pad + d0), ev_pad, BN, ptr_add(alpha, rt),
-                             MR_WIDE)
-            else:
-                tile_product(ptr_add(pt, rt), 1, BM, ptr_add(vb, d0), ldv,
-                             ptr_add(acc, rt * ev_pad + d0), ev_pad, BN, ptr_add(alpha, rt),
-                             BM % MR_WIDE)
+    # ev_pad is a multiple of 4: what the 6-row tiles leave is done in 4-row tiles (two of
+    # them in place of the last 6-row tile when 2 rows are left).
+    rest = ev_pad % MR_WIDE
+    n_six = max(ev_pad - rest - (MR_WIDE if rest == 2 else 0), 0)
+    for d0 in range(0, n_six, MR_WIDE):
+        tile_product_lanes(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN,
+                           alpha, MR_WIDE)
+    for d0 in range(n_six, ev_pad, 4):
+        tile_product_lanes(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN,
+                           alpha, 4)
 
 
 @njit(**KERNEL)
@@ -263,12 +281,13 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     ev = v.shape[1]
     n = i1 - i0
     n_pad = (n + BM - 1) // BM * BM
-    ev_pad = (ev + NR - 1) // NR * NR
+    ev_pad = (ev + 3) // 4 * 4  # accᵀ rows: whole tiles of MR_WIDE or 4 rows
     ct = lse.dtype
     qt = aligned_empty(max(n_pad * e_len, 1), ct)
-    row = np.empty(max(e_len, 1), ct)
+    row = np.empty(max(e_len, ev, 1), ct)
     ks = aligned_empty(max(BN * e_len, 1), ct)
-    vs = aligned_empty(max(BN * ev_pad, 1), ct)
+    ldvs = _packed_stride(ev_pad, lse.itemsize)
+    vs = aligned_empty(max(BN * ldvs, 1), ct)
     st = aligned_empty(BN * BM, ct)
     acc = aligned_full(max(n_pad * ev_pad, 1), 0, ct)
     m = aligned_full(n_pad, -np.inf, ct)
@@ -280,21 +299,25 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
     # Full blocks of K and V are read in place when they are already rows of the compute
-    # dtype (float32, float64 storage): packing them cost ~5% of the time. K is only read
-    # by broadcasts; V, loaded 64 bytes at a time, must also be aligned to cache lines.
-    ldk = _row_stride(k, lse, e_len, False)
-    ldv = _row_stride(v, lse, ev_pad, True)
+    # dtype (float32, float64 storage): packing them cost ~5% of the time. Both are read by
+    # broadcasts, so their rows need no alignment; but V is read down its columns, 64 rows
+    # per tile, and rows a multiple of SET_STRIDE bytes apart fall in few L1 sets.
+    ldk = _row_stride(k, lse, e_len)
+    ldv = _row_stride(v, lse, ev)
+    if ldv * lse.itemsize % SET_STRIDE == 0:
+        ldv = 0
 
     kv_end = min(s_len, i1) if is_causal else s_len
     for j0 in range(0, kv_end, BN):
         nj = min(BN, kv_end - j0)
         k_in_place = ldk > 0 and nj == BN
-        v_in_place = ldv > 0 and nj == BN
-        _pack_kv(k, v, j0, nj, ks, vs, ev_pad, one, not k_in_place, not v_in_place)
+        # Tiles read up to 3 columns past Ev in each row: never past the end of V.
+        v_in_place = ldv > 0 and nj == BN and (ev == ev_pad or j0 + BN < s_len)
+        _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place, not v_in_place)
         p_kb = block_start(k, j0, ldk, p_ks, k_in_place)
         p_vb = block_start(v, j0, ldv, p_vs, v_in_place)
         ldkb = ldk if k_in_place else e_len
-        ldvb = ldv if v_in_place else ev_pad
+        ldvb = ldv if v_in_place else ldvs
         for r0 in range(0, n_pad, BM):
             n_keys = nj
             if is_causal:  # keys past the sub-block's last real query are all masked
@@ -320,8 +343,15 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
         else:
             inv = 1 / l[r]
             lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse)
-            for d in range(ev):
-                out[i, d] = store(acc[r * ev_pad + d] * inv, out)
+            acc_r = ptr_add(p_acc, (r - r % BM) * ev_pad + r % BM)  # row r of accᵀ's block
+            if is_compute_dtype(out, lse):
+                for d in range(ev):
+                    out[i, d] = store(acc_r[d * BM] * inv, out)
+            else:  # gathered first, so that the conversion to float16 vectorizes
+                for d in range(ev):
+                    row[d] = acc_r[d * BM] * inv
+                for d in range(ev):
+                    out[i, d] = store(row[d], out)
     # Numba frees an array after its last use by name; the loops above used them through
     # raw pointers, so they must live until here.
     keep_alive((qt, row, ks, vs, st, acc, m, l, alpha))

@@ -1,8 +1,9 @@
 """The register-tiled tile product at the heart of both attention matmuls.
 
-``c[0:rows, 0:NR] = a[0:rows, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``), on raw
-pointers with leading dimensions, for ``rows`` = MR (4, the backward) or MR_WIDE (6, the
-forward). The rows x NR accumulator is a fixed-size stack buffer indexed with constant bounds:
+``c[0:rows, 0:NR] = a[0:rows, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``, or with
+:func:`tile_product_lanes` ``+ c @ diag(alpha)``), on raw pointers with leading dimensions, for
+``rows`` = MR (4, the backward) or MR_WIDE (6, the forward; 4 for the forward's last value
+rows). The rows x NR accumulator is a fixed-size stack buffer indexed with constant bounds:
 once LLVM unrolls the loops it lives in vector registers (16 or 24 zmm for float32), which is
 what makes this run near the core's FMA peak. A Numba array would stay in
 memory. Rows are independent: row r of c depends only on row r of a, in a fixed order, so the
@@ -64,8 +65,17 @@ def _make_pass(init):
     return tile_pass
 
 
+@njit(**INLINE)
+def _lane_scaled(acc, c, ldc, alpha, mr):
+    for r in range(mr):
+        cr = ptr_add(c, r * ldc)
+        for j in range(NR):
+            acc[r * NR + j] = alpha[j] * cr[j]
+
+
 _set_pass = _make_pass(_zero)
 _add_pass = _make_pass(_scaled)
+_lane_add_pass = _make_pass(_lane_scaled)
 
 
 @njit(**INLINE)
@@ -88,6 +98,35 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR):
     """
     prefer_512_bit()
     _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+
+@njit(**INLINE)
+def tile_product_lanes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+    """``c = alpha[None, :] * c + a @ b``: :func:`tile_product` with one factor per column
+    (``alpha`` holds NR of them) instead of one per row."""
+    prefer_512_bit()
+    _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+
+def _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+    """The register passes of :func:`tile_product_lanes` (jitted code only)."""
+    raise NotImplementedError("_lane_passes is only callable from jitted code")
+
+
+@overload(_lane_passes, inline="always", **CALLED)
+def _ol_lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+    if a.dtype != types.float64:
+        def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            _lane_add_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+        return one_pass
+
+    def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+        for r0 in range(0, rows, 2):
+            _lane_add_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc), ldc,
+                           k_len, alpha, 2)
+
+    return row_pairs
 
 
 def _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
