@@ -240,6 +240,13 @@ def _scores(kb, ldk, e_len, qt, st, n_keys):
 
 
 @njit(**INLINE)
+def _acc_rows(ev):
+    """Rows of the transposed accumulator: ``ev`` rounded up to whole tiles of MR_WIDE or 4
+    rows (a multiple of 4)."""
+    return (ev + 3) // 4 * 4
+
+
+@njit(**INLINE)
 def _packed_stride(ev_pad, itemsize):
     """Row stride (elements) of packed V blocks: ``ev_pad``, one cache line more if that
     would put rows a multiple of SET_STRIDE bytes apart."""
@@ -281,10 +288,10 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     ev = v.shape[1]
     n = i1 - i0
     n_pad = (n + BM - 1) // BM * BM
-    ev_pad = (ev + 3) // 4 * 4  # accᵀ rows: whole tiles of MR_WIDE or 4 rows
+    ev_pad = _acc_rows(ev)
     ct = lse.dtype
     qt = aligned_empty(max(n_pad * e_len, 1), ct)
-    row = np.empty(max(e_len, ev, 1), ct)
+    row = np.empty(max(e_len, 1), ct)
     ks = aligned_empty(max(BN * e_len, 1), ct)
     ldvs = _packed_stride(ev_pad, lse.itemsize)
     vs = aligned_empty(max(BN * ldvs, 1), ct)
@@ -344,14 +351,8 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
             inv = 1 / l[r]
             lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse)
             acc_r = ptr_add(p_acc, (r - r % BM) * ev_pad + r % BM)  # row r of accᵀ's block
-            if is_compute_dtype(out, lse):
-                for d in range(ev):
-                    out[i, d] = store(acc_r[d * BM] * inv, out)
-            else:  # gathered first, so that the conversion to float16 vectorizes
-                for d in range(ev):
-                    row[d] = acc_r[d * BM] * inv
-                for d in range(ev):
-                    out[i, d] = store(row[d], out)
+            for d in range(ev):
+                out[i, d] = store(acc_r[d * BM] * inv, out)
     # Numba frees an array after its last use by name; the loops above used them through
     # raw pointers, so they must live until here.
     keep_alive((qt, row, ks, vs, st, acc, m, l, alpha))
@@ -360,7 +361,7 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
 @njit(**INLINE)
 def _task_rows(e_len, ev, itemsize):
     """Query rows of a task whose scratch fits SCRATCH_BYTES: CHUNK halved, down to BM."""
-    per_row = (e_len + (ev + NR - 1) // NR * NR) * itemsize
+    per_row = (e_len + _acc_rows(ev)) * itemsize
     rows = CHUNK
     while rows > BM and rows * per_row > SCRATCH_BYTES:
         rows //= 2
