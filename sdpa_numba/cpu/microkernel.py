@@ -108,57 +108,44 @@ def tile_product_lanes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
     _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
 
 
-def _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-    """The register passes of :func:`tile_product_lanes` (jitted code only)."""
-    raise NotImplementedError("_lane_passes is only callable from jitted code")
+def _make_passes(lane_alpha):
+    """The register passes of :func:`tile_product` (``lane_alpha`` False: one factor of alpha
+    per row) or :func:`tile_product_lanes` (True: one per column), for jitted code only."""
+
+    def passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+        raise NotImplementedError("the register passes are only callable from jitted code")
+
+    @overload(passes, inline="always", **CALLED)
+    def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+        # Chosen by type when the caller is typed, so that no code for the other dtype's
+        # passes or the other kind of start reaches LLVM (it did, as dead branches, and
+        # doubled the forward's compile time).
+        scaled = not isinstance(alpha, types.NoneType)
+        tile_pass = (_lane_add_pass if lane_alpha else _add_pass) if scaled else _set_pass
+        if a.dtype != types.float64:
+            # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass.
+            def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+                tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+            return one_pass
+
+        # float64 rows are 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill;
+        # splitting columns instead kept the accumulator in memory in our measurements).
+        if scaled and not lane_alpha:
+            def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+                for r0 in range(0, rows, 2):
+                    tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc),
+                              ldc, k_len, ptr_add(alpha, r0), 2)
+        else:  # no alpha, or one per column: the same for every pair of rows
+            def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+                for r0 in range(0, rows, 2):
+                    tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc),
+                              ldc, k_len, alpha, 2)
+
+        return row_pairs
+
+    return passes
 
 
-@overload(_lane_passes, inline="always", **CALLED)
-def _ol_lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-    if a.dtype != types.float64:
-        def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-            _lane_add_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
-
-        return one_pass
-
-    def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-        for r0 in range(0, rows, 2):
-            _lane_add_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc), ldc,
-                           k_len, alpha, 2)
-
-    return row_pairs
-
-
-def _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-    """The register passes of :func:`tile_product` (jitted code only)."""
-    raise NotImplementedError("_passes is only callable from jitted code")
-
-
-@overload(_passes, inline="always", **CALLED)
-def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-    # Chosen by type when the caller is typed, so that no code for the other dtype's passes
-    # or the other kind of start reaches LLVM (it did, as dead branches, and doubled the
-    # forward's compile time).
-    scaled = not isinstance(alpha, types.NoneType)
-    tile_pass = _add_pass if scaled else _set_pass
-    if a.dtype != types.float64:
-        # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass.
-        def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-            tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
-
-        return one_pass
-
-    # float64 rows are 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill; splitting
-    # columns instead kept the accumulator in memory in our measurements).
-    if scaled:
-        def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-            for r0 in range(0, rows, 2):
-                tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc), ldc,
-                          k_len, ptr_add(alpha, r0), 2)
-    else:
-        def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-            for r0 in range(0, rows, 2):
-                tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc), ldc,
-                          k_len, None, 2)
-
-    return row_pairs
+_passes = _make_passes(False)
+_lane_passes = _make_passes(True)
