@@ -7,9 +7,10 @@
   256-bit code on many AVX-512 CPUs; setting it per function leaves the rest of the user's
   Numba code untouched, unlike a process-wide ``NUMBA_CPU_FEATURES``);
 * float16 <-> float32 conversion of uint16 bit patterns (Numba's CPU target has no float16);
-* 2**n built by writing the exponent bits, for the vectorizable exp2.
+* rint(x) and 2**rint(x) by the magic-number trick, for the vectorizable exp2.
 """
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -126,22 +127,38 @@ def float32_to_half_bits(typingctx, x):
 
 
 @intrinsic
-def pow2_of_integral(typingctx, n):
-    """``2**n`` for an integer-valued float ``n`` in the normal exponent range."""
-    if n == types.float32:
+def split_pow2(typingctx, x):
+    """``(x - n, 2**n)`` with ``n = rint(x)``, for ``x`` whose ``n`` is in the normal exponent
+    range (other ``x`` give a meaningless ``2**n``: callers select).
+
+    The magic-number rounding: adding ``M = 1.5 * 2**mant + bias`` leaves ``M + n`` with the
+    units in the low mantissa bits: the integer difference of the bit patterns is ``n``, and
+    those bits shifted into the exponent field are ``2**n``. An add, an integer subtract, a
+    conversion, a subtract and a shift, against a round (2 uops), a clamp, a conversion, a
+    shift, an integer add and a subtract. (``n = (x + M) - M`` in floats would save the
+    conversion, but Numba puts its fast-math flags on these instructions too, and with them
+    LLVM folds ``x - ((x + M) - M)`` to 0; ``llvm.arithmetic.fence`` stops that but also
+    stops the loop vectorizer.)
+    """
+    if x == types.float32:
         width, mant, bias = 32, 23, 127
-    elif n == types.float64:
+    elif x == types.float64:
         width, mant, bias = 64, 52, 1023
     else:
         return None
-    sig = n(n)
+    sig = types.UniTuple(x, 2)(x)
 
     def codegen(context, builder, signature, args):
+        fty = args[0].type
         ity = ir.IntType(width)
-        i = builder.fptosi(args[0], ity)
-        i = builder.add(i, ir.Constant(ity, bias))
-        i = builder.shl(i, ir.Constant(ity, mant))
-        return builder.bitcast(i, args[0].type)
+        magic = 1.5 * 2.0 ** mant + bias
+        magic_bits = int(np.array(magic, np.float32 if width == 32 else np.float64)
+                         .view(np.int32 if width == 32 else np.int64))
+        t = builder.bitcast(builder.fadd(args[0], ir.Constant(fty, magic)), ity)
+        n = builder.sitofp(builder.sub(t, ir.Constant(ity, magic_bits)), fty)
+        bits = builder.shl(t, ir.Constant(ity, mant))
+        return context.make_tuple(builder, signature.return_type,
+                                  [builder.fsub(args[0], n), builder.bitcast(bits, fty)])
 
     return sig, codegen
 

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ._llvm import pow2_of_integral
+from ._llvm import split_pow2
 from .options import FASTMATH, INLINE
 
 _C32 = (1.0, 0.693146977598993, 0.24022242085262305, 0.0555073374349715,
@@ -44,22 +44,20 @@ _F64_MIN = -1022.0
 @njit(**INLINE)
 def _exp2_f32(x):
     c = np.float32
-    n = np.rint(x)
-    f = x - n
+    f, pow2_n = split_pow2(x)
     p = c(_C32[5])
     p = p * f + c(_C32[4])
     p = p * f + c(_C32[3])
     p = p * f + c(_C32[2])
     p = p * f + c(_C32[1])
     p = p * f + c(_C32[0])
-    r = p * pow2_of_integral(max(n, c(_F32_MIN)))
+    r = p * pow2_n
     return c(0.0) if x < c(_F32_MIN) else r
 
 
 @njit(**INLINE)
 def _exp2_f64(x):
-    n = np.rint(x)
-    f = x - n
+    f, pow2_n = split_pow2(x)
     p = _C64[10]
     p = p * f + _C64[9]
     p = p * f + _C64[8]
@@ -71,7 +69,7 @@ def _exp2_f64(x):
     p = p * f + _C64[2]
     p = p * f + _C64[1]
     p = p * f + _C64[0]
-    r = p * pow2_of_integral(max(n, _F64_MIN))
+    r = p * pow2_n
     return 0.0 if x < _F64_MIN else r
 
 
