@@ -2,7 +2,8 @@
 
 Numba 0.68 has no SVML, so ``math.exp`` stays a scalar libm call inside loops (about 5x slower
 than this). Here 2**x = 2**n * 2**f with n = rint(x), f in [-1/2, 1/2]: 2**f is a polynomial
-and 2**n is written straight into the exponent bits. Scores are pre-multiplied by log2(e), so
+and 2**n is written straight into the exponent bits (both n and 2**n come from one add of a
+magic number: ``_llvm.split_pow2``). Scores are pre-multiplied by log2(e), so
 exp2 of them is the softmax's exp. (Adding n to the polynomial's exponent bits instead of
 multiplying would save nothing — the multiply also does the final select, as a zero-masked
 vmulps — and would turn a NaN into a number.)
