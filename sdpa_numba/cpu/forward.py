@@ -96,14 +96,11 @@ def _pack_queries(q, i0, n, n_pad, scale, qt):
     for r0 in range(0, n_pad, BM):
         blk = ptr_add(data_ptr(qt), r0 * e_len)
         rows = min(BM, n - r0)
-        if rows == BM:
-            for e in range(e_len):
-                for rr in range(BM):
-                    blk[e * BM + rr] = load(q[i0 + r0 + rr, e]) * scale
-        else:
-            for e in range(e_len):
-                for rr in range(BM):
-                    blk[e * BM + rr] = load(q[i0 + r0 + rr, e]) * scale if rr < rows else 0
+        for e in range(e_len):
+            for rr in range(rows):
+                blk[e * BM + rr] = load(q[i0 + r0 + rr, e]) * scale
+            for rr in range(rows, BM):
+                blk[e * BM + rr] = 0
 
 
 @njit(**INLINE)
@@ -251,10 +248,16 @@ def _acc_rows(ev):
 
 
 @njit(**INLINE)
+def _few_sets(ld, itemsize):
+    """Whether rows ``ld`` elements apart are a multiple of SET_STRIDE bytes apart."""
+    return ld * itemsize % SET_STRIDE == 0
+
+
+@njit(**INLINE)
 def _packed_stride(ev_pad, itemsize):
     """Row stride (elements) of packed V blocks: ``ev_pad``, one cache line more if that
     would put rows a multiple of SET_STRIDE bytes apart."""
-    if ev_pad * itemsize % SET_STRIDE == 0:
+    if _few_sets(ev_pad, itemsize):
         return ev_pad + LINE // itemsize
     return ev_pad
 
@@ -314,7 +317,7 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     # per tile, and rows a multiple of SET_STRIDE bytes apart fall in few L1 sets.
     ldk = _row_stride(k, lse, e_len)
     ldv = _row_stride(v, lse, ev)
-    if ldv * lse.itemsize % SET_STRIDE == 0:
+    if _few_sets(ldv, lse.itemsize):
         ldv = 0
 
     kv_end = min(s_len, i1) if is_causal else s_len
