@@ -177,3 +177,20 @@ def keep_alive(typingctx, x):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def fetch_add(typingctx, arr, n):
+    """Atomically add ``n`` to ``arr[0]`` (a 1-element int64 array shared by threads);
+    returns the value before the add."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64
+            and isinstance(n, types.Integer)):
+        return None
+    sig = types.int64(arr, n)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        val = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.atomic_rmw("add", ary.data, val, "monotonic")
+
+    return sig, codegen

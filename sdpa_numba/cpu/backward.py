@@ -39,7 +39,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, keep_alive, prefer_512_bit, ptr_add
+from ._llvm import data_ptr, fetch_add, keep_alive, prefer_512_bit, ptr_add
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
 from .forward import masked_score
@@ -78,12 +78,6 @@ def key_groups(n_bh, n_kb):
         return 1
     g = (TASKS + n_bh - 1) // n_bh
     return max(1, min(g, n_kb // MIN_GROUP_BLOCKS, MAX_GROUPS))
-
-
-@njit(**INLINE)
-def _zigzag(t, n):
-    """0, n-1, 1, n-2, ...: consecutive tasks pair a costly causal group with a cheap one."""
-    return t // 2 if t % 2 == 0 else n - 1 - t // 2
 
 
 def as_dropout(dropout):
@@ -498,18 +492,25 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     np_ = groups if groups > 1 else 0
     dq_part = np.zeros((np_, b_len, n_heads, L, e_len), lse.dtype)
 
-    # Static schedule: each thread runs a contiguous run of tasks; the zigzag order pairs
-    # costly and cheap causal key groups of one head.
-    for t in prange(b_len * h_len * groups):
-        bkh = t // groups
-        g = _zigzag(t % groups, groups)
-        b = bkh // h_len
-        kh = bkh % h_len
-        kb0 = g * n_kb // groups
-        kb1 = (g + 1) * n_kb // groups
-        # (one call for any mask type: an `if mask is None` branch here would compile both)
-        key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, group, kb0, kb1,
-                  dq, dq_part, g, dk, dv, drop, dm)
+    # Tasks are taken from a shared counter, as in the forward (a slow thread takes fewer);
+    # a head's groups in order, costliest first (causal: later keys are seen by fewer rows).
+    n_tasks = b_len * h_len * groups
+    next_task = np.zeros(1, np.int64)
+    for _ in prange(n_tasks):
+        while True:
+            t = fetch_add(next_task, 1)
+            if t >= n_tasks:
+                break
+            bkh = t // groups
+            g = t % groups
+            b = bkh // h_len
+            kh = bkh % h_len
+            kb0 = g * n_kb // groups
+            kb1 = (g + 1) * n_kb // groups
+            # (one call for any mask type: an `if mask is None` branch here would compile
+            # both)
+            key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, group, kb0, kb1,
+                      dq, dq_part, g, dk, dv, drop, dm)
 
     if groups > 1:
         nqb = (L + BQ - 1) // BQ

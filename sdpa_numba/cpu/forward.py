@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
+from ._llvm import data_ptr, fetch_add, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
@@ -425,27 +425,32 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
     chunk = _chunk_rows(b_len * hq, L, q.shape[3], out.shape[3], lse.itemsize)
     n_chunks = (L + chunk - 1) // chunk
     n_tasks = b_len * hq * n_chunks
-    # Numba's static schedule gives each thread a contiguous run of tasks. Causal chunks cost
-    # more the later they are, so within a head they are visited zigzag (first, last,
-    # second, second to last, ...): any contiguous run then mixes cheap and costly chunks,
-    # even when one head is split between threads.
-    for t in prange(n_tasks):
-        bh = t // n_chunks
-        c = t % n_chunks
-        if is_causal:
-            c = c // 2 if c % 2 == 0 else n_chunks - 1 - c // 2
-        b = bh // hq
-        h = bh % hq
-        i0 = c * chunk
-        i1 = min(L, i0 + chunk)
-        kh = h // group
-        dh = head_dropout(dropout, b, h)
-        if mask is None:
-            attend_rows(q[b, h], k[b, kh], v[b, kh], None, is_causal, scale,
-                        out[b, h], lse[b, h], i0, i1, dh)
-        else:
-            attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], is_causal, scale,
-                        out[b, h], lse[b, h], i0, i1, dh)
+    # Tasks are handed out one at a time from a shared counter, costliest first (causal
+    # chunks cost more the later they are): a thread that runs slow (a busy neighbour on a
+    # shared machine) takes fewer tasks instead of holding up the launch. Each thread's
+    # first iteration of the static prange takes tasks until none are left; its other
+    # iterations find none (so no thread count is needed, which would stop caching).
+    n_bh = b_len * hq
+    next_task = np.zeros(1, np.int64)
+    for _ in prange(n_tasks):
+        while True:
+            t = fetch_add(next_task, 1)
+            if t >= n_tasks:
+                break
+            bh = t // n_chunks
+            c = n_chunks - 1 - t % n_chunks
+            b = bh // hq
+            h = bh % hq
+            i0 = c * chunk
+            i1 = min(L, i0 + chunk)
+            kh = h // group
+            dh = head_dropout(dropout, b, h)
+            if mask is None:
+                attend_rows(q[b, h], k[b, kh], v[b, kh], None, is_causal, scale,
+                            out[b, h], lse[b, h], i0, i1, dh)
+            else:
+                attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], is_causal, scale,
+                            out[b, h], lse[b, h], i0, i1, dh)
 
 
 @njit(**KERNEL)
