@@ -27,7 +27,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, fetch_add, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
+from ._llvm import (data_ptr, fetch_add, keep_alive, no_inline, prefer_512_bit, ptr_add,
+                    stack_buffer)
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
