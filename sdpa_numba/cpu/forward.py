@@ -431,7 +431,6 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
     # shared machine) takes fewer tasks instead of holding up the launch. Each thread's
     # first iteration of the static prange takes tasks until none are left; its other
     # iterations find none (so no thread count is needed, which would stop caching).
-    n_bh = b_len * hq
     next_task = np.zeros(1, np.int64)
     for _ in prange(n_tasks):
         while True:
