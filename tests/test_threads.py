@@ -1,4 +1,5 @@
-"""Results do not depend on the thread count: bitwise equal with 1 thread and all threads."""
+"""Results do not depend on the thread count: bitwise equal with 1 thread and all threads;
+the kernels' task queue hands out every task once."""
 
 import numba
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 
 from checks import randn
 from sdpa_numba import scaled_dot_product_attention as sdpa
+from sdpa_numba.cpu._llvm import fetch_add
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
@@ -27,3 +29,24 @@ def test_bitwise_equal_across_thread_counts(rng, dtype, causal):
         numba.set_num_threads(before)
     for a, b in zip(one, many):
         assert a.tobytes() == b.tobytes()
+
+
+@numba.njit(parallel=True)
+def _drain(n_tasks, next_task, runs):
+    # The kernels' task queue: each thread's first iteration takes tasks until none are left.
+    for _ in numba.prange(n_tasks):
+        while True:
+            t = fetch_add(next_task, 1)
+            if t >= n_tasks:
+                break
+            runs[t] += 1
+
+
+def test_task_queue_runs_every_task_once():
+    for n_tasks in (1, 2, 7, 1000):
+        next_task = np.zeros(1, np.int64)
+        runs = np.zeros(n_tasks, np.int64)
+        _drain(n_tasks, next_task, runs)
+        assert (runs == 1).all()
+        # every taker stops at the first number past the end: at most one per iteration
+        assert n_tasks <= next_task[0] <= 2 * n_tasks
