@@ -7,7 +7,7 @@ import pytest
 
 from checks import randn
 from sdpa_numba import scaled_dot_product_attention as sdpa
-from sdpa_numba.cpu._llvm import fetch_add
+from sdpa_numba.cpu.tasks import next_task, task_queue
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
@@ -32,21 +32,19 @@ def test_bitwise_equal_across_thread_counts(rng, dtype, causal):
 
 
 @numba.njit(parallel=True)
-def _drain(n_tasks, next_task, runs):
-    # The kernels' task queue: each thread's first iteration takes tasks until none are left.
-    for _ in numba.prange(n_tasks):
-        while True:
-            t = fetch_add(next_task, 1)
-            if t >= n_tasks:
-                break
+def _drain(n_tasks, queue, runs):
+    for _ in numba.prange(n_tasks):  # as the kernels use the queue
+        t = next_task(queue, n_tasks)
+        while t >= 0:
             runs[t] += 1
+            t = next_task(queue, n_tasks)
 
 
 def test_task_queue_runs_every_task_once():
     for n_tasks in (1, 2, 7, 1000):
-        next_task = np.zeros(1, np.int64)
+        queue = task_queue()
         runs = np.zeros(n_tasks, np.int64)
-        _drain(n_tasks, next_task, runs)
+        _drain(n_tasks, queue, runs)
         assert (runs == 1).all()
-        # every taker stops at the first number past the end: at most one per iteration
-        assert n_tasks <= next_task[0] <= 2 * n_tasks
+        # each prange iteration stops at the first number past the end: at most one each
+        assert n_tasks <= queue[0] <= 2 * n_tasks

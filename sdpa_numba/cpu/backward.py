@@ -39,7 +39,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, fetch_add, keep_alive, prefer_512_bit, ptr_add
+from ._llvm import data_ptr, keep_alive, prefer_512_bit, ptr_add
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
 from .forward import masked_score
@@ -48,6 +48,7 @@ from .online_softmax import LOG2E
 from .options import FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
 from .storage import cast, load
+from .tasks import next_task, task_queue
 
 #: Query rows per tile (the tiles' columns): one micro-tile wide.
 BQ = NR
@@ -492,15 +493,13 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     np_ = groups if groups > 1 else 0
     dq_part = np.zeros((np_, b_len, n_heads, L, e_len), lse.dtype)
 
-    # Tasks are taken from a shared counter, as in the forward (a slow thread takes fewer);
-    # a head's groups in order, costliest first (causal: later keys are seen by fewer rows).
+    # Tasks from the queue (.tasks): a head's groups in order, costliest first (causal: later
+    # keys are seen by fewer rows).
     n_tasks = b_len * h_len * groups
-    next_task = np.zeros(1, np.int64)
+    queue = task_queue()
     for _ in prange(n_tasks):
-        while True:
-            t = fetch_add(next_task, 1)
-            if t >= n_tasks:
-                break
+        t = next_task(queue, n_tasks)
+        while t >= 0:
             bkh = t // groups
             g = t % groups
             b = bkh // h_len
@@ -511,6 +510,7 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
             # both)
             key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, group, kb0, kb1,
                       dq, dq_part, g, dk, dv, drop, dm)
+            t = next_task(queue, n_tasks)
 
     if groups > 1:
         nqb = (L + BQ - 1) // BQ

@@ -1,7 +1,8 @@
 """The attention forward on the CPU, FlashAttention-2 style.
 
-Work is split into tasks of (batch, head, chunk of query rows). Each task packs its queries
-once (transposed, scaled, in the compute dtype), then streams key/value blocks of ``BN`` keys:
+Work is split into tasks of (batch, head, chunk of query rows), which the threads take from
+a shared queue. Each task packs its queries once (transposed, scaled, in the compute dtype),
+then streams key/value blocks of ``BN`` keys:
 it packs the block (a full block is read in place when its rows are already in the compute
 dtype, and for V when its rows are not a multiple of SET_STRIDE bytes apart), and for each
 sub-block of ``BM`` query rows computes the transposed score tile ``Sᵀ = K Qᵀ`` (BN x BM) with
@@ -27,8 +28,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import (data_ptr, fetch_add, keep_alive, no_inline, prefer_512_bit, ptr_add,
-                    stack_buffer)
+from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
@@ -36,6 +36,7 @@ from .online_softmax import LN2, LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
 from .storage import cast, is_compute_dtype, load, store
+from .tasks import next_task, task_queue
 
 #: Keys per key/value block.
 BN = 64
@@ -426,17 +427,13 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
     chunk = _chunk_rows(b_len * hq, L, q.shape[3], out.shape[3], lse.itemsize)
     n_chunks = (L + chunk - 1) // chunk
     n_tasks = b_len * hq * n_chunks
-    # Tasks are handed out one at a time from a shared counter, costliest first (causal
-    # chunks cost more the later they are): a thread that runs slow (a busy neighbour on a
-    # shared machine) takes fewer tasks instead of holding up the launch. Each thread's
-    # first iteration of the static prange takes tasks until none are left; its other
-    # iterations find none (so no thread count is needed, which would stop caching).
-    next_task = np.zeros(1, np.int64)
+    # Tasks from the queue (.tasks): head by head (a thread's next task mostly reads the same
+    # K and V), each head's costliest chunk first (causal chunks cost more the later they
+    # are), so that the last tasks taken are the cheapest.
+    queue = task_queue()
     for _ in prange(n_tasks):
-        while True:
-            t = fetch_add(next_task, 1)
-            if t >= n_tasks:
-                break
+        t = next_task(queue, n_tasks)
+        while t >= 0:
             bh = t // n_chunks
             c = n_chunks - 1 - t % n_chunks
             b = bh // hq
@@ -451,6 +448,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
             else:
                 attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], is_causal, scale,
                             out[b, h], lse[b, h], i0, i1, dh)
+            t = next_task(queue, n_tasks)
 
 
 @njit(**KERNEL)
