@@ -7,7 +7,8 @@
   256-bit code on many AVX-512 CPUs; setting it per function leaves the rest of the user's
   Numba code untouched, unlike a process-wide ``NUMBA_CPU_FEATURES``);
 * float16 <-> float32 conversion of uint16 bit patterns (Numba's CPU target has no float16);
-* rint(x) and 2**rint(x) by the magic-number trick, for the vectorizable exp2.
+* rint(x) and 2**rint(x) by the magic-number trick, for the vectorizable exp2;
+* an atomic fetch-and-add, for the kernels' task queue (:mod:`.tasks`).
 """
 
 import numpy as np
