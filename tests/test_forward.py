@@ -151,9 +151,9 @@ def _packed_copy(a):
 def test_blocks_read_in_place(rng, dtype, causal, s_len, ev):
     # Full 64-key blocks of K, and of V when its rows are not a multiple of 512 bytes apart
     # (here 144 elements), are read in place at any alignment instead of packed (the tail
-    # block always is; with an odd Ev the last block too, since the tiles read Ev rounded up
-    # to even columns). Same arithmetic either way: the results must be bitwise those of
-    # copies with non-contiguous rows, which are packed.
+    # block always is; with Ev not a multiple of 4 the last block too, since the tiles read
+    # Ev rounded up to a multiple of 4 columns). Same arithmetic either way: the results must
+    # be bitwise those of copies with non-contiguous rows, which are packed.
     q = randn(rng, (2, 3, 150, 64), dtype)
     k = _lined_view(rng, (2, 3, s_len, 64), 80, dtype, 0)
     for shift in (0, 1):
