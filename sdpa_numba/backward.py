@@ -29,10 +29,9 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     out, lse : ndarray or CUDA array
         What the forward returned with ``return_lse=True``: ``out`` of the output's shape and
         dtype, ``lse`` of shape ``(..., Hq, L)`` in the compute dtype (float32 for float16
-        and float32 inputs, float64 for float64).
-
-    All arrays are NumPy arrays (CPU kernels) or all CUDA arrays (Numba device arrays, CuPy,
-    PyTorch CUDA tensors: CUDA kernels, gradients returned as the query's kind of array).
+        and float32 inputs, float64 for float64). All arrays are NumPy arrays (CPU kernels)
+        or all CUDA arrays (Numba device arrays, CuPy, PyTorch CUDA tensors: CUDA kernels,
+        gradients returned as the query's kind of array).
     seed : int, keyword-only
         The seed the forward used; required when ``dropout_p > 0`` (the dropout mask is
         regenerated from it, see :mod:`sdpa_numba.dropout`).

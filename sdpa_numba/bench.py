@@ -1,6 +1,6 @@
 """Timing and comparison of attention implementations, for ``python -m sdpa_numba bench``.
 
-Speed is measured as DESIGN.md §5 says: every implementation runs on the same inputs in the
+Speed is measured as docs/performance.md describes: every implementation runs on the same inputs in the
 same process with the same thread count; each is warmed up first (for sdpa_numba that call
 compiles or loads the kernels from Numba's cache, and its time is reported separately), then
 sdpa_numba and torch are timed in interleaved rounds and each keeps its minimum; the naive NumPy
@@ -56,9 +56,9 @@ class Case:
                 f"{' causal' if self.causal else ''}")
 
 
-#: Named case lists. ``issue3``: the three problems of issue 3.
+#: Named case lists. ``headline``: the three problems of the performance page's first table.
 PRESETS = {
-    "issue3": [Case(1, 8, 2048, 64, "float32", False), Case(1, 8, 2048, 64, "float32", True),
+    "headline": [Case(1, 8, 2048, 64, "float32", False), Case(1, 8, 2048, 64, "float32", True),
                Case(1, 4, 4096, 128, "float32", False)],
 }
 

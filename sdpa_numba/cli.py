@@ -25,7 +25,7 @@ from . import bench
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
-#: Relative Frobenius error allowed against the float64 reference (DESIGN.md §6).
+#: Relative Frobenius error allowed against the float64 reference.
 TOLERANCE = {"float16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 #: Relative error allowed between sdpa_numba and torch in ``bench`` (two rounded results).
 AGREEMENT = {"float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
@@ -136,7 +136,7 @@ def build_parser():
                     "--case is given.",
 )
     p.add_argument("--preset", choices=sorted(bench.PRESETS), action="append", default=[],
-                   help="a named case list; issue3: B1 H8 L2048 D64 float32 non-causal and "
+                   help="a named case list; headline: B1 H8 L2048 D64 float32 non-causal and "
                         "causal, B1 H4 L4096 D128 float32")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "

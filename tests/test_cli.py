@@ -171,7 +171,7 @@ def test_bench_exit_1_when_results_disagree_with_torch(capsys, monkeypatch):
 
 def test_bench_cases_selection():
     parser = cli.build_parser()
-    args = parser.parse_args(["bench", "--preset", "issue3"])
+    args = parser.parse_args(["bench", "--preset", "headline"])
     assert cli._bench_cases(args) == [
         bench.Case(1, 8, 2048, 64, "float32", False), bench.Case(1, 8, 2048, 64, "float32", True),
         bench.Case(1, 4, 4096, 128, "float32", False)]

@@ -1,4 +1,4 @@
-"""The Numba-level API (DESIGN.md §3), called from a user's own jitted code."""
+"""The Numba-level API, called from a user's own jitted code."""
 
 import importlib
 
@@ -88,7 +88,7 @@ def test_task_rows_keep_the_scratch_in_bounds():
         assert f.BM <= rows <= f.CHUNK
         assert scratch <= f.SCRATCH_BYTES or rows == f.BM
         assert rows == f.CHUNK or 2 * scratch > f.SCRATCH_BYTES
-    assert f._task_rows(128, 128, 4) == f.CHUNK  # issue 3's shapes keep 512 rows
+    assert f._task_rows(128, 128, 4) == f.CHUNK  # the headline shapes keep 512 rows
     assert f._task_rows(128, 128, 8) == f.CHUNK // 2
 
 

@@ -1,4 +1,4 @@
-"""JIT compile time, measured apart from the steady-state numbers (DESIGN.md §5).
+"""JIT compile time, measured apart from the steady-state numbers (docs/performance.md).
 
 Each figure is the first ``scaled_dot_product_attention`` call (float32, no mask) in a fresh
 Python process whose ``NUMBA_CACHE_DIR`` points at a folder of its own:

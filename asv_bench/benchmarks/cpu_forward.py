@@ -89,8 +89,8 @@ class ForwardLong(_Forward):
     track_gflops.unit = "GFLOP/s"
 
 
-class Issue3(_Forward):
-    """The problems of issue 3, float32: the CPU targets compared with torch."""
+class Headline(_Forward):
+    """The performance page's headline problems, float32 (compared there with torch)."""
 
     params = (["B1 H8 L2048 D64", "B1 H8 L2048 D64 causal", "B1 H4 L4096 D128"],)
     param_names = ["case"]

@@ -4,7 +4,7 @@ import numpy as np
 
 
 def flops(B, H, L, S, E, causal):
-    """4·B·H·L·S·E for the forward (two matmuls), half when causal (DESIGN.md §5)."""
+    """4·B·H·L·S·E for the forward (two matmuls), half when causal."""
     return 4 * B * H * L * S * E / (2 if causal else 1)
 
 

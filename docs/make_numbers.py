@@ -1,0 +1,164 @@
+"""Regenerate every measured number in the docs from the current code.
+
+Each number on a page stands in a block between two markers::
+
+    <!-- numbers: NAME -->
+    ... written by this script: the command, when and where it ran, its output ...
+    <!-- /numbers -->
+
+and this script reruns the block's command and rewrites the block (``tests/test_doc_numbers.py``
+checks that no measured figure stands outside such a block). Run it on a quiet machine, from
+a checkout with the ``bench`` extra installed::
+
+    python docs/make_numbers.py              # every block (10-15 minutes on two cores)
+    python docs/make_numbers.py headline     # one block
+    python docs/make_numbers.py --list       # the blocks and their commands
+
+The figure ``docs/img/bench_gflops.png`` is redrawn by the ``sweep`` block.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BLOCK = re.compile(r"(<!-- numbers: (?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /numbers -->)",
+                   re.S)
+PY = "python"  # as the commands are shown on the pages
+
+
+def _run(args, env=None):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def _bench(args):
+    """A ``bench`` command shown on the page, and its Markdown output."""
+    cmd = ["-m", "sdpa_numba", "bench", *args, "--no-progress", "--markdown"]
+    return f"{PY} {' '.join(cmd)}", _run(cmd)
+
+
+def _code(cmd, text, lang="text"):
+    return f"```bash\n{cmd}\n```\n\n```{lang}\n{text.rstrip()}\n```\n"
+
+
+def headline():
+    cmd, out = _bench(["--preset", "headline", "--sgemm", "--runs", "3", "--repeats", "7"])
+    return f"```bash\n{cmd}\n```\n\n{out}"
+
+
+def dtypes():
+    cmd, out = _bench(["-L", "1024", "--dtype", "float16", "float32", "float64", "--causal",
+                       "no", "--runs", "3", "--repeats", "5"])
+    return f"```bash\n{cmd}\n```\n\n{out}"
+
+
+def sweep():
+    cmd, out = _bench(["-L", "512", "1024", "2048", "4096", "--causal", "both",
+                       "--plot", "docs/img/bench_gflops.png"])
+    return f"```bash\n{cmd}\n```\n\n{out}\n![GFLOP/s against L](img/bench_gflops.png)\n"
+
+
+def backward():
+    args = ["tests/benchmarks/test_bench_backward.py", "10"]
+    out = _run(args, {"PYTHONPATH": str(ROOT)})
+    return _code(f"PYTHONPATH=. {PY} {' '.join(args)}", out)
+
+
+def compile_time():
+    """The first call in a fresh process: with an empty Numba cache, then from the cache."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {"NUMBA_CACHE_DIR": cache}
+        for label in ("cold (empty `NUMBA_CACHE_DIR`: compiles float32, no mask)",
+                      "from Numba's on-disk cache"):
+            doc = json.loads(_run(["-m", "sdpa_numba", "check", "-L", "256", "--heads", "1",
+                                   "--json"], env))
+            rows.append(f"| first call in a fresh process, {label} | "
+                        f"{doc['first_call_s']:.1f} s |")
+    cmd = f"NUMBA_CACHE_DIR=$(mktemp -d) {PY} -m sdpa_numba check -L 256 --heads 1  # twice"
+    return (f"```bash\n{cmd}\n```\n\n| what | time |\n| --- | ---: |\n" + "\n".join(rows)
+            + "\n")
+
+
+def check():
+    return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
+
+
+GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
+              "compile": compile_time, "check": check}
+
+
+def _stamp():
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    commit = git("log", "-1", "--format=%h") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no", "--", "sdpa_numba"):
+        commit += " with uncommitted changes to sdpa_numba/"
+    info = json.loads(_run(["-m", "sdpa_numba", "info", "--json"]))
+    cpu = info["cpu"]["name"]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"*Measured {when} at commit `{commit}` on {cpu} ({os.cpu_count()} cores, "
+            f"{info['threading_layer']} threading layer, Python {platform.python_version()}), "
+            f"by `python docs/make_numbers.py`.*\n\n")
+
+
+def blocks(text):
+    """The names of the generated blocks in a page's text, in order."""
+    return [m["name"] for m in BLOCK.finditer(text)]
+
+
+def replace_block(text, name, body):
+    """``text`` with the body of block ``name`` replaced; KeyError if it has no such block."""
+    found = False
+
+    def sub(m):
+        nonlocal found
+        if m["name"] != name:
+            return m.group(0)
+        found = True
+        return m.group(1) + body.rstrip("\n") + "\n" + m.group(4)
+
+    new = BLOCK.sub(sub, text)
+    if not found:
+        raise KeyError(name)
+    return new
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", choices=[[]] + sorted(GENERATORS),
+                        help="blocks to regenerate (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the blocks and their pages")
+    args = parser.parse_args(argv)
+    pages = {p: p.read_text() for p in sorted(DOCS.glob("*.md"))}
+    where = {n: p for p, t in pages.items() for n in blocks(t)}
+    if args.list:
+        for name in GENERATORS:
+            print(f"{name:10} {where.get(name, '(on no page)')}")
+        return 0
+    stamp = _stamp()
+    for name in args.names or list(GENERATORS):
+        if name not in where:
+            print(f"{name}: no page has this block", file=sys.stderr)
+            continue
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        page = where[name]
+        pages[page] = replace_block(pages[page], name, stamp + GENERATORS[name]())
+        page.write_text(pages[page])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
