@@ -1,11 +1,12 @@
-"""The command line: ``python -m sdpa_numba [check|bench|info] ...``.
+"""The command line: ``python -m sdpa_numba [check|bench|info|warmup] ...``.
 
 * no command, or ``check``: compute one problem (default B1 H8 L1024 D64 float32), compare it
   with the float64 NumPy reference (:func:`sdpa_numba.reference.attention`), print the error,
   the time and GFLOP/s;
 * ``bench``: a table of times and GFLOP/s of sdpa_numba, torch's SDPA (when installed) and
   naive NumPy over sizes and dtypes; ``--plot``, ``--json``, ``--sgemm``;
-* ``info``: versions, threads, CPU features, CUDA availability.
+* ``info``: versions, threads, CPU features, CUDA availability, the kernels in Numba's cache;
+* ``warmup``: compile chosen kernel specializations into Numba's on-disk cache ahead of time.
 
 Exit codes: 0 success, 1 a check failed (error above tolerance, or bench results that disagree
 with torch), 2 bad usage, 3 an unexpected error (its traceback is printed).
@@ -98,7 +99,7 @@ def build_parser():
                     "describe the machine. Without a command, runs 'check' with its defaults.",
         epilog="exit codes: 0 ok, 1 check failed, 2 usage error, 3 unexpected error")
     parser.add_argument("--version", action="version", version=f"sdpa_numba {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{check,bench,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,bench,info,warmup}")
 
     p = sub.add_parser("check", help="compute one problem, compare with the float64 reference, "
                                      "time it (the default command)",
@@ -177,9 +178,30 @@ def build_parser():
     _threads_arg(p)
     p.set_defaults(subparser=p)
 
-    p = sub.add_parser("info", help="versions, threads, CPU features, CUDA availability",
+    p = sub.add_parser("info", help="versions, threads, CPU features, CUDA availability, "
+                                    "cached kernels",
                        description="Versions, threading layer and thread count, the CPU "
-                                   "features Numba compiles for, and whether CUDA is usable.")
+                                   "features Numba compiles for, whether CUDA is usable, and "
+                                   "which CPU kernel specializations Numba's cache holds.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    from .cpu.specializations import DTYPES, MASKS
+
+    p = sub.add_parser(
+        "warmup", help="compile kernels into Numba's on-disk cache ahead of time",
+        description="Compile the chosen CPU kernel specializations (one per dtype, mask kind "
+                    "and dropout on/off for the forward; per dtype and mask kind for the "
+                    "backward) into Numba's on-disk cache, so that later processes load them "
+                    "in about a second instead of compiling (~10 s each). Run it while "
+                    "building a container image or filling a CI cache; NUMBA_CACHE_DIR says "
+                    "where the cache goes.")
+    p.add_argument("--dtype", choices=DTYPES, nargs="+", default=["float32"],
+                   help="storage dtypes (default float32)")
+    p.add_argument("--mask", choices=MASKS, nargs="+", default=list(MASKS),
+                   help="mask kinds: none, bool, additive (default all three)")
+    p.add_argument("--dropout", choices=("no", "yes", "both"), default="no",
+                   help="forward kernels without dropout, with it, or both (default no)")
+    p.add_argument("--no-backward", action="store_true", help="forward kernels only")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
@@ -494,8 +516,11 @@ def cmd_bench(args, out=None):
 
 
 def cmd_info(args, out=None):
+    from .cpu.specializations import specializations
+
     out = out or sys.stdout
     info = bench.collect_info()
+    info["cached"] = [str(s) for s in specializations() if s.is_cached()]
     if args.json:
         _dump_json(info, out)
         return EXIT_OK
@@ -515,8 +540,42 @@ def cmd_info(args, out=None):
         f"  features  {' '.join(cpu['features'])}",
         f"cuda        {'usable' if info['cuda']['usable'] else 'not usable'}: "
         f"{info['cuda']['detail']}",
+        f"cached      {len(info['cached'])} CPU kernel specializations in Numba's cache"
+        + " (python -m sdpa_numba warmup compiles more)",
+        *(f"  {s}" for s in info["cached"]),
     ]
     print("\n".join(lines), file=out)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------- warmup
+
+
+def cmd_warmup(args, out=None):
+    from .cpu.specializations import specializations
+
+    out = out or sys.stdout
+    dropout = {"no": (False,), "yes": (True,), "both": (False, True)}[args.dropout]
+    todo = specializations(args.dtype, args.mask, dropout, backward=not args.no_backward)
+    done = []
+    for spec in todo:
+        was_cached = spec.is_cached()
+        t0 = time.perf_counter()
+        spec.compile()
+        seconds = time.perf_counter() - t0
+        done.append({"kernel": spec.kernel, "dtype": spec.dtype, "mask": spec.mask,
+                     "dropout": spec.dropout, "seconds": seconds, "was_cached": was_cached,
+                     "cached": spec.is_cached()})
+        if not args.json:
+            how = "loaded from the cache" if was_cached else "compiled"
+            print(f"{str(spec):<40} {how} in {seconds:.1f} s", file=out, flush=True)
+    if args.json:
+        _dump_json({"specializations": done}, out)
+    missing = [d for d in done if d["cached"] is False]
+    if missing:
+        print(f"sdpa_numba warmup: {len(missing)} specializations could not be cached (is "
+              f"the cache directory writable? set NUMBA_CACHE_DIR)", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -532,6 +591,8 @@ def main(argv=None):
             return cmd_check(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "warmup":
+            return cmd_warmup(args)
         return cmd_info(args)
     except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE

@@ -228,6 +228,26 @@ def test_info(capsys):
     assert "numba" in text and "avx512f" in text and "cuda" in text
 
 
+def test_warmup_fills_the_cache_and_info_lists_it(capsys):
+    # float32 without a mask: the specializations the rest of the suite compiles anyway.
+    rc, doc = run_json(capsys, ["warmup", "--mask", "none", "--json"])
+    assert rc == cli.EXIT_OK
+    got = {(d["kernel"], d["dtype"], d["mask"], d["dropout"]) for d in doc["specializations"]}
+    assert got == {("forward", "float32", "none", False), ("backward", "float32", "bool", False)}
+    assert all(d["cached"] for d in doc["specializations"])
+    rc, info = run_json(capsys, ["info", "--json"])
+    assert {"forward float32, mask none", "backward float32, mask bool"} <= set(info["cached"])
+
+
+def test_warmup_choices():
+    from sdpa_numba.cpu.specializations import specializations
+
+    specs = specializations(["float16", "float64"], ["none", "bool", "additive"], (False, True))
+    assert len(specs) == 2 * (3 * 2 + 2)  # the backward's none and bool masks are one kernel
+    assert len({str(s) for s in specs}) == len(specs)
+    assert cli.main(["warmup", "--mask", "other"]) == cli.EXIT_USAGE
+
+
 def _module(*argv):
     return subprocess.run([sys.executable, "-m", "sdpa_numba", *argv], capture_output=True,
                           text=True, timeout=300)

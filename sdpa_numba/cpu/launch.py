@@ -35,15 +35,20 @@ def kernel_types(dtype, mask_kind):
     return st, ct, mask_t
 
 
+def signature(dtype, mask_kind, dropout=False):
+    """The forward's Numba signature for a storage dtype, mask kind and dropout on/off."""
+    st, ct, mask_t = kernel_types(dtype, mask_kind)
+    return (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), mask_t, types.boolean,
+            types.float64, arr(st, 4, False), arr(ct, 3, False),
+            DROPOUT_TYPE if dropout else types.none)
+
+
 def _entry(dtype, mask_kind, dropout=False):
     """The compiled forward for a storage dtype, mask kind and dropout on/off (compiled once,
     then cached)."""
     key = (dtype, mask_kind, dropout)
     if key not in _entries:
-        st, ct, mask_t = kernel_types(dtype, mask_kind)
-        sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), mask_t, types.boolean,
-               types.float64, arr(st, 4, False), arr(ct, 3, False),
-               DROPOUT_TYPE if dropout else types.none)
+        sig = signature(dtype, mask_kind, dropout)
         forward.compile(sig)
         _entries[key] = forward.overloads[sig].entry_point
     return _entries[key]

@@ -28,15 +28,20 @@ _NO_DROPOUT = (np.uint64(0), np.uint64(0), 1.0, 0)
 _NO_MASK = np.zeros((0, 0, 0, 0), np.bool_)
 
 
+def signature(dtype, mask_kind):
+    """The backward's Numba signature for a storage dtype and mask kind."""
+    st, ct, mask_t = kernel_types(dtype, mask_kind)
+    ro = arr(st, 4, True)
+    return (ro, ro, ro, mask_t, types.boolean, types.float64, ro, ro, arr(ct, 3, True),
+            arr(ct, 4, False), arr(ct, 4, False), arr(ct, 4, False), DROPOUT_TYPE,
+            arr(ct, 4, False))
+
+
 def _entry(dtype, mask_kind):
     """The compiled backward for a storage dtype and mask kind (compiled once, then cached)."""
     key = (dtype, mask_kind)
     if key not in _entries:
-        st, ct, mask_t = kernel_types(dtype, mask_kind)
-        ro = arr(st, 4, True)
-        sig = (ro, ro, ro, mask_t, types.boolean, types.float64, ro, ro, arr(ct, 3, True),
-               arr(ct, 4, False), arr(ct, 4, False), arr(ct, 4, False), DROPOUT_TYPE,
-               arr(ct, 4, False))
+        sig = signature(dtype, mask_kind)
         backward.compile(sig)
         _entries[key] = backward.overloads[sig].entry_point
     return _entries[key]
