@@ -32,6 +32,7 @@ need 2.5 (``register_vmap``) and are skipped before it. torch is an optional dep
 absolute import: it is the real torch, not this module.)
 """
 
+import warnings
 from typing import Optional, Tuple
 
 import numpy as np
@@ -41,7 +42,8 @@ from torch import Tensor
 from .api import scaled_dot_product_attention as _forward
 from .backward import scaled_dot_product_attention_backward as _backward
 
-__all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward"]
+__all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
+           "SDPAFunction"]
 
 _FLOATS = (torch.float16, torch.float32, torch.float64)
 _U64 = 1 << 64
@@ -324,3 +326,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out, _ = attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, _seed_tensor(seed, dropout_p))
     return out
+
+
+class SDPAFunction:
+    """Deprecated: earlier versions' ``torch.autograd.Function``. ``SDPAFunction.apply(query,
+    key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)`` still works: it
+    calls :func:`scaled_dot_product_attention`, with a DeprecationWarning."""
+
+    @staticmethod
+    def apply(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, seed=None):
+        warnings.warn("sdpa_numba.torch.SDPAFunction is deprecated: call "
+                      "sdpa_numba.torch.scaled_dot_product_attention", DeprecationWarning,
+                      stacklevel=2)
+        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                            scale, enable_gqa, seed=seed)
