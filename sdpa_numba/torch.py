@@ -295,7 +295,7 @@ def _backward_vmap(info, in_dims, grad_out, query, key, value, out, lse, attn_ma
     return (*grads, dm), (0, 0, 0, None)
 
 
-if hasattr(torch.library, "register_vmap"):  # torch >= 2.5
+if hasattr(attention_forward, "register_vmap"):  # torch >= 2.5
     attention_forward.register_vmap(_forward_vmap)
     attention_backward.register_vmap(_backward_vmap)
 
