@@ -11,7 +11,8 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
   (``fullgraph=True`` works: no graph break) and meta tensors get shapes;
 * autograd registered on the forward (gradients for query, key, value and a float
   ``attn_mask``); double backward raises a clear RuntimeError (see below);
-* vmap rules for both (the vmapped dim becomes one more leading batch dim).
+* vmap rules for both (the vmapped dim becomes one more leading batch dim); torch.func's
+  autodiff transforms (``grad``, ``jacrev``, ...) are not supported (NotImplementedError).
 
 Devices: CPU tensors run on the CPU kernels through NumPy views (``tensor.numpy()``: no
 copies); CUDA tensors run on the CUDA kernels through ``__cuda_array_interface__`` (no copies
@@ -23,8 +24,10 @@ shapes.
 Dropout: the forward op takes ``seed``, a 0-dim int64 CPU tensor (or None when
 ``dropout_p == 0``), and the backward regenerates the same mask from it (see
 :mod:`sdpa_numba.dropout`; the int64 is read as the uint64 with the same bits). The function
-below draws it from torch's generator (``torch.randint``) when not given, so
-``torch.manual_seed`` makes dropout reproducible and ``torch.compile`` keeps it random per call.
+below draws it from torch's default (CPU) generator (``torch.randint``) when not given, so
+``torch.manual_seed`` makes dropout reproducible and ``torch.compile`` keeps it random per call
+(inductor draws from its own random stream, as for torch's dropout, unless
+``torch._inductor.config.fallback_random`` is set).
 
 Needs torch >= 2.4 (``custom_op``, ``register_fake``, ``register_autograd``); the vmap rules
 need 2.5 (``register_vmap``) and are skipped before it. torch is an optional dependency (the
@@ -302,6 +305,20 @@ if hasattr(attention_forward, "register_vmap"):  # torch >= 2.5
 
 # ---------------------------------------------------------------- the function
 
+FUNC_GRAD = (
+    "sdpa_numba.torch: torch.func.grad, vjp, jacrev, jvp and hessian are not supported over "
+    "this operator (torch's custom operators with autograd do not support torch.func's "
+    "autodiff transforms): use torch.autograd.grad / .backward(); torch.vmap works")
+
+
+def _check_no_func_grad(*tensors):
+    """A clear error inside torch.func's autodiff transforms, instead of torch's message about
+    an autograd.Function's setup_context that the user never wrote."""
+    is_wrapped = getattr(torch._C._functorch, "is_gradtrackingtensor", None)
+    if is_wrapped is not None and any(t is not None and is_wrapped(t) for t in tensors):
+        raise NotImplementedError(FUNC_GRAD)
+
+
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, seed=None):
@@ -323,6 +340,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise TypeError(f"{name} must be a torch.Tensor, got None")
         _check_tensor(t, name)
     _check_tensor(attn_mask, "attn_mask", mask=True)
+    if not torch.compiler.is_compiling():
+        _check_no_func_grad(query, key, value, attn_mask)
     out, _ = attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, _seed_tensor(seed, dropout_p))
     return out

@@ -215,6 +215,12 @@ def test_vmap_dropout_follows_vmaps_randomness():
     assert not torch.equal(different[0], different[1])
 
 
+def test_torch_func_grad_is_refused_clearly():
+    q = randn(2, 5, 4)
+    with pytest.raises(NotImplementedError, match="torch.func.grad.*torch.autograd.grad"):
+        torch.func.grad(lambda q: snt.scaled_dot_product_attention(q, q, q).sum())(q)
+
+
 # ---------------------------------------------------------------- torch.compile
 
 
@@ -275,3 +281,16 @@ def test_compile_fullgraph_no_graph_break_same_results():
     assert not torch.equal(_run(compiled, x, mask, seed=10)[0], eager[0])
     with torch._dynamo.config.patch(error_on_recompile=True):  # new seeds: no recompile
         _run(compiled, x, mask, seed=11)
+
+
+def test_compiled_double_backward_is_refused_too():
+    """Under torch.compile the backward is AOT autograd's: create_graph=True gives a gradient
+    whose own backward raises torch's "does not currently support double backward"."""
+    torch.manual_seed(12)
+    model = Block()
+    x = randn(2, 7, 16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    (g,) = torch.autograd.grad(compiled(x, randn(7, 7)).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.square().sum().backward()
