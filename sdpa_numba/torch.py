@@ -10,7 +10,10 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
 * fake (meta) kernels for both, so ``torch.compile`` traces through them
   (``fullgraph=True`` works: no graph break) and meta tensors get shapes;
 * autograd registered on the forward (gradients for query, key, value and a float
-  ``attn_mask``); double backward raises a clear RuntimeError (see below);
+  ``attn_mask``), with double backward: under ``create_graph=True`` the first-order
+  gradients are taken through the same attention written in torch operations (L x S memory,
+  only then), so that gradient penalties and Hessian-vector products get their second-order
+  terms (under torch.compile, AOT autograd refuses double backward with its own message);
 * vmap rules for both (the vmapped dim becomes one more leading batch dim); torch.func's
   autodiff transforms (``grad``, ``jacrev``, ...) are not supported (NotImplementedError).
 
@@ -52,10 +55,10 @@ _FLOATS = (torch.float16, torch.float32, torch.float64)
 _U64 = 1 << 64
 
 DOUBLE_BACKWARD = (
-    "sdpa_numba: double backward is not supported: the backward of "
-    "sdpa_numba.torch.scaled_dot_product_attention is not differentiable, so gradients taken "
-    "with create_graph=True would silently miss its second-order terms (e.g. a gradient "
-    "penalty). Use torch.nn.functional.scaled_dot_product_attention where you need them.")
+    "sdpa_numba: the operator torch.ops.sdpa_numba.attention_backward is not differentiable "
+    "(its kernels have no derivative): differentiate sdpa_numba.torch."
+    "scaled_dot_product_attention with create_graph=True instead, which takes its "
+    "second-order terms through torch")
 
 
 # ---------------------------------------------------------------- tensors in and out
@@ -191,15 +194,70 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (dropout_p, is_causal, scale, enable_gqa)
 
 
+def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     seed):
+    """The forward in plain torch operations, building the L x S probabilities: what the
+    double backward differentiates twice. Same semantics as the kernels (top-left causal,
+    fully masked rows give 0, the dropout mask of :mod:`sdpa_numba.dropout`)."""
+    from .dropout import keep_mask
+
+    dtype = query.dtype
+    nd = max(query.dim(), key.dim(), value.dim(), 3)
+    q, k, v = (x.reshape((1,) * (nd - x.dim()) + tuple(x.shape)) for x in (query, key, value))
+    if dtype == torch.float16:  # the kernels' compute dtype
+        q, k, v = q.float(), k.float(), v.float()
+    if enable_gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    E = q.shape[-1]
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else
+                                      (1.0 / E ** 0.5 if E else 1.0))
+    L, S = s.shape[-2:]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -float("inf"))
+        else:
+            s = s + attn_mask.to(s.dtype)
+    if is_causal:
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
+                          -float("inf"))
+    m = s.detach().amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    total = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(total > 0, total, torch.ones_like(total))  # masked rows: 0
+    if dropout_p > 0:
+        keep = keep_mask(_seed(seed), dropout_p, tuple(p.shape[:-3]), p.shape[-3], L, S)
+        p = p * torch.from_numpy(keep).to(p.device) * (1.0 / (1.0 - dropout_p))
+    out = (p @ v).to(dtype)
+    return out.reshape(_out_shape(query, key, value, enable_gqa))
+
+
+def _double_backward(ctx, grad_out, query, key, value, attn_mask, seed):
+    """First-order gradients that are themselves differentiable (``create_graph=True``):
+    torch's autograd through :func:`_dense_attention`. O(L x S) memory, only on this path."""
+    dropout_p, is_causal, scale, enable_gqa = ctx.args
+    need = list(ctx.needs_input_grad[:4])
+    need[3] = need[3] and attn_mask is not None and attn_mask.is_floating_point()
+    # views, so that q, k, v passed as one tensor still get one gradient each
+    inputs = [None if t is None else t.view_as(t) for t in (query, key, value, attn_mask)]
+    out = _dense_attention(*inputs, dropout_p, is_causal, scale, enable_gqa, seed)
+    wanted = [t for t, n in zip(inputs, need) if n]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True,
+                                     allow_unused=True))
+    result = [next(grads) if n else None for n in need]
+    result = [torch.zeros_like(t) if n and g is None else g
+              for t, n, g in zip(inputs, need, result)]
+    return (*result, None, None, None, None, None)
+
+
 def _backward_formula(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse, seed = ctx.saved_tensors
     dropout_p, is_causal, scale, enable_gqa = ctx.args
-    # With create_graph=True autograd runs this with grad mode on: the gradients would need
-    # a graph of their own, which the backward operator does not have. Say so instead of
-    # returning gradients that silently have no second-order terms.
+    # create_graph=True: autograd runs this with grad mode on and wants gradients with a
+    # graph of their own, which the kernels cannot give: take them through torch instead.
     if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (grad_out, query, key, value, attn_mask)):
-        raise RuntimeError(DOUBLE_BACKWARD)
+        return _double_backward(ctx, grad_out, query, key, value, attn_mask, seed)
     need = ctx.needs_input_grad
     mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and need[3])
     dq, dk, dv, dm = attention_backward(grad_out, query, key, value, out, lse, attn_mask,
@@ -220,8 +278,8 @@ def _setup_nothing(ctx, inputs, output):
     pass
 
 
-# Reached only if the check above is bypassed (the backward operator called directly on
-# tensors that require grad): the same message instead of torch's generic one.
+# The backward operator called directly on tensors that require grad, then differentiated:
+# say what to do instead of torch's generic "no autograd formula".
 attention_backward.register_autograd(_no_double_backward, setup_context=_setup_nothing)
 
 
@@ -332,8 +390,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :func:`sdpa_numba.scaled_dot_product_attention` draws); None draws one from torch's
     generator, and the backward replays that mask. CPU tensors run on the CPU kernels, CUDA
     tensors on the CUDA kernels; float16, float32, float64 (bfloat16 is a TypeError for
-    now). Double backward (``create_graph=True`` through this function) raises a
-    RuntimeError.
+    now). Double backward works: with ``create_graph=True`` the gradients are taken through
+    torch operations (L x S memory) so that they have second-order terms.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t is None:

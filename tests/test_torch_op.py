@@ -1,5 +1,5 @@
 """sdpa_numba.torch as a PyTorch operator: opcheck, torch.compile with no graph break, double
-backward refused clearly, vmap, dropout replay, dtypes.
+backward, vmap, dropout replay, dtypes.
 
 float64 throughout (and one float16 case), to reuse the kernels other tests compile."""
 
@@ -139,25 +139,50 @@ def test_dropout_follows_torch_manual_seed_and_replays_in_backward():
 # ---------------------------------------------------------------- double backward
 
 
-def test_create_graph_raises_instead_of_dropping_second_order_terms():
-    """issue 14, class 4: a gradient penalty through the op must not silently lose its term."""
+def _penalized_grads(attention, q, k, v, mask):
+    """Gradients of out.sum() + |d(out²)/dq|²: a gradient penalty, which needs double
+    backward (issue 14, class 4: it used to lose its second term silently)."""
+    out = attention(q, k, v, mask)
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    return torch.autograd.grad(out.sum() + gq.square().sum(), (q, k, v, mask))
+
+
+def test_double_backward_matches_torch():
     torch.manual_seed(5)
+    q, k, v = (randn(2, 4, 5, 4, requires_grad=True), randn(2, 2, 7, 4, requires_grad=True),
+               randn(2, 2, 7, 3, requires_grad=True))
+    mask = randn(4, 5, 7, requires_grad=True)
+    causal = torch.zeros(5, 7, dtype=torch.float64).masked_fill(
+        torch.ones(5, 7, dtype=torch.bool).triu(1), -float("inf"))
+    ours = _penalized_grads(lambda q, k, v, m: snt.scaled_dot_product_attention(
+        q, k, v, m, is_causal=True, scale=0.3, enable_gqa=True), q, k, v, mask)
+    theirs = _penalized_grads(lambda q, k, v, m: F.scaled_dot_product_attention(
+        q, k, v, m + causal, scale=0.3, enable_gqa=True), q, k, v, mask)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradgradcheck_with_dropout_and_shared_inputs():
+    """Second derivatives by finite differences; q = k = v one tensor; the dropout mask
+    replayed by the torch path too (its first-order gradients equal the kernels')."""
+    torch.manual_seed(6)
+    x = randn(1, 2, 5, 4, requires_grad=True)
+
+    def f(x):
+        return snt.scaled_dot_product_attention(x, x, x, dropout_p=0.3, seed=4)
+
+    assert torch.autograd.gradgradcheck(f, (x,))
+    (with_graph,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+    (kernels,) = torch.autograd.grad(f(x).sum(), x)
+    torch.testing.assert_close(with_graph, kernels, rtol=1e-12, atol=1e-12)
+
+
+def test_the_backward_operator_itself_is_not_differentiable():
     q, k, v = (randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
-    mask = randn(5, 5, requires_grad=True)
-    for m in (None, mask):
-        out = snt.scaled_dot_product_attention(q, k, v, m)
-        with pytest.raises(RuntimeError, match="double backward is not supported"):
-            torch.autograd.grad(out.sum(), q, create_graph=True)
-    # only the mask differentiable: the same
-    out = snt.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), mask)
-    with pytest.raises(RuntimeError, match="double backward is not supported"):
-        torch.autograd.grad(out.sum(), mask, create_graph=True)
-    # the backward operator called directly on tensors that require grad: same message when
-    # differentiated
     out, lse = ops.attention_forward(q, k, v, None, 0.0, False, None, False, None)
     dq = ops.attention_backward(torch.ones_like(out), q, k, v, out, lse, None, 0.0, False,
                                 None, False, None, False)[0]
-    with pytest.raises(RuntimeError, match="double backward is not supported"):
+    with pytest.raises(RuntimeError, match="attention_backward is not differentiable"):
         dq.sum().backward()
 
 
