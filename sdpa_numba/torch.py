@@ -1,107 +1,420 @@
-"""PyTorch autograd on sdpa_numba's kernels: ``sdpa_numba.torch.scaled_dot_product_attention``.
+"""The PyTorch operator: ``sdpa_numba.torch.scaled_dot_product_attention``.
 
-A :class:`torch.autograd.Function` with torch's signature (plus ``seed``) whose forward and
-backward are :func:`sdpa_numba.scaled_dot_product_attention` and
-:func:`sdpa_numba.scaled_dot_product_attention_backward`:
+torch's signature and semantics, on sdpa_numba's kernels, registered with
+:func:`torch.library.custom_op` so that the rest of PyTorch sees a real operator:
 
-* CPU tensors run on the CPU kernels, through NumPy views of the tensors
-  (``tensor.detach().numpy()``: no copies);
-* CUDA tensors run on the CUDA kernels, through ``__cuda_array_interface__`` (no copies
-  either); results and gradients are CUDA tensors on the inputs' device. Numba launches on the
-  legacy default stream: tensors produced on another torch stream must be synchronized with it
-  first. This path needs numba-cuda and a GPU (it is tested on a real GPU only, see
-  ``tests/cuda/test_cuda_backward.py``), and refuses bfloat16 (NotImplementedError).
+* ``torch.ops.sdpa_numba.attention_forward(query, key, value, attn_mask, dropout_p, is_causal,
+  scale, enable_gqa, seed) -> (out, lse)`` and
+  ``torch.ops.sdpa_numba.attention_backward(grad_out, query, key, value, out, lse, attn_mask,
+  dropout_p, is_causal, scale, enable_gqa, seed, mask_grad) -> (dq, dk, dv, dmask)``;
+* fake (meta) kernels for both, so ``torch.compile`` traces through them
+  (``fullgraph=True`` works: no graph break) and meta tensors get shapes;
+* autograd registered on the forward (gradients for query, key, value and a float
+  ``attn_mask``), with double backward: under ``create_graph=True`` the first-order
+  gradients are taken through the same attention written in torch operations (L x S memory,
+  only then), so that gradient penalties and Hessian-vector products get their second-order
+  terms (under torch.compile, AOT autograd refuses double backward with its own message);
+* vmap rules for both (the vmapped dim becomes one more leading batch dim); torch.func's
+  autodiff transforms (``grad``, ``jacrev``, ...) are not supported (NotImplementedError).
 
-Other devices raise NotImplementedError. Mixing CPU and CUDA tensors is a TypeError.
+Devices: CPU tensors run on the CPU kernels through NumPy views (``tensor.numpy()``: no
+copies); CUDA tensors run on the CUDA kernels through ``__cuda_array_interface__`` (no copies
+either; numba-cuda and a GPU needed; Numba launches on the legacy default stream, so tensors
+made on another torch stream must be synchronized first). dtypes: float16, float32, float64;
+bfloat16 is a TypeError for now. Other devices raise NotImplementedError; meta tensors only get
+shapes.
 
-torch is an optional dependency (the ``bench`` extra): this module imports it, the package
-does not. (``import torch`` below is an absolute import: it is the real torch, not this
-module.)
+Dropout: the forward op takes ``seed``, a 0-dim int64 CPU tensor (or None when
+``dropout_p == 0``), and the backward regenerates the same mask from it (see
+:mod:`sdpa_numba.dropout`; the int64 is read as the uint64 with the same bits). The function
+below draws it from torch's default (CPU) generator (``torch.randint``) when not given, so
+``torch.manual_seed`` makes dropout reproducible and ``torch.compile`` keeps it random per call
+(inductor draws from its own random stream, as for torch's dropout, unless
+``torch._inductor.config.fallback_random`` is set).
+
+Needs torch >= 2.4 (``custom_op``, ``register_fake``, ``register_autograd``); the vmap rules
+need 2.5 (``register_vmap``) and are skipped before it. torch is an optional dependency (the
+``torch`` extra): this module imports it, the package does not. (``import torch`` below is an
+absolute import: it is the real torch, not this module.)
 """
+
+import warnings
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from .api import scaled_dot_product_attention as _forward
 from .backward import scaled_dot_product_attention_backward as _backward
-from .dropout import new_seed
 
-__all__ = ["scaled_dot_product_attention", "SDPAFunction"]
+__all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
+           "SDPAFunction"]
+
+_FLOATS = (torch.float16, torch.float32, torch.float64)
+_U64 = 1 << 64
+
+DOUBLE_BACKWARD = (
+    "sdpa_numba: the operator torch.ops.sdpa_numba.attention_backward is not differentiable "
+    "(its kernels have no derivative): differentiate sdpa_numba.torch."
+    "scaled_dot_product_attention with create_graph=True instead, which takes its "
+    "second-order terms through torch")
 
 
-def _operand(t, name):
+# ---------------------------------------------------------------- tensors in and out
+
+
+def _check_tensor(t, name, mask=False):
+    """TypeError / NotImplementedError for what the operator does not take."""
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type not in ("cpu", "cuda", "meta"):
+        raise NotImplementedError(
+            f"{name} is on {t.device}: sdpa_numba.torch supports CPU and CUDA tensors only")
+    if t.dtype == torch.bfloat16:
+        raise TypeError(f"{name} dtype torch.bfloat16 is not supported yet: use float16, "
+                        f"float32 or float64")
+    if t.dtype not in _FLOATS and not (mask and t.dtype == torch.bool):
+        raise TypeError(f"{name} dtype {t.dtype} is not supported: use float16, float32 or "
+                        f"float64" + (" (or bool)" if mask else ""))
+
+
+def _operand(t, name, mask=False):
     """What the kernels take for tensor ``t``: a NumPy view of a CPU tensor, the detached
     CUDA tensor itself (the API adopts it without a copy), None for None."""
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in ("cpu", "cuda"):
-        raise NotImplementedError(
-            f"{name} is on {t.device}: sdpa_numba.torch supports CPU and CUDA tensors only")
-    if t.device.type == "cuda" and t.dtype == torch.bfloat16:
-        raise NotImplementedError(f"{name} is bfloat16: the CUDA kernels do not support "
-                                  f"bfloat16 yet; use float16 or float32")
-    if t.dtype not in (torch.float16, torch.float32, torch.float64, torch.bool):
-        raise TypeError(f"{name} dtype {t.dtype} is not supported: use float16, float32 or "
-                        f"float64 (bool for attn_mask)")
+    _check_tensor(t, name, mask)
     return t.detach().numpy() if t.device.type == "cpu" else t.detach()
 
 
 def _tensor(x):
-    """A result of the kernels as a tensor: CUDA results already are (the query's kind)."""
-    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    """A result of the kernels as a new contiguous tensor (CUDA results already are tensors,
+    the query's kind)."""
+    if isinstance(x, Tensor):
+        return x.contiguous()
+    return torch.from_numpy(np.ascontiguousarray(x))
 
 
-class SDPAFunction(torch.autograd.Function):
-    """Attention with FlashAttention-2's backward. ``apply(query, key, value, attn_mask,
-    dropout_p, is_causal, scale, enable_gqa, seed)``; the seed is drawn here when None and
-    kept (in ``ctx``) for the backward, so dropout masks always replay."""
+def _seed(seed):
+    """The kernels' seed (an int in [0, 2**64)) from the op's 0-dim int64 tensor, or None."""
+    return None if seed is None else int(seed.item()) % _U64
 
-    @staticmethod
-    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                seed):
-        q, k, v = _operand(query, "query"), _operand(key, "key"), _operand(value, "value")
-        m = _operand(attn_mask, "attn_mask")
-        if dropout_p > 0 and seed is None:
-            seed = new_seed()
-        out, lse = _forward(q, k, v, m, dropout_p, is_causal, scale, enable_gqa,
-                            return_lse=True, seed=seed)
-        out_t = _tensor(out)
-        ctx.save_for_backward(query, key, value, attn_mask, out_t, _tensor(lse))
-        ctx.args = (dropout_p, is_causal, scale, enable_gqa, seed)
-        return out_t
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        query, key, value, attn_mask, out, lse = ctx.saved_tensors
-        dropout_p, is_causal, scale, enable_gqa, seed = ctx.args
-        mask_grad = (attn_mask is not None and attn_mask.dtype != torch.bool
-                     and ctx.needs_input_grad[3])
-        grads = _backward(_operand(grad_out, "grad_out"), _operand(query, "query"),
-                          _operand(key, "key"), _operand(value, "value"),
-                          _operand(out, "out"), _operand(lse, "lse"),
-                          _operand(attn_mask, "attn_mask"), dropout_p, is_causal, scale,
-                          enable_gqa, seed=seed, mask_grad=mask_grad)
-        dq, dk, dv = (_tensor(g) for g in grads[:3])
-        dm = _tensor(grads[3]) if mask_grad else None
-        return (dq if ctx.needs_input_grad[0] else None,
-                dk if ctx.needs_input_grad[1] else None,
-                dv if ctx.needs_input_grad[2] else None,
-                dm, None, None, None, None, None)
+def _seed_tensor(seed, dropout_p):
+    """The op's seed argument: None without dropout; a draw from torch's generator when
+    ``seed`` is None; else the int64 with the bits of ``seed`` (an int in [0, 2**64))."""
+    if not dropout_p > 0:
+        return None
+    if seed is None:
+        return torch.randint(-(1 << 63), (1 << 63) - 1, (), dtype=torch.int64)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed < _U64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return torch.tensor(seed - _U64 if seed >= 1 << 63 else seed, dtype=torch.int64)
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _out_shape(query, key, value, enable_gqa):
+    """The output's shape, as :func:`sdpa_numba.api.plan` gives it, in torch terms (so that
+    symbolic shapes propagate under torch.compile)."""
+    ndims = (query.dim(), key.dim(), value.dim())
+    nd = max(*ndims, 3)
+    qs, ks, vs = ((1,) * (nd - x.dim()) + tuple(x.shape) for x in (query, key, value))
+    batch = tuple(torch.broadcast_shapes(qs[:-3], ks[:-3], vs[:-3]))
+    hq = qs[-3] if enable_gqa else torch.broadcast_shapes((qs[-3],), (ks[-3],))[0]
+    shape = (*batch, hq, qs[-2], vs[-1])
+    return shape[1:] if nd > max(ndims) else shape  # 2-D inputs: no head dim
+
+
+# ---------------------------------------------------------------- the two operators
+
+
+@torch.library.custom_op("sdpa_numba::attention_forward", mutates_args=())
+def attention_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+                      dropout_p: float, is_causal: bool, scale: Optional[float],
+                      enable_gqa: bool, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`sdpa_numba.scaled_dot_product_attention` (``lse`` in the
+    compute dtype: float32 for float16/float32, float64 for float64)."""
+    out, lse = _forward(_operand(query, "query"), _operand(key, "key"),
+                        _operand(value, "value"), _operand(attn_mask, "attn_mask", True),
+                        dropout_p, is_causal, scale, enable_gqa, return_lse=True,
+                        seed=_seed(seed))
+    return _tensor(out), _tensor(lse)
+
+
+@attention_forward.register_fake
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+    shape = _out_shape(query, key, value, enable_gqa)
+    return (query.new_empty(shape),
+            query.new_empty(shape[:-1], dtype=_lse_dtype(query.dtype)))
+
+
+@torch.library.custom_op("sdpa_numba::attention_backward", mutates_args=())
+def attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+                       lse: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                       is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                       seed: Optional[Tensor],
+                       mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dmask)`` of :func:`sdpa_numba.scaled_dot_product_attention_backward`;
+    ``dmask`` is an empty tensor unless ``mask_grad``."""
+    grads = _backward(_operand(grad_out, "grad_out"), _operand(query, "query"),
+                      _operand(key, "key"), _operand(value, "value"), _operand(out, "out"),
+                      _operand(lse, "lse"), _operand(attn_mask, "attn_mask", True), dropout_p,
+                      is_causal, scale, enable_gqa, seed=_seed(seed), mask_grad=mask_grad)
+    dq, dk, dv = (_tensor(g) for g in grads[:3])
+    dm = _tensor(grads[3]) if mask_grad else query.new_empty(0)
+    return dq, dk, dv, dm
+
+
+@attention_backward.register_fake
+def _(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale,
+      enable_gqa, seed, mask_grad):
+    def like(t):
+        return t.new_empty(t.shape)  # contiguous, as the real kernel's results
+
+    return (like(query), like(key), like(value),
+            like(attn_mask) if mask_grad else query.new_empty(0))
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, seed)
+    ctx.args = (dropout_p, is_causal, scale, enable_gqa)
+
+
+def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     seed):
+    """The forward in plain torch operations, building the L x S probabilities: what the
+    double backward differentiates twice. Same semantics as the kernels (top-left causal,
+    fully masked rows give 0, the dropout mask of :mod:`sdpa_numba.dropout`)."""
+    from .dropout import keep_mask
+
+    dtype = query.dtype
+    nd = max(query.dim(), key.dim(), value.dim(), 3)
+    q, k, v = (x.reshape((1,) * (nd - x.dim()) + tuple(x.shape)) for x in (query, key, value))
+    if dtype == torch.float16:  # the kernels' compute dtype
+        q, k, v = q.float(), k.float(), v.float()
+    if enable_gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    E = q.shape[-1]
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else
+                                      (1.0 / E ** 0.5 if E else 1.0))
+    L, S = s.shape[-2:]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -float("inf"))
+        else:
+            s = s + attn_mask.to(s.dtype)
+    if is_causal:
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
+                          -float("inf"))
+    m = s.detach().amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    total = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(total > 0, total, torch.ones_like(total))  # masked rows: 0
+    if dropout_p > 0:
+        keep = keep_mask(_seed(seed), dropout_p, tuple(p.shape[:-3]), p.shape[-3], L, S)
+        p = p * torch.from_numpy(keep).to(p.device) * (1.0 / (1.0 - dropout_p))
+    out = (p @ v).to(dtype)
+    return out.reshape(_out_shape(query, key, value, enable_gqa))
+
+
+def _double_backward(ctx, grad_out, query, key, value, attn_mask, seed):
+    """First-order gradients that are themselves differentiable (``create_graph=True``):
+    torch's autograd through :func:`_dense_attention`. O(L x S) memory, only on this path."""
+    dropout_p, is_causal, scale, enable_gqa = ctx.args
+    need = list(ctx.needs_input_grad[:4])
+    need[3] = need[3] and attn_mask is not None and attn_mask.is_floating_point()
+    # views, so that q, k, v passed as one tensor still get one gradient each
+    inputs = [None if t is None else t.view_as(t) for t in (query, key, value, attn_mask)]
+    out = _dense_attention(*inputs, dropout_p, is_causal, scale, enable_gqa, seed)
+    wanted = [t for t, n in zip(inputs, need) if n]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True,
+                                     allow_unused=True))
+    result = [next(grads) if n else None for n in need]
+    result = [torch.zeros_like(t) if n and g is None else g
+              for t, n, g in zip(inputs, need, result)]
+    return (*result, None, None, None, None, None)
+
+
+def _backward_formula(ctx, grad_out, grad_lse):
+    query, key, value, attn_mask, out, lse, seed = ctx.saved_tensors
+    dropout_p, is_causal, scale, enable_gqa = ctx.args
+    # create_graph=True: autograd runs this with grad mode on and wants gradients with a
+    # graph of their own, which the kernels cannot give: take them through torch instead.
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (grad_out, query, key, value, attn_mask)):
+        return _double_backward(ctx, grad_out, query, key, value, attn_mask, seed)
+    need = ctx.needs_input_grad
+    mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and need[3])
+    dq, dk, dv, dm = attention_backward(grad_out, query, key, value, out, lse, attn_mask,
+                                        dropout_p, is_causal, scale, enable_gqa, seed,
+                                        mask_grad)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            dm if mask_grad else None, None, None, None, None, None)
+
+
+attention_forward.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD)
+
+
+def _setup_nothing(ctx, inputs, output):
+    pass
+
+
+# The backward operator called directly on tensors that require grad, then differentiated:
+# say what to do instead of torch's generic "no autograd formula".
+attention_backward.register_autograd(_no_double_backward, setup_context=_setup_nothing)
+
+
+# ---------------------------------------------------------------- vmap
+
+
+def _fold(batch_size, in_dims, tensors, ranks, R):
+    """Each tensor with its vmapped dim first (unbatched ones expanded: a view) and ``R`` -
+    its logical rank ones after it, so that the vmapped dim lines up as the first batch dim.
+    ``ranks`` are the logical ranks; ``R`` is the common logical rank to pad to."""
+    folded = []
+    for t, d, r in zip(tensors, in_dims, ranks):
+        if t is None:
+            folded.append(None)
+            continue
+        t = t.movedim(d, 0) if d is not None else t.expand(batch_size, *t.shape)
+        folded.append(t[(slice(None),) + (None,) * (R - r)])
+    return folded
+
+
+def _logical(t, d):
+    return None if t is None else (t.shape if d is None else t.shape[:d] + t.shape[d + 1:])
+
+
+def _select(t, d, i):
+    return t if t is None or d is None else t.select(d, i)
+
+
+def _vmap_loop(op, info, in_dims, args):
+    """Call ``op`` once per vmapped index (dropout: each index draws its own seed's mask, as
+    vmap's randomness= mode says) and stack the results."""
+    results = [op(*(_select(a, d, i) if isinstance(a, Tensor) else a
+                    for a, d in zip(args, in_dims)))
+               for i in range(info.batch_size)]
+    return tuple(torch.stack(r) for r in zip(*results)), (0,) * len(results[0])
+
+
+def _forward_vmap(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                  enable_gqa, seed):
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+    if dropout_p > 0:
+        return _vmap_loop(attention_forward, info, in_dims, args)
+    tensors, dims = (query, key, value, attn_mask), in_dims[:4]
+    shapes = [_logical(t, d) for t, d in zip(tensors, dims)]
+    ranks = [None if s is None else len(s) for s in shapes]
+    R = max(max(r for r in ranks if r is not None), 3)
+    q, k, v, m = _fold(info.batch_size, dims, tensors, ranks, R)
+    out, lse = attention_forward(q, k, v, m, dropout_p, is_causal, scale, enable_gqa, None)
+    logical = _out_shape(*(torch.empty(s, device="meta") for s in shapes[:3]), enable_gqa)
+    B = info.batch_size
+    return (out.reshape(B, *logical), lse.reshape(B, *logical[:-1])), (0, 0)
+
+
+def _backward_vmap(info, in_dims, grad_out, query, key, value, out, lse, attn_mask, dropout_p,
+                   is_causal, scale, enable_gqa, seed, mask_grad):
+    args = (grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale,
+            enable_gqa, seed, mask_grad)
+    if dropout_p > 0:
+        return _vmap_loop(attention_backward, info, in_dims, args)
+    tensors = (grad_out, query, key, value, out, lse, attn_mask)
+    dims = in_dims[:7]
+    shapes = [_logical(t, d) for t, d in zip(tensors, dims)]
+    ranks = [None if s is None else len(s) for s in shapes]
+    R = max(max(r for r in ranks if r is not None), 3)
+    # lse has one dim less than out: pad it as out is padded (one more logical dim)
+    ranks[5] += 1
+    folded = _fold(info.batch_size, dims, tensors, ranks, R)
+    dq, dk, dv, dm = attention_backward(*folded, dropout_p, is_causal, scale, enable_gqa,
+                                        None, mask_grad)
+    B = info.batch_size
+    grads = [g.reshape(B, *s) for g, s in zip((dq, dk, dv), shapes[1:4])]
+    if mask_grad:
+        return (*grads, dm.reshape(B, *shapes[6])), (0, 0, 0, 0)
+    return (*grads, dm), (0, 0, 0, None)
+
+
+if hasattr(attention_forward, "register_vmap"):  # torch >= 2.5
+    attention_forward.register_vmap(_forward_vmap)
+    attention_backward.register_vmap(_backward_vmap)
+
+
+# ---------------------------------------------------------------- the function
+
+FUNC_GRAD = (
+    "sdpa_numba.torch: torch.func.grad, vjp, jacrev, jvp and hessian are not supported over "
+    "this operator (torch's custom operators with autograd do not support torch.func's "
+    "autodiff transforms): use torch.autograd.grad / .backward(); torch.vmap works")
+
+
+def _check_no_func_grad(*tensors):
+    """A clear error inside torch.func's autodiff transforms, instead of torch's message about
+    an autograd.Function's setup_context that the user never wrote."""
+    is_wrapped = getattr(torch._C._functorch, "is_gradtrackingtensor", None)
+    if is_wrapped is not None and any(t is not None and is_wrapped(t) for t in tensors):
+        raise NotImplementedError(FUNC_GRAD)
+
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, seed=None):
     """``torch.nn.functional.scaled_dot_product_attention`` on sdpa_numba's CPU or CUDA
-    kernels, with autograd (gradients for query, key, value and a float ``attn_mask``).
+    kernels, as a PyTorch operator: autograd (gradients for query, key, value and a float
+    ``attn_mask``), ``torch.compile`` (no graph break), ``vmap``, meta tensors.
 
     Same arguments and semantics as torch's (``dropout_p`` applies whenever it is > 0, as in
-    torch's functional form: pass 0 in evaluation). ``seed`` fixes the dropout mask (see
-    :mod:`sdpa_numba.dropout`); None draws a fresh one per call, which the backward reuses.
-    CPU tensors run on the CPU kernels, CUDA tensors on the CUDA kernels; float16, float32,
-    float64. Double backward is not supported.
+    torch's functional form: pass 0 in evaluation). ``seed`` (an int in ``[0, 2**64)``) fixes
+    the dropout mask (see :mod:`sdpa_numba.dropout`: the same seed gives the mask that
+    :func:`sdpa_numba.scaled_dot_product_attention` draws); None draws one from torch's
+    generator, and the backward replays that mask. CPU tensors run on the CPU kernels, CUDA
+    tensors on the CUDA kernels; float16, float32, float64 (bfloat16 is a TypeError for
+    now). Double backward works: with ``create_graph=True`` the gradients are taken through
+    torch operations (L x S memory) so that they have second-order terms.
     """
-    return SDPAFunction.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                              enable_gqa, seed)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t is None:
+            raise TypeError(f"{name} must be a torch.Tensor, got None")
+        _check_tensor(t, name)
+    _check_tensor(attn_mask, "attn_mask", mask=True)
+    if not torch.compiler.is_compiling():
+        _check_no_func_grad(query, key, value, attn_mask)
+    out, _ = attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, _seed_tensor(seed, dropout_p))
+    return out
+
+
+class SDPAFunction:
+    """Deprecated: earlier versions' ``torch.autograd.Function``. ``SDPAFunction.apply(query,
+    key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)`` still works: it
+    calls :func:`scaled_dot_product_attention`, with a DeprecationWarning."""
+
+    @staticmethod
+    def apply(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, seed=None):
+        warnings.warn("sdpa_numba.torch.SDPAFunction is deprecated: call "
+                      "sdpa_numba.torch.scaled_dot_product_attention", DeprecationWarning,
+                      stacklevel=2)
+        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                            scale, enable_gqa, seed=seed)

@@ -1,4 +1,4 @@
-"""sdpa_numba.torch: the autograd function against torch, in float64.
+"""sdpa_numba.torch: the operator's values and gradients against torch, in float64.
 
 (float32 and float16 go through the same code, on kernels tested at the NumPy level in
 test_backward.py; not repeated here, to save compiling their forwards.)"""
@@ -78,11 +78,13 @@ def test_dropout_without_seed_replays_its_mask():
                                atol=1e-12)
 
 
-def test_devices_other_than_cpu_and_cuda_not_implemented():
-    """(CUDA tensors run on the CUDA kernels: tested on a GPU in tests/cuda.)"""
-    q = torch.empty(1, 2, 3, 4, device="meta")
-    with pytest.raises(NotImplementedError, match="CPU and CUDA"):
-        snt.scaled_dot_product_attention(q, q, q)
+def test_meta_tensors_get_shapes():
+    """Meta tensors go through the operator's fake kernel: shapes only, no kernel runs.
+    (CUDA tensors run on the CUDA kernels: tested on a GPU in tests/cuda.)"""
+    q = torch.empty(3, 2, 5, 4, device="meta")
+    k, v = torch.empty(2, 7, 4, device="meta"), torch.empty(2, 7, 6, device="meta")
+    out = snt.scaled_dot_product_attention(q, k, v)
+    assert out.device.type == "meta" and out.shape == (3, 2, 5, 6)
 
 
 def test_unsupported_dtype_is_a_type_error():
