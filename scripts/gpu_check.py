@@ -180,7 +180,7 @@ def bench(args, started):
     import sdpa_numba
 
     if args.simulate:
-        from sdpa_numba.cuda import Blocks, options
+        from sdpa_numba.gpu import Blocks, options
 
         options.BLOCKS = Blocks(4, 4, 4, 2)  # tiny blocks: the simulator runs a thread each
     dev = Device(args.simulate)

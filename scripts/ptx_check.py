@@ -40,9 +40,9 @@ def main(argv=None):
         compute_capability = cc
 
     dispatcher.get_current_device = lambda: _Device()
-    fw = importlib.import_module("sdpa_numba.cuda.forward")
-    bw = importlib.import_module("sdpa_numba.cuda.backward")
-    from sdpa_numba.cuda.options import FASTMATH, Blocks
+    fw = importlib.import_module("sdpa_numba.gpu.forward")
+    bw = importlib.import_module("sdpa_numba.gpu.backward")
+    from sdpa_numba.gpu.options import FASTMATH, Blocks
 
     class _Uncompiled:
         def __init__(self, f):

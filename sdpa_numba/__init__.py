@@ -1,18 +1,16 @@
 """sdpa_numba: scaled dot-product attention kernels written with Numba.
 
 ``scaled_dot_product_attention`` takes NumPy arrays (CPU kernels) or CUDA arrays (CUDA
-kernels); ``scaled_dot_product_attention_backward`` gives its gradients (CPU). The jitted
-kernels themselves are in :mod:`sdpa_numba.cpu` and :mod:`sdpa_numba.cuda` (imported lazily: no
-GPU or CUDA toolkit needed to import this package). :mod:`sdpa_numba.dropout` describes the
-dropout mask's random stream; :mod:`sdpa_numba.torch` (needs torch, not imported here) is a
-``torch.autograd.Function`` on the CPU kernels.
+kernels); ``scaled_dot_product_attention_backward`` gives its gradients. The jitted kernels
+themselves are in :mod:`sdpa_numba.cpu` and :mod:`sdpa_numba.gpu` (the CUDA kernels, imported
+lazily: no GPU or CUDA toolkit needed to import this package). :mod:`sdpa_numba.dropout`
+describes the dropout mask's random stream; :mod:`sdpa_numba.torch` (needs torch, not imported
+here) is the PyTorch operator.
 """
 
-from . import _finder, dropout, reference
+from . import dropout, reference
 from .api import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
-
-_finder.install()  # before anything imports sdpa_numba.cuda
 
 __version__ = "0.1.0"
 

@@ -259,7 +259,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if device == "cuda":
         # CuPy arrays, torch tensors, ... become Numba device arrays (no copy), so that plan()
         # sees NumPy dtypes; restore() hands results back as the caller's kind of array.
-        from .cuda.arrays import adopt
+        from .gpu.arrays import adopt
 
         arrays, restore = adopt([("query", query), ("key", key), ("value", value),
                                  ("attn_mask", attn_mask)], out)
@@ -280,7 +280,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
         result, lse = run(p, query, key, value, attn_mask, out, dropout)
     else:
-        from .cuda.launch import run
+        from .gpu.launch import run
 
         result, lse = run(p, query, key, value, attn_mask, out, dropout)
         result, lse = restore(result), restore(lse)

@@ -66,7 +66,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     partial dQ per group (at most 16); on the GPU: one value per query row (``D``) and shared
     memory. Never L x S (except the ``mask_grad`` array above). The gradients are computed in
     the compute dtype at the broadcast shapes, then reduced and cast (on the GPU, on the
-    device: see :mod:`sdpa_numba.cuda.backward`).
+    device: see :mod:`sdpa_numba.gpu.backward`).
     """
     named = [("query", query), ("grad_out", grad_out), ("key", key), ("value", value),
              ("out", out), ("lse", lse), ("attn_mask", attn_mask)]
@@ -74,7 +74,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     restore = None
     if device == "cuda":
         # As in the forward: Numba device arrays (no copy), results as the caller's kind.
-        from .cuda.arrays import adopt
+        from .gpu.arrays import adopt
 
         (query, grad_out, key, value, out, lse, attn_mask), restore = adopt(named)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
@@ -95,7 +95,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     if device == "host":
         from .cpu.launch_backward import run_backward
     else:
-        from .cuda.launch_backward import run_backward
+        from .gpu.launch_backward import run_backward
     grads = run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
                          mask_grad)
     if restore is not None:

@@ -16,18 +16,24 @@ import os
 from .common import flops, inputs, min_time
 
 
+#: The GPU subpackage's name: sdpa_numba.gpu, sdpa_numba.cuda in commits before the rename.
+GPU_PACKAGES = ("sdpa_numba.gpu", "sdpa_numba.cuda")
+
+
 def _cheap_skip_reason():
     """Why CUDA benchmarks cannot run, from facts that need no driver call; None if they may."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         return "NUMBA_ENABLE_CUDASIM=1: numba.cuda is the simulator, not a GPU"
-    try:
-        found = importlib.util.find_spec("sdpa_numba.cuda") is not None
-    except (ImportError, ValueError, RecursionError):
-        # numba-cuda 0.30's import redirector recurses on any name containing "numba.cuda"
-        # unless sdpa_numba installs its own finder, which commits with a CUDA path do.
-        found = False
+    found = False
+    for name in GPU_PACKAGES:
+        try:
+            found = found or importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError, RecursionError):
+            # numba-cuda 0.30's import redirector recurses on any name containing
+            # "numba.cuda" (the old name) unless that commit installs its own finder.
+            pass
     if not found:
-        return "this commit has no sdpa_numba.cuda"
+        return "this commit has no CUDA path (sdpa_numba.gpu, earlier sdpa_numba.cuda)"
     if not os.path.exists("/dev/nvidiactl") and ctypes.util.find_library("cuda") is None:
         return "no CUDA driver on this machine (no /dev/nvidiactl, no libcuda)"
     return None
@@ -37,7 +43,7 @@ SKIP_REASON = _cheap_skip_reason()
 
 
 def cuda_or_skip():
-    """``numba.cuda`` when a GPU and ``sdpa_numba.cuda`` are there; NotImplementedError if not."""
+    """``numba.cuda`` when a GPU and ``sdpa_numba.gpu`` are there; NotImplementedError if not."""
     if SKIP_REASON:
         raise NotImplementedError(SKIP_REASON)
     try:
@@ -50,10 +56,16 @@ def cuda_or_skip():
         raise NotImplementedError(f"no usable CUDA GPU: {exc}") from None
     if not available:
         raise NotImplementedError("no CUDA GPU on this machine")
-    try:
-        import sdpa_numba.cuda  # noqa: F401
-    except ImportError as exc:
-        raise NotImplementedError(f"this commit has no sdpa_numba.cuda: {exc}") from None
+    import sdpa_numba  # noqa: F401  (older commits install their import finder here)
+
+    for name in GPU_PACKAGES:
+        try:
+            importlib.import_module(name)
+            break
+        except ImportError as exc:
+            error = exc
+    else:
+        raise NotImplementedError(f"this commit has no CUDA path: {error}") from None
     return cuda
 
 

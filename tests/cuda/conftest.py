@@ -28,7 +28,7 @@ from numba import cuda  # noqa: E402
 
 from sdpa_cuda_testing import SIMULATED  # noqa: E402
 
-from sdpa_numba.cuda import options  # noqa: E402
+from sdpa_numba.gpu import options  # noqa: E402
 
 #: Small blocks: tiny inputs still span several query blocks and several key blocks.
 TINY = options.Blocks(block_m=4, block_n=4, threads=4, rows_per_thread=2)

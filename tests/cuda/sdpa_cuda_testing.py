@@ -8,7 +8,7 @@ from numba import cuda
 
 import sdpa_numba
 from sdpa_numba import reference
-from sdpa_numba.cuda.arrays import as_strided, is_simulated_mode
+from sdpa_numba.gpu.arrays import as_strided, is_simulated_mode
 
 #: Whether the tests were asked to run on a real GPU (else: on the simulator).
 REAL_GPU = os.environ.get("SDPA_NUMBA_REAL_GPU") == "1"

@@ -16,9 +16,9 @@ import sdpa_numba
 from checks import check_backward
 from sdpa_numba import reference
 from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
-from sdpa_numba.cuda import Blocks, options
-from sdpa_numba.cuda.arrays import broadcast_view
-from sdpa_numba.cuda.reduce import broadcast_axes
+from sdpa_numba.gpu import Blocks, options
+from sdpa_numba.gpu.arrays import broadcast_view
+from sdpa_numba.gpu.reduce import broadcast_axes
 from sdpa_cuda_testing import dev, permuted, randn, rel_err, torch_cuda
 
 
@@ -185,8 +185,8 @@ def test_bitwise_reproducible():
 def test_every_gradient_element_is_written(monkeypatch):
     """Gradient buffers (and D) poisoned with NaN: every element must be written."""
     # by name: the package's attribute `backward` is the launcher function
-    cuda_backward = importlib.import_module("sdpa_numba.cuda.backward")
-    launch_backward = importlib.import_module("sdpa_numba.cuda.launch_backward")
+    cuda_backward = importlib.import_module("sdpa_numba.gpu.backward")
+    launch_backward = importlib.import_module("sdpa_numba.gpu.launch_backward")
     shapes = []
 
     def poisoned(shape, dtype):
@@ -268,7 +268,7 @@ def test_result_kind_and_dtypes():
 
 
 def test_bad_input_raises_before_any_kernel(monkeypatch):
-    launch_backward = importlib.import_module("sdpa_numba.cuda.launch_backward")
+    launch_backward = importlib.import_module("sdpa_numba.gpu.launch_backward")
 
     def no_kernels(*args, **kwargs):
         raise AssertionError("a kernel was launched")

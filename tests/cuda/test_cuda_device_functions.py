@@ -8,7 +8,7 @@ import pytest
 from numba import cuda
 
 from sdpa_numba import reference
-from sdpa_numba.cuda import attend_row, online_softmax_finalize, online_softmax_update
+from sdpa_numba.gpu import attend_row, online_softmax_finalize, online_softmax_update
 from sdpa_cuda_testing import TOL, dev, rel_err
 
 BN = 3  # keys per block in the user's kernels: tiny, so rows cross several blocks

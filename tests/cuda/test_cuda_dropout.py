@@ -7,7 +7,7 @@ from numba import cuda
 
 import sdpa_numba
 from sdpa_numba import dropout, reference
-from sdpa_numba.cuda.dropout import dropout_factor, row_key
+from sdpa_numba.gpu.dropout import dropout_factor, row_key
 from sdpa_cuda_testing import TOL, dev, permuted, randn, rel_err, run
 
 SEED = 2**63 + 12345  # high bit set: the seed must travel as a uint64
@@ -130,7 +130,7 @@ def test_poisoned_out_buffer_is_fully_written():
 def test_bad_dropout_arguments_raise_before_any_kernel(monkeypatch, kw, err):
     import importlib
 
-    launch = importlib.import_module("sdpa_numba.cuda.launch")
+    launch = importlib.import_module("sdpa_numba.gpu.launch")
 
     def no_kernels(*args, **kwargs):
         raise AssertionError("a kernel was launched")

@@ -11,9 +11,9 @@ import pytest
 
 import sdpa_numba
 from sdpa_numba import reference
-from sdpa_numba.cuda import Blocks, options
-from sdpa_numba.cuda.arrays import as_strided, broadcast_view
-from sdpa_numba.cuda.forward import choose_blocks
+from sdpa_numba.gpu import Blocks, options
+from sdpa_numba.gpu.arrays import as_strided, broadcast_view
+from sdpa_numba.gpu.forward import choose_blocks
 from sdpa_cuda_testing import TOL, check, compare, dev, permuted, randn, rel_err, run
 
 DTYPES = [np.float32, np.float64, np.float16]
@@ -232,8 +232,8 @@ def test_default_blocks(rng, monkeypatch):
 
 
 def test_choose_blocks_fits_limits(monkeypatch):
-    # sdpa_numba.cuda.forward is the function; the module is fetched by name.
-    forward = importlib.import_module("sdpa_numba.cuda.forward")
+    # sdpa_numba.gpu.forward is the function; the module is fetched by name.
+    forward = importlib.import_module("sdpa_numba.gpu.forward")
     monkeypatch.setattr(forward, "device_limits", lambda: (48 * 1024, 1024))
     for itemsize in (4, 8):
         for e, ev in ((64, 64), (128, 128), (256, 256), (64, 17)):
@@ -253,8 +253,8 @@ def test_kernel_arguments_are_launchable(dtype, mask_kind):
     the kernels' signatures must hold nothing else."""
     import numba
 
-    forward = importlib.import_module("sdpa_numba.cuda.forward")
-    backward = importlib.import_module("sdpa_numba.cuda.backward")
+    forward = importlib.import_module("sdpa_numba.gpu.forward")
+    backward = importlib.import_module("sdpa_numba.gpu.backward")
     scalars = (numba.boolean, numba.float64, numba.uint64, numba.int64)
     for signature in (forward._signature, backward.dq_signature, backward.dkv_signature):
         sig, _ = signature(np.dtype(dtype), mask_kind)

@@ -281,7 +281,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
     Notes
     -----
     Inputs are float16, float32 or float64 Numba device arrays with any non-negative strides
-    (:func:`sdpa_numba.cuda.arrays.adopt` wraps CuPy arrays and torch tensors as such).
+    (:func:`sdpa_numba.gpu.arrays.adopt` wraps CuPy arrays and torch tensors as such).
     Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention` validates them. The
     launch is asynchronous, on ``stream``.
     """

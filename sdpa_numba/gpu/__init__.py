@@ -1,15 +1,15 @@
 """CUDA kernels (``@cuda.jit``) and device functions, callable from users' own Numba code.
 
 * :func:`forward`: launches the batched 4-D forward kernel (FlashAttention-2 style tiling,
-  see :mod:`sdpa_numba.cuda.forward`), with optional dropout;
+  see :mod:`sdpa_numba.gpu.forward`), with optional dropout;
 * :func:`backward`: launches the two kernels of the deterministic backward
-  (:mod:`sdpa_numba.cuda.backward`);
-* :class:`Blocks`: its tiling; ``sdpa_numba.cuda.options.BLOCKS`` overrides the launcher's
+  (:mod:`sdpa_numba.gpu.backward`);
+* :class:`Blocks`: its tiling; ``sdpa_numba.gpu.options.BLOCKS`` overrides the launcher's
   choice;
 * device functions for users' kernels: :func:`attend_row` (one query row against a key/value
   block), :func:`online_softmax_update` (the online-softmax step), :func:`online_softmax_lse`
   and :func:`online_softmax_finalize`; :func:`row_key` and :func:`dropout_factor`, the dropout
-  stream (the same bits as the CPU kernels, :mod:`sdpa_numba.cuda.dropout`).
+  stream (the same bits as the CPU kernels, :mod:`sdpa_numba.gpu.dropout`).
 
 Importing this module imports ``numba.cuda`` (the numba-cuda package); importing
 ``sdpa_numba`` does not. Set ``NUMBA_ENABLE_CUDASIM=1`` before that import to run everything on
@@ -19,7 +19,7 @@ Numba's CUDA simulator (slow; no GPU needed).
 try:
     import numba_cuda  # noqa: F401  (numba.cuda itself may resolve to Numba's old built-in)
 except ImportError as exc:
-    raise ImportError("sdpa_numba.cuda needs the numba-cuda package: "
+    raise ImportError("sdpa_numba.gpu needs the numba-cuda package: "
                       "pip install 'sdpa_numba[cuda]'") from exc
 
 from .backward import backward  # noqa: E402

@@ -373,7 +373,7 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     Parameters
     ----------
     q, k, v, mask, is_causal, scale
-        As given to :func:`~sdpa_numba.cuda.forward` (``q`` (B, Hq, L, E), ``k`` (B, H, S, E),
+        As given to :func:`~sdpa_numba.gpu.forward` (``q`` (B, Hq, L, E), ``k`` (B, H, S, E),
         ``v`` (B, H, S, Ev), ``mask`` None or (B, Hq, L, S), bool or additive).
     dout, out : device arrays, shape (B, Hq, L, Ev)
         Gradient of the loss with respect to the forward's output, and that output (the
