@@ -9,9 +9,12 @@ operands in the kernels' 4-D layout.
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import numpy as np
+import numpy.typing as npt
 
+from ._typing import F16, F32, ArrayT, Mask, SelfComputed
 from .dropout import check_seed, new_seed
 from .dropout import params as dropout_params
 
@@ -195,9 +198,53 @@ def _device_of(named):
     return next(iter(kinds.values()))
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *,
-                                 return_lse=False, out=None, seed=None):
+@overload
+def scaled_dot_product_attention(  # type: ignore[overload-overlap]
+        query: F16, key: F16, value: F16, attn_mask: Mask = ..., dropout_p: float = ...,
+        is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
+        return_lse: Literal[True], out: F16 | None = ..., seed: int | None = ...
+) -> tuple[F16, F32]: ...
+
+
+@overload
+def scaled_dot_product_attention(  # type: ignore[overload-overlap]
+        query: npt.NDArray[SelfComputed], key: npt.NDArray[SelfComputed],
+        value: npt.NDArray[SelfComputed], attn_mask: Mask = ..., dropout_p: float = ...,
+        is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
+        return_lse: Literal[True], out: npt.NDArray[SelfComputed] | None = ...,
+        seed: int | None = ...
+) -> tuple[npt.NDArray[SelfComputed], npt.NDArray[SelfComputed]]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: ArrayT, key: ArrayT, value: ArrayT, attn_mask: Mask = ..., dropout_p: float = ...,
+        is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
+        return_lse: Literal[False] = ..., out: ArrayT | None = ..., seed: int | None = ...
+) -> ArrayT: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: ArrayT, key: ArrayT, value: ArrayT, attn_mask: Mask = ..., dropout_p: float = ...,
+        is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
+        return_lse: Literal[True], out: ArrayT | None = ..., seed: int | None = ...
+) -> tuple[ArrayT, ArrayT]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: ArrayT, key: ArrayT, value: ArrayT, attn_mask: Mask = ..., dropout_p: float = ...,
+        is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
+        return_lse: bool, out: ArrayT | None = ..., seed: int | None = ...
+) -> ArrayT | tuple[ArrayT, Any]: ...
+
+
+def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Mask = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: float | None = None, enable_gqa: bool = False, *,
+                                 return_lse: bool = False, out: Any = None,
+                                 seed: int | None = None) -> Any:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V, with torch's semantics.
 
     Parameters
@@ -255,7 +302,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     device = _device_of([("query", query), ("key", key), ("value", value),
                          ("attn_mask", attn_mask), ("out", out)])
-    restore = None
+    restore: Any = None
     if device == "cuda":
         # CuPy arrays, torch tensors, ... become Numba device arrays (no copy), so that plan()
         # sees NumPy dtypes; restore() hands results back as the caller's kind of array.

@@ -1,8 +1,11 @@
 """The public backward: validation (shared with the forward: :func:`~sdpa_numba.api.plan`) and
 dispatch to the CPU or CUDA kernels."""
 
+from typing import Any, Literal, overload
+
 import numpy as np
 
+from ._typing import ArrayT, Mask
 from .api import _check_flag, _device_of, _shape_str, check_dropout, plan
 from .dropout import check_seed
 from .dropout import params as dropout_params
@@ -14,9 +17,35 @@ def _check_like(name, x, shape, dtype, what):
                          f"got {_shape_str(x)} {np.dtype(x.dtype)}")
 
 
-def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse, attn_mask=None,
-                                          dropout_p=0.0, is_causal=False, scale=None,
-                                          enable_gqa=False, *, seed=None, mask_grad=False):
+@overload
+def scaled_dot_product_attention_backward(
+        grad_out: ArrayT, query: ArrayT, key: ArrayT, value: ArrayT, out: ArrayT, lse: Any,
+        attn_mask: Mask = ..., dropout_p: float = ..., is_causal: bool = ...,
+        scale: float | None = ..., enable_gqa: bool = ..., *, seed: int | None = ...,
+        mask_grad: Literal[False] = ...) -> tuple[ArrayT, ArrayT, ArrayT]: ...
+
+
+@overload
+def scaled_dot_product_attention_backward(
+        grad_out: ArrayT, query: ArrayT, key: ArrayT, value: ArrayT, out: ArrayT, lse: Any,
+        attn_mask: Mask = ..., dropout_p: float = ..., is_causal: bool = ...,
+        scale: float | None = ..., enable_gqa: bool = ..., *, seed: int | None = ...,
+        mask_grad: Literal[True]) -> tuple[ArrayT, ArrayT, ArrayT, ArrayT]: ...
+
+
+@overload
+def scaled_dot_product_attention_backward(
+        grad_out: ArrayT, query: ArrayT, key: ArrayT, value: ArrayT, out: ArrayT, lse: Any,
+        attn_mask: Mask = ..., dropout_p: float = ..., is_causal: bool = ...,
+        scale: float | None = ..., enable_gqa: bool = ..., *, seed: int | None = ...,
+        mask_grad: bool) -> tuple[ArrayT, ...]: ...
+
+
+def scaled_dot_product_attention_backward(
+        grad_out: Any, query: Any, key: Any, value: Any, out: Any, lse: Any,
+        attn_mask: Mask = None, dropout_p: float = 0.0, is_causal: bool = False,
+        scale: float | None = None, enable_gqa: bool = False, *, seed: int | None = None,
+        mask_grad: bool = False) -> tuple[Any, ...]:
     """Gradients of :func:`~sdpa_numba.scaled_dot_product_attention` (FlashAttention-2's
     backward: the probabilities are recomputed from ``lse``, never stored).
 
@@ -91,7 +120,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
                          "regenerates the dropout mask from it")
-    dropout = dropout_params(dropout_p, seed) if dropout_p > 0 else None
+    dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
     if device == "host":
         from .cpu.launch_backward import run_backward
     else:

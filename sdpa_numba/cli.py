@@ -579,7 +579,7 @@ def cmd_warmup(args, out=None):
     return EXIT_OK
 
 
-def main(argv=None):
+def main(argv: "list[str] | None" = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)

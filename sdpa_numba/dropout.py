@@ -29,6 +29,7 @@ import numbers
 import secrets
 
 import numpy as np
+import numpy.typing as npt
 
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
@@ -37,12 +38,12 @@ MIX2 = 0x94D049BB133111EB
 _U64 = 1 << 64
 
 
-def new_seed():
+def new_seed() -> int:
     """A fresh 64-bit seed from the operating system's entropy (:mod:`secrets`)."""
     return secrets.randbits(64)
 
 
-def check_seed(seed):
+def check_seed(seed: object) -> int | None:
     """``seed`` as a Python int in ``[0, 2**64)``, or None; TypeError / ValueError otherwise."""
     if seed is None:
         return None
@@ -54,12 +55,13 @@ def check_seed(seed):
     return seed
 
 
-def threshold(p):
+def threshold(p: float) -> int:
     """The integer threshold of drop probability ``p`` in [0, 1): ``floor(p * 2**32)``."""
     return min(int(float(p) * 4294967296.0), 4294967295)
 
 
-def params(p, seed, batch_offset=0):
+def params(p: float, seed: int,
+           batch_offset: int = 0) -> tuple[np.uint64, np.uint64, float, int]:
     """The ``dropout`` argument of the jitted kernels: ``(seed, threshold, 1/(1-p), offset)``.
 
     Typed ``(uint64, uint64, float64, int64)``. ``batch_offset`` is added to the kernel's batch
@@ -80,18 +82,19 @@ def _step(key, n):
     return _mix(key + (np.asarray(n, np.uint64) + np.uint64(1)) * np.uint64(GAMMA))
 
 
-def keep_mask(seed, p, batch, heads, L, S):
+def keep_mask(seed: int, p: float, batch: tuple[int, ...], heads: int, L: int,
+              S: int) -> npt.NDArray[np.bool_]:
     """The keep mask (True = kept) of shape ``(*batch, heads, L, S)``, in NumPy.
 
     The reference for the kernels (same bits); builds the whole mask, so small sizes only.
     """
     nb = int(np.prod(batch, dtype=np.int64))
     with np.errstate(over="ignore"):
-        seed = np.asarray(seed, np.uint64)
+        key = np.asarray(seed, np.uint64)
         b = np.arange(nb, dtype=np.uint64)[:, None, None, None]
         h = np.arange(heads, dtype=np.uint64)[None, :, None, None]
         i = np.arange(L, dtype=np.uint64)[None, None, :, None]
         j = np.arange(S, dtype=np.uint64)[None, None, None, :]
-        bits = _step(_step(_step(_step(seed, b), h), i), j)
+        bits = _step(_step(_step(_step(key, b), h), i), j)
     kept = (bits >> np.uint64(32)) >= np.uint64(threshold(p))
     return kept.reshape((*batch, heads, L, S))

@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 
+from ._typing import F64, ArrayLike
+
 
 def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     """float64 operands (key/value heads repeated for GQA), the scale, the GQA repeat factor,
@@ -32,7 +34,9 @@ def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     return q, k, v, scale, rep, s
 
 
-def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+              attn_mask: ArrayLike | None = None, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> tuple[F64, F64]:
     """Reference attention; returns ``(out, lse)`` in float64.
 
     Parameters
@@ -97,8 +101,10 @@ def _train_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     return q, k, v, scale, rep, p, z, lse
 
 
-def attention_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                      scale=None, enable_gqa=False, *, seed=0):
+def attention_dropout(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                      attn_mask: ArrayLike | None = None, dropout_p: float = 0.0,
+                      is_causal: bool = False, scale: float | None = None,
+                      enable_gqa: bool = False, *, seed: int = 0) -> tuple[F64, F64]:
     """Reference attention with dropout (the mask of :func:`sdpa_numba.dropout.keep_mask`).
 
     Returns ``(out, lse)`` in float64; ``lse`` is that of the softmax before dropout.
@@ -108,8 +114,11 @@ def attention_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     return np.matmul(p * z, v), lse
 
 
-def attention_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0,
-                       is_causal=False, scale=None, enable_gqa=False, *, seed=0):
+def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
+                       value: ArrayLike, attn_mask: ArrayLike | None = None,
+                       dropout_p: float = 0.0, is_causal: bool = False,
+                       scale: float | None = None, enable_gqa: bool = False, *,
+                       seed: int = 0) -> tuple[F64, F64, F64, F64 | None]:
     """Reference gradients of :func:`attention` (with dropout: of :func:`attention_dropout`).
 
     With ``P`` the probabilities, ``Z`` the dropout factors (kept / (1 - p), or 1),
