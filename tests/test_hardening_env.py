@@ -1,0 +1,141 @@
+"""Hardening against what users do around the kernels: missing operands, self-overlapping
+``out``, fork after use, threads under the workqueue layer, NUMBA_DISABLE_JIT, a corrupt or
+impossible on-disk cache, float16 arrays passed to the jitted entry points.
+
+Whatever depends on process-wide state (threading layer, environment, cache directory) runs
+in a subprocess with a timeout, so that a crash or a hang fails the test instead of the suite.
+The subprocesses use the specializations the other tests compile (float32, no mask), which
+Numba's cache then holds.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.lib.stride_tricks import as_strided
+
+from sdpa_numba import reference
+from sdpa_numba import scaled_dot_product_attention as sdpa
+from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
+from sdpa_numba.api import may_self_overlap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code, timeout=120, cwd=ROOT, **env):
+    """Run ``code`` in a fresh interpreter that imports this checkout (or ``env``'s
+    PYTHONPATH, from ``cwd``); returns the CompletedProcess. Numba settings of the caller's
+    environment are dropped unless given."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    full["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+# -- operands that are missing -------------------------------------------------------------
+
+def _qkv(rng):
+    return [rng.standard_normal((2, 5, 4)).astype(np.float32) for _ in range(3)]
+
+
+@pytest.mark.parametrize("missing", [(0,), (1,), (2,), (0, 1, 2)])
+def test_forward_missing_operand_is_type_error(rng, missing):
+    args = _qkv(rng)
+    names = ["query", "key", "value"]
+    for i in missing:
+        args[i] = None
+    with pytest.raises(TypeError, match=f"{names[missing[0]]} must be .* got None"):
+        sdpa(*args)
+
+
+def test_missing_operands_do_not_end_a_surrounding_map():
+    # A StopIteration would end the map silently, as if it had no items.
+    with pytest.raises(TypeError, match="query"):
+        list(map(lambda _: sdpa(None, None, None), [0]))
+
+
+@pytest.mark.parametrize("missing", range(6))
+def test_backward_missing_operand_is_type_error(rng, missing):
+    q, k, v = _qkv(rng)
+    out, lse = sdpa(q, k, v, return_lse=True)
+    args = [out, q, k, v, out, lse]  # grad_out, query, key, value, out, lse
+    names = ["grad_out", "query", "key", "value", "out", "lse"]
+    args[missing] = None
+    with pytest.raises(TypeError, match=f"{names[missing]} must be .* got None"):
+        sdpa_backward(*args)
+    with pytest.raises(TypeError, match="got None"):
+        sdpa_backward(None, None, None, None, None, None)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_masked_arrays_and_matrices_are_refused(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(TypeError, match="key is a masked array"):
+        sdpa(q, np.ma.masked_array(k, mask=k > 0), v)
+    with pytest.raises(TypeError, match="np.matrix"):
+        sdpa(np.asmatrix(q[0]), k[0], v[0])
+
+
+# -- out whose elements overlap each other ---------------------------------------------------
+
+def test_out_with_overlapping_rows_is_refused(rng):
+    q, k, v = _qkv(rng)  # out: (2, 5, 4) float32
+    buf = np.zeros(64, np.float32)
+    rows_overlap = as_strided(buf, (2, 5, 4), (5 * 2 * 4, 2 * 4, 4))  # row stride 2 < 4
+    with pytest.raises(ValueError, match="overlap each other"):
+        sdpa(q, k, v, out=rows_overlap)
+    heads_overlap = as_strided(buf, (2, 5, 4), (4 * 4, 4 * 4, 4))  # head stride < a head
+    with pytest.raises(ValueError, match="overlap each other"):
+        sdpa(q, k, v, out=heads_overlap)
+    assert not buf.any()  # nothing written
+    # a transposed, sliced buffer with a gap is fine
+    big = np.full((4, 8, 6), np.nan, np.float32)
+    fine = big[1:3, 1:6, 1:5]
+    sdpa(q, k, v, out=fine)
+    assert np.isfinite(fine).all() and np.isnan(big[0]).all()
+
+
+def _overlaps_brute(shape, strides, itemsize):
+    starts = {0}
+    for n, s in zip(shape, strides):
+        starts = {a + i * s for a in starts for i in range(n)}
+    if len(starts) < int(np.prod(shape)):
+        return True
+    ordered = sorted(starts)
+    return any(b - a < itemsize for a, b in zip(ordered, ordered[1:]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(-24, 24)), min_size=1, max_size=4),
+       st.sampled_from([1, 2, 4, 8]))
+def test_self_overlap_test_never_misses_an_overlap(dims, itemsize):
+    shape = tuple(n for n, _ in dims)
+    strides = tuple(s for _, s in dims)
+    if _overlaps_brute(shape, strides, itemsize):
+        assert may_self_overlap(shape, strides, itemsize)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.randoms(use_true_random=False),
+       st.sampled_from([np.float16, np.float32, np.float64]))
+def test_self_overlap_test_accepts_views_of_a_buffer(shape, random, dtype):
+    a = np.zeros([n + 1 for n in shape], dtype)
+    view = a[tuple(slice(None, n) if random.random() < 0.5 else slice(n, 0, -1)
+                   for n in shape)]
+    order = list(range(len(shape)))
+    random.shuffle(order)
+    view = view.transpose(order)
+    assert not may_self_overlap(view.shape, view.strides, view.itemsize)
