@@ -8,11 +8,12 @@ dropout mask's random stream; :mod:`sdpa_numba.torch` (needs torch, not imported
 ``torch.autograd.Function`` on the CPU kernels.
 """
 
-from . import _finder, dropout, reference
+from . import _finder, _runtime, dropout, reference
 from .api import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
 
 _finder.install()  # before anything imports sdpa_numba.cuda
+_runtime.choose_threading_layer()  # before the first parallel launch
 
 __version__ = "0.1.0"
 

@@ -139,3 +139,98 @@ def test_self_overlap_test_accepts_views_of_a_buffer(shape, random, dtype):
     random.shuffle(order)
     view = view.transpose(order)
     assert not may_self_overlap(view.shape, view.strides, view.itemsize)
+
+
+# -- fork, threads, NUMBA_DISABLE_JIT --------------------------------------------------------
+
+_FORK_POOL = """
+    import multiprocessing as mp
+    import numpy as np
+    import sdpa_numba
+
+    def work(i):
+        q = np.random.default_rng(i).standard_normal((2, 3, 33, 16)).astype(np.float32)
+        o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
+        g = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
+        return o, g[0]
+
+    def main():
+        parent = [work(i) for i in range(3)]  # the parent uses the kernels before forking
+        with mp.get_context("fork").Pool(2) as pool:
+            try:
+                child = pool.map_async(work, range(3)).get(timeout=60)
+            except mp.TimeoutError:
+                print("HANG")
+                raise SystemExit(3)
+            except RuntimeError as e:
+                print("ERROR", e)
+                raise SystemExit(0)
+        assert all(np.array_equal(a, b) for p, c in zip(parent, child) for a, b in zip(p, c))
+        print("SAME")
+"""
+
+
+def _fork_pool(tmp_path, **env):
+    script = tmp_path / "fork_pool.py"  # a file: the pool pickles `work` by its module's name
+    script.write_text(textwrap.dedent(_FORK_POOL))
+    return run_python(f"import runpy, sys; sys.argv = [{str(script)!r}]; "
+                      f"sys.path.insert(0, {str(tmp_path)!r}); import fork_pool; "
+                      f"fork_pool.main()", **env)
+
+
+def test_fork_pool_after_use_works(tmp_path):
+    """Under the threading layer sdpa_numba picks, a fork pool's workers run the kernels."""
+    assert ok(_fork_pool(tmp_path)).strip() == "SAME"
+
+
+def test_fork_pool_after_use_under_gnu_openmp_is_a_clear_error(tmp_path):
+    """Where the user chose GNU OpenMP (not fork-safe), the child says so instead of dying."""
+    probe = run_python("import numba.np.ufunc.omppool as o; print(o.openmp_vendor)")
+    if probe.returncode or probe.stdout.strip() != "GNU":
+        pytest.skip("no GNU OpenMP threading layer here")
+    out = ok(_fork_pool(tmp_path, NUMBA_THREADING_LAYER="omp"))
+    assert out.startswith("ERROR") and "forked" in out and "spawn" in out
+
+
+def test_python_threads_under_workqueue_layer():
+    """workqueue is not thread-safe: calls from many threads must not abort the process."""
+    proc = run_python("""
+        import threading
+        import numba
+        import numpy as np
+        import sdpa_numba
+
+        q = np.random.default_rng(0).standard_normal((2, 3, 65, 16)).astype(np.float32)
+        o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
+        g = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
+        assert numba.threading_layer() == "workqueue"
+        bad = []
+
+        def work():
+            for _ in range(5):
+                o2 = sdpa_numba.scaled_dot_product_attention(q, q, q)
+                g2 = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
+                if not (np.array_equal(o2, o) and np.array_equal(g2[1], g[1])):
+                    bad.append(1)
+
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print("bad", len(bad))
+    """, NUMBA_THREADING_LAYER="workqueue")
+    assert ok(proc).strip() == "bad 0"
+
+
+def test_disable_jit_is_a_clear_error():
+    proc = run_python("""
+        import numpy as np
+        import sdpa_numba, sdpa_numba.cpu  # importing works
+        q = np.ones((3, 4))
+        try:
+            sdpa_numba.scaled_dot_product_attention(q, q, q)
+        except RuntimeError as e:
+            print(e)
+    """, timeout=60, NUMBA_DISABLE_JIT="1")
+    assert "NUMBA_DISABLE_JIT" in ok(proc)

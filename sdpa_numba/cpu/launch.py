@@ -11,6 +11,7 @@ import math
 import numpy as np
 from numba import types
 
+from .._runtime import kernel_launch
 from .forward import forward
 from .storage import storage_view
 
@@ -110,5 +111,6 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
     result = np.empty(p.out_shape, p.dtype) if out is None else out
     o = result.reshape((*full, p.L, p.Ev), copy=False)
     lse = np.empty((*full, p.L), p.compute_dtype)
-    _launch(p, q, k, v, mask, o, lse, dropout)
+    with kernel_launch():
+        _launch(p, q, k, v, mask, o, lse, dropout)
     return result, lse.reshape(p.out_shape[:-1])
