@@ -1,5 +1,5 @@
-"""How the CPU kernels live with Numba's process-wide machinery: threading layer, fork and JIT
-switch.
+"""How the CPU kernels live with Numba's process-wide machinery: threading layer, fork, JIT
+switch and on-disk cache.
 
 * Threading layer. GNU OpenMP (Numba's default choice on Linux when TBB is absent) cannot run a
   parallel region in a process forked after its parent ran one: Numba kills such a child with
@@ -15,11 +15,16 @@ switch.
   :func:`kernel_launch` instead of being killed.
 * ``NUMBA_DISABLE_JIT=1``: the kernels use LLVM intrinsics that have no Python form, so they
   cannot run uncompiled; a clear RuntimeError says so.
+* :func:`compile_entry`: a truncated cache file (a full disk, a killed process) is discarded
+  and the function recompiled, with a warning, instead of failing every later call.
+* :func:`caching_available`: where Numba can write no cache at all (package directory, HOME and
+  NUMBA_CACHE_DIR unwritable), the kernels are compiled without caching, with a warning.
 """
 
 import os
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 
 import numba
@@ -99,3 +104,72 @@ def kernel_launch():
             yield
     else:
         yield
+
+
+def _package_dispatchers():
+    """The cached ``@njit`` functions of the CPU kernels' modules (those imported)."""
+    from numba.core.registry import CPUDispatcher
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("sdpa_numba.cpu") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            if isinstance(obj, CPUDispatcher) and hasattr(getattr(obj, "_cache", None),
+                                                          "_cache_file"):
+                yield obj
+
+
+def _discard_corrupt_caches():
+    """Empty the index of every cache whose index or data files do not load; return the
+    index files discarded."""
+    discarded = []
+    seen = set()
+    for d in _package_dispatchers():
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        cache_file = d._cache._cache_file
+        try:
+            for data_name in cache_file._load_index().values():
+                cache_file._load_data(data_name)
+        except FileNotFoundError:
+            pass  # Numba treats a missing data file as a cache miss
+        except Exception:  # noqa: BLE001 - any file that does not load is unusable
+            discarded.append(cache_file._index_path)
+            d._cache.flush()  # an empty index: the stale data files get overwritten
+    return discarded
+
+
+def compile_entry(dispatcher, sig):
+    """``dispatcher.compile(sig)``; a corrupt cache file is discarded (with a warning) and the
+    function recompiled, instead of failing this and every later call."""
+    try:
+        dispatcher.compile(sig)
+    except Exception:
+        discarded = _discard_corrupt_caches()
+        if not discarded:
+            raise
+        warnings.warn(f"sdpa_numba: discarded unreadable Numba cache files {discarded} "
+                      f"(truncated or corrupt); recompiling", RuntimeWarning, stacklevel=3)
+        dispatcher.compile(sig)
+    return dispatcher.overloads[sig].entry_point
+
+
+def caching_available(probe):
+    """Whether Numba can cache the functions of ``probe``'s source directory; warns if not."""
+    if config.DISABLE_JIT:
+        return False
+    from numba.core.caching import FunctionCache
+
+    try:
+        FunctionCache(probe)
+    except RuntimeError as e:
+        if "no locator available" not in str(e):
+            raise
+        warnings.warn(
+            "sdpa_numba: Numba can write its cache nowhere (not next to the package, nor "
+            "under NUMBA_CACHE_DIR or the user's cache directory): the CPU kernels are "
+            "compiled without caching, in every new process. Point NUMBA_CACHE_DIR at a "
+            "writable directory to cache them.", RuntimeWarning, stacklevel=2)
+        return False
+    return True

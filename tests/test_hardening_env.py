@@ -234,3 +234,80 @@ def test_disable_jit_is_a_clear_error():
             print(e)
     """, timeout=60, NUMBA_DISABLE_JIT="1")
     assert "NUMBA_DISABLE_JIT" in ok(proc)
+
+
+# -- the on-disk cache ----------------------------------------------------------------------
+
+_FORWARD_CALL = """
+    import warnings
+    import numpy as np
+    import sdpa_numba
+    from sdpa_numba import reference
+
+    q = np.random.default_rng(0).standard_normal((2, 3, 9, 8)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sdpa_numba.scaled_dot_product_attention(q, q, q)
+    ref, _ = reference.attention(q, q, q)
+    assert np.abs(out - ref).max() < 1e-5
+    print("WARN", [str(w.message) for w in caught])
+"""
+
+
+@pytest.mark.parametrize("damaged", ["index", "data"])
+def test_truncated_cache_file_is_recompiled(tmp_path, rng, damaged):
+    # The subprocess caches under tmp_path: a copy of this process's cache (so that only the
+    # damaged function is recompiled), with the forward's index or data files truncated.
+    from numba.core.caching import _CacheLocator
+
+    from sdpa_numba.cpu import forward
+
+    q = rng.standard_normal((2, 3, 9, 8)).astype(np.float32)
+    sdpa(q, q, q)  # the specialization the subprocess uses is in this process's cache
+    sub = _CacheLocator.get_suitable_cache_subpath(forward.py_func.__code__.co_filename)
+    cache = tmp_path / sub
+    shutil.copytree(forward._cache.cache_path, cache,
+                    ignore=shutil.ignore_patterns("*.py", "*.pyc"))
+    pattern = "forward.forward-*.nbi" if damaged == "index" else "forward.forward-*.nbc"
+    files = list(cache.glob(pattern))
+    assert files
+    for f in files:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    out = ok(run_python(_FORWARD_CALL, timeout=300, NUMBA_CACHE_DIR=str(tmp_path)))
+    assert "discarded unreadable Numba cache files" in out
+    # and the cache is whole again: no warning the next time
+    out = ok(run_python(_FORWARD_CALL, timeout=300, NUMBA_CACHE_DIR=str(tmp_path)))
+    assert out.strip() == "WARN []"
+
+
+def test_no_writable_cache_location_compiles_without_cache(tmp_path):
+    # A copy of the package whose __pycache__ are files (so nothing can be written next to
+    # it, even by root), with HOME, XDG_CACHE_HOME and NUMBA_CACHE_DIR under a regular file.
+    pkg = tmp_path / "pkg"
+    shutil.copytree(ROOT / "sdpa_numba", pkg / "sdpa_numba",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for d in [pkg / "sdpa_numba", *(p for p in (pkg / "sdpa_numba").rglob("*") if p.is_dir())]:
+        (d / "__pycache__").write_text("")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = run_python("""
+        import warnings
+        import numpy as np
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import sdpa_numba
+            from sdpa_numba import cpu
+        assert sdpa_numba.__file__.startswith(%r), sdpa_numba.__file__
+        s = np.array([[0.5, -1.0, 2.0]])
+        v = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+        m, l, acc = np.full(1, -np.inf), np.zeros(1), np.zeros((1, 2))
+        cpu.online_softmax_update(s, v, m, l, acc)
+        out, lse = np.empty((1, 2)), np.empty(1)
+        cpu.online_softmax_finalize(m, l, acc, out, lse)
+        p = np.exp(s[0] - s[0].max())
+        assert np.allclose(out[0], p @ v / p.sum())
+        print("WARN", [str(w.message) for w in caught])
+    """ % str(pkg), timeout=120, cwd=pkg, PYTHONPATH=str(pkg), HOME=str(blocker / "home"),
+        XDG_CACHE_HOME=str(blocker / "cache"), NUMBA_CACHE_DIR=str(blocker / "numba"))
+    out = ok(proc)
+    assert "compiled without caching" in out

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import types
 
-from .._runtime import kernel_launch
+from .._runtime import compile_entry, kernel_launch
 from .forward import forward
 from .storage import storage_view
 
@@ -45,8 +45,7 @@ def _entry(dtype, mask_kind, dropout=False):
         sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), mask_t, types.boolean,
                types.float64, arr(st, 4, False), arr(ct, 3, False),
                DROPOUT_TYPE if dropout else types.none)
-        forward.compile(sig)
-        _entries[key] = forward.overloads[sig].entry_point
+        _entries[key] = compile_entry(forward, sig)
     return _entries[key]
 
 

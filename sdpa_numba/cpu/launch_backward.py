@@ -18,7 +18,7 @@ import math
 import numpy as np
 from numba import types
 
-from .._runtime import kernel_launch
+from .._runtime import compile_entry, kernel_launch
 from .backward import backward
 from .launch import (DROPOUT_TYPE, _flatten_batch, arr, batched_view, kernel_types,
                      operand_views)
@@ -38,8 +38,7 @@ def _entry(dtype, mask_kind):
         sig = (ro, ro, ro, mask_t, types.boolean, types.float64, ro, ro, arr(ct, 3, True),
                arr(ct, 4, False), arr(ct, 4, False), arr(ct, 4, False), DROPOUT_TYPE,
                arr(ct, 4, False))
-        backward.compile(sig)
-        _entries[key] = backward.overloads[sig].entry_point
+        _entries[key] = compile_entry(backward, sig)
     return _entries[key]
 
 
