@@ -311,3 +311,20 @@ def test_no_writable_cache_location_compiles_without_cache(tmp_path):
         XDG_CACHE_HOME=str(blocker / "cache"), NUMBA_CACHE_DIR=str(blocker / "numba"))
     out = ok(proc)
     assert "compiled without caching" in out
+
+
+# -- the jitted entry points called from Python ----------------------------------------------
+
+def test_float16_arrays_to_the_cpu_kernels_say_to_pass_uint16(rng):
+    from sdpa_numba import cpu
+
+    q = rng.standard_normal((1, 1, 4, 8)).astype(np.float16)
+    out = np.empty_like(q)
+    lse = np.empty((1, 1, 4), np.float32)
+    with pytest.raises(TypeError, match=r"q is a float16 array.*view\(np.uint16\)"):
+        cpu.forward(q, q, q, None, False, 1.0, out, lse, None)
+    # the uint16 view works, and gives the float16 result
+    u = q.view(np.uint16)
+    cpu.forward(u, u, u, None, False, 1 / np.sqrt(8), out.view(np.uint16), lse, None)
+    ref, _ = reference.attention(q, q, q)
+    assert np.abs(out.astype(np.float64) - ref).max() < 2e-3
