@@ -75,6 +75,9 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
                              f"{_shape_str(x)}")
     dtype = np.dtype(query.dtype)
     if dtype not in _FLOATS:
+        if dtype.kind == "f" and dtype.newbyteorder("=") in _FLOATS:
+            raise TypeError(f"query dtype {dtype.str} is not in the machine's byte order: "
+                            f"pass query.astype(query.dtype.newbyteorder('='))")
         raise TypeError(f"query dtype {dtype} is not supported: use float16, float32 or float64")
     for name, x in (("key", key), ("value", value)):
         if np.dtype(x.dtype) != dtype:
@@ -109,6 +112,12 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
                            "attention)")
         h = hq
     out_shape = (*batch, hq, L, Ev)
+    # Sizes are products of Python ints here; in NumPy and in the kernels they are int64.
+    for what, shape in (("output", out_shape), ("scores", (*batch, hq, L, S))):
+        if math.prod(shape) * dtype.itemsize >= 2**63:
+            raise ValueError(f"the {what} would have shape {shape}, too large to address: "
+                             f"query {_shape_str(query)}, key {_shape_str(key)}, value "
+                             f"{_shape_str(value)}")
     if nd > max(query.ndim, key.ndim, value.ndim):  # 2-D inputs: no head dim in the output
         out_shape = out_shape[1:]
 

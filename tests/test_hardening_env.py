@@ -89,6 +89,21 @@ def test_masked_arrays_and_matrices_are_refused(rng):
         sdpa(np.asmatrix(q[0]), k[0], v[0])
 
 
+def test_non_native_byte_order_says_so(rng):
+    q, k, v = (x.astype(x.dtype.newbyteorder()) for x in _qkv(rng))
+    with pytest.raises(TypeError, match="byte order"):
+        sdpa(q, k, v)
+
+
+def test_shapes_too_large_to_address_are_value_errors():
+    # Broadcasting two views of a small array makes a batch of 2**62 x (5, 4) outputs.
+    x = np.ones((5, 4), np.float32)
+    q = np.broadcast_to(x, (2**31, 1, 1, 5, 4))
+    kv = np.broadcast_to(x, (1, 2**31, 1, 5, 4))
+    with pytest.raises(ValueError, match="output would have shape .* too large"):
+        sdpa(q, kv, kv)
+
+
 # -- out whose elements overlap each other ---------------------------------------------------
 
 def test_out_with_overlapping_rows_is_refused(rng):
