@@ -15,8 +15,9 @@ switch and on-disk cache.
   :func:`kernel_launch` instead of being killed.
 * ``NUMBA_DISABLE_JIT=1``: the kernels use LLVM intrinsics that have no Python form, so they
   cannot run uncompiled; a clear RuntimeError says so.
-* :func:`compile_entry`: a truncated cache file (a full disk, a killed process) is discarded
-  and the function recompiled, with a warning, instead of failing every later call.
+* :func:`compile_entry`: a truncated cache file (a killed process) is discarded and the
+  function recompiled, and a cache that cannot be written (a full disk) is no longer written
+  to, each with a warning, instead of failing every later call.
 * :func:`caching_available`: where Numba can write no cache at all (package directory, HOME and
   NUMBA_CACHE_DIR unwritable), the kernels are compiled without caching, with a warning.
 """
@@ -24,6 +25,7 @@ switch and on-disk cache.
 import os
 import sys
 import threading
+import traceback
 import warnings
 from contextlib import contextmanager
 
@@ -140,10 +142,31 @@ def _discard_corrupt_caches():
     return discarded
 
 
+def _from_cache_save(exc):
+    """Whether ``exc`` was raised while Numba wrote a cache file."""
+    return any(frame.name == "save_overload" and frame.filename.endswith("caching.py")
+               for frame in traceback.extract_tb(exc.__traceback__))
+
+
+def _skip_save(sig, data):
+    """Stands in for a cache's ``save_overload`` once writing the cache has failed."""
+
+
 def compile_entry(dispatcher, sig):
-    """``dispatcher.compile(sig)``; a corrupt cache file is discarded (with a warning) and the
-    function recompiled, instead of failing this and every later call."""
+    """``dispatcher.compile(sig)``, robust to the on-disk cache: a corrupt cache file is
+    discarded and the function recompiled; a cache that cannot be written (a full disk) is
+    no longer written to. Both with a warning, instead of failing this and every later call.
+    """
     try:
+        dispatcher.compile(sig)
+    except OSError as e:
+        if not _from_cache_save(e):
+            raise
+        # Numba registers a compiled function before saving it: what compiled is kept.
+        warnings.warn(f"sdpa_numba: cannot write Numba's cache ({e}); the CPU kernels "
+                      f"compiled from now on are not cached", RuntimeWarning, stacklevel=3)
+        for d in _package_dispatchers():
+            d._cache.save_overload = _skip_save
         dispatcher.compile(sig)
     except Exception:
         discarded = _discard_corrupt_caches()

@@ -269,10 +269,9 @@ _FORWARD_CALL = """
 """
 
 
-@pytest.mark.parametrize("damaged", ["index", "data"])
-def test_truncated_cache_file_is_recompiled(tmp_path, rng, damaged):
-    # The subprocess caches under tmp_path: a copy of this process's cache (so that only the
-    # damaged function is recompiled), with the forward's index or data files truncated.
+def _copy_cache(rng, tmp_path, leave_out=()):
+    """A copy of this process's cache of the CPU kernels, where a subprocess run with
+    NUMBA_CACHE_DIR=tmp_path finds it (so that it recompiles only what a test damages)."""
     from numba.core.caching import _CacheLocator
 
     from sdpa_numba.cpu import forward
@@ -282,7 +281,14 @@ def test_truncated_cache_file_is_recompiled(tmp_path, rng, damaged):
     sub = _CacheLocator.get_suitable_cache_subpath(forward.py_func.__code__.co_filename)
     cache = tmp_path / sub
     shutil.copytree(forward._cache.cache_path, cache,
-                    ignore=shutil.ignore_patterns("*.py", "*.pyc"))
+                    ignore=shutil.ignore_patterns("*.py", "*.pyc", *leave_out))
+    return cache
+
+
+@pytest.mark.parametrize("damaged", ["index", "data"])
+def test_truncated_cache_file_is_recompiled(tmp_path, rng, damaged):
+    # The forward's index or data files truncated, as a killed process may leave them.
+    cache = _copy_cache(rng, tmp_path)
     pattern = "forward.forward-*.nbi" if damaged == "index" else "forward.forward-*.nbc"
     files = list(cache.glob(pattern))
     assert files
@@ -293,6 +299,18 @@ def test_truncated_cache_file_is_recompiled(tmp_path, rng, damaged):
     # and the cache is whole again: no warning the next time
     out = ok(run_python(_FORWARD_CALL, timeout=300, NUMBA_CACHE_DIR=str(tmp_path)))
     assert out.strip() == "WARN []"
+
+
+def test_full_disk_while_saving_the_cache_is_a_warning(tmp_path, rng):
+    # Without the forward in the cache, the subprocess compiles it and fails to save it: a
+    # file size limit stands in for a full disk (both are OSErrors from write()).
+    _copy_cache(rng, tmp_path, leave_out=["forward.forward-*"])
+    code = textwrap.dedent(_FORWARD_CALL).replace("import warnings", """import warnings
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))""", 1)
+    out = ok(run_python(code, timeout=300, NUMBA_CACHE_DIR=str(tmp_path)))
+    assert "cannot write Numba's cache" in out
 
 
 def test_no_writable_cache_location_compiles_without_cache(tmp_path):
