@@ -361,3 +361,20 @@ def test_float16_arrays_to_the_cpu_kernels_say_to_pass_uint16(rng):
     cpu.forward(u, u, u, None, False, 1 / np.sqrt(8), out.view(np.uint16), lse, None)
     ref, _ = reference.attention(q, q, q)
     assert np.abs(out.astype(np.float64) - ref).max() < 2e-3
+
+
+# -- the command line ------------------------------------------------------------------------
+
+def test_cli_negative_seed_is_a_usage_error(capsys):
+    from sdpa_numba import cli
+
+    assert cli.main(["check", "-L", "8", "--seed", "-5"]) == cli.EXIT_USAGE
+    assert "--seed: expected a non-negative integer" in capsys.readouterr().err
+
+
+def test_cli_problem_too_large_for_memory_says_so(capsys):
+    from sdpa_numba import cli
+
+    assert cli.main(["check", "-b", "100000", "-L", "100000"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "not enough memory" in err and "Traceback" not in err
