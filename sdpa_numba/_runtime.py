@@ -61,9 +61,9 @@ def choose_threading_layer():
 
 
 def _gnu_omp_running():
-    from numba.np.ufunc import parallel
-
-    if not parallel._is_initialized or parallel._threading_layer != "omp":
+    # Runs in a fork handler: look modules up, never import (numba is imported by now).
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if parallel is None or not parallel._is_initialized or parallel._threading_layer != "omp":
         return False
     omppool = sys.modules.get("numba.np.ufunc.omppool")
     return getattr(omppool, "openmp_vendor", "GNU") == "GNU"
