@@ -8,9 +8,11 @@ describes the dropout mask's random stream; :mod:`sdpa_numba.torch` (needs torch
 here) is the PyTorch operator.
 """
 
-from . import dropout, reference
+from . import _runtime, dropout, reference
 from .api import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
+
+_runtime.choose_threading_layer()  # before the first parallel launch
 
 __version__ = "0.1.0"
 

@@ -78,6 +78,9 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
                              f"{_shape_str(x)}")
     dtype = np.dtype(query.dtype)
     if dtype not in _FLOATS:
+        if dtype.kind == "f" and dtype.newbyteorder("=") in _FLOATS:
+            raise TypeError(f"query dtype {dtype.str} is not in the machine's byte order: "
+                            f"pass query.astype(query.dtype.newbyteorder('='))")
         raise TypeError(f"query dtype {dtype} is not supported: use float16, float32 or float64")
     for name, x in (("key", key), ("value", value)):
         if np.dtype(x.dtype) != dtype:
@@ -112,6 +115,12 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
                            "attention)")
         h = hq
     out_shape = (*batch, hq, L, Ev)
+    # Sizes are products of Python ints here; in NumPy and in the kernels they are int64.
+    for what, shape in (("output", out_shape), ("scores", (*batch, hq, L, S))):
+        if math.prod(shape) * dtype.itemsize >= 2**63:
+            raise ValueError(f"the {what} would have shape {shape}, too large to address: "
+                             f"query {_shape_str(query)}, key {_shape_str(key)}, value "
+                             f"{_shape_str(value)}")
     if nd > max(query.ndim, key.ndim, value.ndim):  # 2-D inputs: no head dim in the output
         out_shape = out_shape[1:]
 
@@ -155,18 +164,42 @@ def check_dropout(dropout_p):
     return float(dropout_p)
 
 
+def may_self_overlap(shape, strides, itemsize):
+    """Whether two elements of a strided array may share bytes (False: they never do).
+
+    Dims of size 1 don't move; the others, taken by increasing |stride|, must each step over
+    everything the smaller dims span. That is exact for every layout made by slicing,
+    transposing or reshaping a contiguous array, and conservative for the rest (interleaved
+    layouts that happen not to overlap are reported as overlapping). NumPy has no public test.
+    """
+    if any(n == 0 for n in shape):
+        return False
+    span = itemsize  # bytes covered by one element and the dims already checked
+    for n, s in sorted(((n, abs(int(s))) for n, s in zip(shape, strides) if n > 1),
+                       key=lambda d: d[1]):
+        if s < span:
+            return True
+        span += s * (n - 1)
+    return False
+
+
 def _check_out(p, out, inputs):
     """``out`` must match the result exactly and be safe to write."""
     if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
         raise ValueError(f"out must have shape {p.out_shape} and dtype {p.dtype}, got "
                          f"{_shape_str(out)} {np.dtype(out.dtype)}")
+    # Overlapping elements would be written by several threads, in no fixed order.
+    if out.size and any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
+        raise ValueError(f"out must not have zero strides (a broadcast view), got strides "
+                         f"{tuple(out.strides)}")
+    if may_self_overlap(out.shape, out.strides, np.dtype(out.dtype).itemsize):
+        raise ValueError(f"out's elements overlap each other (strides {tuple(out.strides)} "
+                         f"for shape {_shape_str(out)}): pass a buffer in which every "
+                         f"element has memory of its own")
     if not isinstance(out, np.ndarray):
         return  # device arrays: the CUDA back end checks what it can
     if not out.flags.writeable:
         raise ValueError("out must be writeable")
-    if out.size and any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
-        raise ValueError(f"out must not have zero strides (a broadcast view), got strides "
-                         f"{out.strides}")
     for name, x in inputs:
         if x is not None and np.may_share_memory(out, x):
             raise ValueError(f"out overlaps {name}: pass a separate buffer")
@@ -179,12 +212,22 @@ def _is_device_array(x):
     return type(x).__name__ in ("FakeCUDAArray", "DeviceNDArray") and hasattr(x, "copy_to_host")
 
 
-def _device_of(named):
-    """'host' or 'cuda' for the operands; TypeError for anything else or a mix."""
+def _device_of(named, required=()):
+    """'host' or 'cuda' for the operands; TypeError for anything else or a mix.
+
+    ``required``: the names that may not be None (the others are optional arguments).
+    """
     kinds = {}
     for name, x in named:
         if x is None:
+            if name in required:
+                raise TypeError(f"{name} must be a NumPy array or a CUDA array, got None")
             continue
+        if isinstance(x, np.ma.MaskedArray):  # the kernels would read masked values as data
+            raise TypeError(f"{name} is a masked array, whose mask attention would ignore: "
+                            f"pass np.ma.filled({name}, value) or use attn_mask")
+        if isinstance(x, np.matrix):
+            raise TypeError(f"{name} is a np.matrix: pass np.asarray({name})")
         if isinstance(x, np.ndarray):
             kinds[name] = "host"
         elif _is_device_array(x):
@@ -192,6 +235,8 @@ def _device_of(named):
         else:
             raise TypeError(f"{name} must be a NumPy array or a CUDA array (an object with "
                             f"__cuda_array_interface__), got {type(x).__name__}")
+    if not kinds:
+        raise TypeError("no array given: query, key and value must be arrays")
     if len(set(kinds.values())) > 1:
         desc = ", ".join(f"{n} on {k}" for n, k in kinds.items())
         raise TypeError(f"inputs mix host and device arrays ({desc}): put them on one device")
@@ -301,7 +346,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     float16 computes with float32 accumulators. Results do not depend on the thread count.
     """
     device = _device_of([("query", query), ("key", key), ("value", value),
-                         ("attn_mask", attn_mask), ("out", out)])
+                         ("attn_mask", attn_mask), ("out", out)], ("query", "key", "value"))
     restore: Any = None
     if device == "cuda":
         # CuPy arrays, torch tensors, ... become Numba device arrays (no copy), so that plan()

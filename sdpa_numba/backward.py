@@ -99,7 +99,7 @@ def scaled_dot_product_attention_backward(
     """
     named = [("query", query), ("grad_out", grad_out), ("key", key), ("value", value),
              ("out", out), ("lse", lse), ("attn_mask", attn_mask)]
-    device = _device_of(named)
+    device = _device_of(named, ("query", "grad_out", "key", "value", "out", "lse"))
     restore = None
     if device == "cuda":
         # As in the forward: Numba device arrays (no copy), results as the caller's kind.

@@ -57,6 +57,17 @@ def _positive_int(text):
     return n
 
 
+def _nonnegative_int(text):
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") \
+            from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {n}")
+    return n
+
+
 def _positive_float(text):
     try:
         x = float(text)
@@ -121,7 +132,7 @@ def build_parser():
     p.add_argument("--tol", type=_positive_float, default=None,
                    help="relative error allowed (default: float16 1e-3, float32 1e-5, "
                         "float64 1e-12)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_nonnegative_int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _threads_arg(p)
     p.set_defaults(subparser=p)
@@ -598,6 +609,9 @@ def main(argv: "list[str] | None" = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except BrokenPipeError:  # output piped into e.g. `head`
         return EXIT_OK
+    except MemoryError as exc:  # sizes too large for this machine: no traceback needed
+        print(f"sdpa_numba: not enough memory for this problem ({exc})", file=sys.stderr)
+        return EXIT_ERROR
     except Exception:  # a crash must not read as "check failed" (1) to a script
         traceback.print_exc()
         print("sdpa_numba: unexpected error (exit code 3)", file=sys.stderr)

@@ -9,7 +9,12 @@
 
 from .backward import backward
 from .forward import forward, forward_head
+from .from_python import explain_float16
 from .online_softmax import online_softmax_finalize, online_softmax_update
+
+for _kernel in (forward, forward_head, backward, online_softmax_update, online_softmax_finalize):
+    explain_float16(_kernel)
+del _kernel
 
 __all__ = ["forward", "forward_head", "backward", "online_softmax_update",
            "online_softmax_finalize"]

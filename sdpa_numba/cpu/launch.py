@@ -11,6 +11,7 @@ import math
 import numpy as np
 from numba import types
 
+from .._runtime import compile_entry, kernel_launch
 from .forward import forward
 from .storage import storage_view
 
@@ -49,8 +50,7 @@ def _entry(dtype, mask_kind, dropout=False):
     key = (dtype, mask_kind, dropout)
     if key not in _entries:
         sig = signature(dtype, mask_kind, dropout)
-        forward.compile(sig)
-        _entries[key] = forward.overloads[sig].entry_point
+        _entries[key] = compile_entry(forward, sig)
     return _entries[key]
 
 
@@ -115,5 +115,6 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
     result = np.empty(p.out_shape, p.dtype) if out is None else out
     o = result.reshape((*full, p.L, p.Ev), copy=False)
     lse = np.empty((*full, p.L), p.compute_dtype)
-    _launch(p, q, k, v, mask, o, lse, dropout)
+    with kernel_launch():
+        _launch(p, q, k, v, mask, o, lse, dropout)
     return result, lse.reshape(p.out_shape[:-1])

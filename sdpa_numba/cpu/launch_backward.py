@@ -18,6 +18,7 @@ import math
 import numpy as np
 from numba import types
 
+from .._runtime import compile_entry, kernel_launch
 from .backward import backward
 from .launch import (DROPOUT_TYPE, _flatten_batch, arr, batched_view, kernel_types,
                      operand_views)
@@ -42,8 +43,7 @@ def _entry(dtype, mask_kind):
     key = (dtype, mask_kind)
     if key not in _entries:
         sig = signature(dtype, mask_kind)
-        backward.compile(sig)
-        _entries[key] = backward.overloads[sig].entry_point
+        _entries[key] = compile_entry(backward, sig)
     return _entries[key]
 
 
@@ -102,8 +102,9 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
     dk = np.empty((*p.batch, p.h, p.S, p.E), ct)
     dv = np.empty((*p.batch, p.h, p.S, p.Ev), ct)
     dmask = np.empty((*full, p.L, p.S), ct) if mask_grad else None
-    _launch(p, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask],
-            _NO_DROPOUT if dropout is None else dropout)
+    with kernel_launch():
+        _launch(p, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask],
+                _NO_DROPOUT if dropout is None else dropout)
 
     def final(g, x):
         return reduce_to(g, x.shape).astype(p.dtype, copy=False)

@@ -42,9 +42,16 @@ class Specialization:
         return backward, signature(dt, "additive" if self.mask == "additive" else "bool")
 
     def compile(self):
-        """Compile (or load from Numba's cache) this specialization."""
-        disp, sig = self._dispatcher_and_signature()
-        disp.compile(sig)
+        """Compile (or load from Numba's cache) this specialization, as a first call would."""
+        dt = np.dtype(self.dtype)
+        if self.kernel == "forward":
+            from .launch import _entry
+
+            _entry(dt, self.mask, self.dropout)
+        else:
+            from .launch_backward import _entry
+
+            _entry(dt, "additive" if self.mask == "additive" else "bool")
 
     def is_cached(self):
         """Whether Numba's on-disk cache holds this specialization for this machine, numba

@@ -1,0 +1,40 @@
+"""Clear errors for the jitted entry points called from Python with arrays they cannot take.
+
+Numba's CPU target types a float16 array but cannot lower it, so a call with one fails deep
+in the compiler with ``NotImplementedError: float16``. The kernels take float16 storage as a
+``uint16`` view; :func:`explain_float16` makes such a call say so. The check runs only where
+Numba is about to compile for new argument types, never on the fast path of a call that
+matches a compiled signature (and never inside users' jitted code, which cannot hold float16
+arrays either).
+"""
+
+import numpy as np
+
+
+def _float16_arg(dispatcher, args, kws):
+    names = dispatcher.py_func.__code__.co_varnames[:dispatcher.py_func.__code__.co_argcount]
+    for name, a in [*zip(names, args), *kws.items()]:
+        if isinstance(a, np.ndarray) and a.dtype == np.float16:
+            return name
+    return None
+
+
+def explain_float16(dispatcher):
+    """Make ``dispatcher``, called from Python on a float16 array, raise a TypeError that
+    says to pass a uint16 view."""
+    compile_for_args = getattr(dispatcher, "_compile_for_args", None)
+    if compile_for_args is None:  # NUMBA_DISABLE_JIT=1: a plain Python function
+        return dispatcher
+
+    def _compile_for_args(*args, **kws):
+        name = _float16_arg(dispatcher, args, kws)
+        if name is not None:
+            raise TypeError(
+                f"sdpa_numba.cpu.{dispatcher.py_func.__name__}: {name} is a float16 array, "
+                f"which Numba's CPU target cannot compile; pass float16 data as a uint16 view "
+                f"(x.view(np.uint16)): the kernels read uint16 storage as float16 bits and "
+                f"compute in float32")
+        return compile_for_args(*args, **kws)
+
+    dispatcher._compile_for_args = _compile_for_args
+    return dispatcher
