@@ -77,8 +77,8 @@ def test_mkdocs_strict_build(tmp_path):
     for name in ("scaled_dot_product_attention", "scaled_dot_product_attention_backward",
                  "cpu.forward.forward", "cpu.backward.backward", "cpu.forward_head",
                  "cpu.online_softmax_update", "dropout.keep_mask",
-                 "reference.attention_backward", "cuda.forward.forward",
-                 "cuda.backward.backward", "cuda.attend_row"):
+                 "reference.attention_backward", "gpu.forward.forward",
+                 "gpu.backward.backward", "gpu.attend_row"):
         assert f'id="sdpa_numba.{name}"' in api_page, name
     # Docstrings' Sphinx roles are rendered as code (docs/hooks/roles.py), never as raw text.
     raw = re.compile(r":(func|mod|class|meth|attr|data|obj|exc):(<code>|`)")
