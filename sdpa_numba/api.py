@@ -16,6 +16,8 @@ import numpy.typing as npt
 
 from ._typing import F16, F32, ArrayT, Mask, SelfComputed
 from .dropout import check_seed, new_seed
+from .host_arrays import adopt as adopt_host
+from .host_arrays import is_host_array
 from .dropout import params as dropout_params
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -228,12 +230,14 @@ def _device_of(named, required=()):
                             f"pass np.ma.filled({name}, value) or use attn_mask")
         if isinstance(x, np.matrix):
             raise TypeError(f"{name} is a np.matrix: pass np.asarray({name})")
-        if isinstance(x, np.ndarray):
-            kinds[name] = "host"
-        elif _is_device_array(x):
+        if _is_device_array(x):
             kinds[name] = "cuda"
+        elif is_host_array(x):
+            kinds[name] = "host"
         else:
-            raise TypeError(f"{name} must be a NumPy array or a CUDA array (an object with "
+            raise TypeError(f"{name} must be an array: NumPy, any host array with the array "
+                            f"interface, DLPack or the buffer protocol (torch CPU tensors, JAX "
+                            f"arrays, ...), or a CUDA array (an object with "
                             f"__cuda_array_interface__), got {type(x).__name__}")
     if not kinds:
         raise TypeError("no array given: query, key and value must be arrays")
@@ -241,6 +245,18 @@ def _device_of(named, required=()):
         desc = ", ".join(f"{n} on {k}" for n, k in kinds.items())
         raise TypeError(f"inputs mix host and device arrays ({desc}): put them on one device")
     return next(iter(kinds.values()))
+
+
+def adopt(device, named, out=None):
+    """The operands as the arrays the back end reads (NumPy arrays on the host, Numba device
+    arrays on the GPU; no copies), and ``restore(x)``, which hands a result back as the
+    query's kind of array: see :mod:`sdpa_numba.host_arrays` and
+    :func:`sdpa_numba.gpu.arrays.adopt`."""
+    if device == "cuda":
+        from .gpu.arrays import adopt as adopt_device
+
+        return adopt_device(named, out)
+    return adopt_host(named, out)
 
 
 @overload
@@ -347,16 +363,10 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     """
     device = _device_of([("query", query), ("key", key), ("value", value),
                          ("attn_mask", attn_mask), ("out", out)], ("query", "key", "value"))
-    restore: Any = None
-    if device == "cuda":
-        # CuPy arrays, torch tensors, ... become Numba device arrays (no copy), so that plan()
-        # sees NumPy dtypes; restore() hands results back as the caller's kind of array.
-        from .gpu.arrays import adopt
-
-        arrays, restore = adopt([("query", query), ("key", key), ("value", value),
-                                 ("attn_mask", attn_mask)], out)
-        query, key, value, attn_mask = arrays[:4]
-        out = arrays[4] if out is not None else None
+    arrays, restore = adopt(device, [("query", query), ("key", key), ("value", value),
+                                     ("attn_mask", attn_mask)], out)
+    query, key, value, attn_mask = arrays[:4]
+    out = arrays[4] if out is not None else None
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
@@ -375,5 +385,5 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
         from .gpu.launch import run
 
         result, lse = run(p, query, key, value, attn_mask, out, dropout)
-        result, lse = restore(result), restore(lse)
+    result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -6,7 +6,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from ._typing import ArrayT, Mask
-from .api import _check_flag, _device_of, _shape_str, check_dropout, plan
+from .api import _check_flag, _device_of, _shape_str, adopt, check_dropout, plan
 from .dropout import check_seed
 from .dropout import params as dropout_params
 
@@ -100,12 +100,8 @@ def scaled_dot_product_attention_backward(
     named = [("query", query), ("grad_out", grad_out), ("key", key), ("value", value),
              ("out", out), ("lse", lse), ("attn_mask", attn_mask)]
     device = _device_of(named, ("query", "grad_out", "key", "value", "out", "lse"))
-    restore = None
-    if device == "cuda":
-        # As in the forward: Numba device arrays (no copy), results as the caller's kind.
-        from .gpu.arrays import adopt
-
-        (query, grad_out, key, value, out, lse, attn_mask), restore = adopt(named)
+    # As in the forward: the arrays the back end reads (no copy), results as the caller's kind.
+    (query, grad_out, key, value, out, lse, attn_mask), restore = adopt(device, named)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
@@ -127,6 +123,5 @@ def scaled_dot_product_attention_backward(
         from .gpu.launch_backward import run_backward
     grads = run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
                          mask_grad)
-    if restore is not None:
-        grads = [None if g is None else restore(g) for g in grads]
+    grads = [None if g is None else restore(g) for g in grads]
     return tuple(grads) if mask_grad else tuple(grads[:3])
