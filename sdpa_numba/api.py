@@ -223,7 +223,8 @@ def _device_of(named, required=()):
     for name, x in named:
         if x is None:
             if name in required:
-                raise TypeError(f"{name} must be a NumPy array or a CUDA array, got None")
+                raise TypeError(f"{name} must be an array (NumPy, another host array or a "
+                                f"CUDA array), got None")
             continue
         if isinstance(x, np.ma.MaskedArray):  # the kernels would read masked values as data
             raise TypeError(f"{name} is a masked array, whose mask attention would ignore: "
