@@ -103,7 +103,7 @@ MUTANTS = [
       FWD, "scores: the last of E > 64 query/key columns ignored"),
     M("value_dim_Ev_rows", F,
       "return (ev + 3) // 4 * 4",
-      "return ev // 4 * 4 + (ev % 4 > 0) * 2",
+      "return ev // 4 * 4",
       FWD, "accumulator rows for Ev not a multiple of 4 too few"),
     M("scale_off", F,
       "cast(scale * LOG2E, lse), qt)",

@@ -6,7 +6,8 @@ from sdpa_numba import reference
 from sdpa_numba import scaled_dot_product_attention as sdpa
 from sdpa_numba.reference import attention
 
-#: Relative Frobenius error allowed against the float64 reference. Measured (see below):
+#: Relative Frobenius error allowed against the float64 reference. Measured with
+#: scripts/measure_errors.py (its default 150 trials per dtype, seed 123):
 #: worst float32 5.2e-7, float64 1.0e-15 over 450 random problems (odd L, S in 1..200, E in
 #: 1..64, causal or not, no / bool / additive mask with -inf); the bounds are ~8-10x that.
 #: float16 outputs are held to the element bound F16_EXCESS below; its Frobenius bound (float16
