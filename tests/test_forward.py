@@ -274,11 +274,13 @@ def test_boundary_sizes(rng, L, S):
         check(q, k, v, is_causal=causal, attn_mask=add_mask.astype(np.float32))
 
 
-@pytest.mark.parametrize("L,S", [(513, 512), (512, 513), (1025, 1023)],
-                         ids=["boundary-chunk-513-512", "boundary-chunk-512-513",
-                              "boundary-chunk-1025-1023"])
+CHUNKS = [(513, 512), (512, 513), (600, 599), (639, 640)]
+
+
+@pytest.mark.parametrize("L,S", CHUNKS, ids=[f"boundary-chunk-{L}-{S}" for L, S in CHUNKS])
 def test_boundary_task_chunks(rng, L, S):
-    # 16 heads: enough tasks that queries are split into chunks of 512 rows (not halved).
+    # 16 heads: enough tasks that queries are split into chunks of 512 rows (not halved), so
+    # that a task's last rows are 1, 88 or 127 rows: a tail of more than one sub-block.
     q, k, v = randn(rng, (16, L, 4)), randn(rng, (16, S, 4)), randn(rng, (16, S, 3))
     check(q, k, v, is_causal=True)
     check(q, k, v)
