@@ -45,8 +45,10 @@ CB = "sdpa_numba/cuda/backward.py"
 FWD = ["tests/test_forward.py"]
 FWD_CAUSAL = ["tests/test_forward.py", "-k", "causal or boundary or torch"]
 FWD_F16 = ["tests/test_forward.py", "-k", "float16"]
+FWD_BOUNDARY = ["tests/test_forward.py", "-k", "boundary"]
 DROP = ["tests/test_dropout.py"]
 BWD = ["tests/test_backward.py"]
+BWD_CAUSAL = ["tests/test_backward.py", "-k", "causal"]
 CUDA_FWD = ["tests/cuda/test_cuda_forward.py"]
 CUDA_DROP = ["tests/cuda/test_cuda_dropout.py"]
 CUDA_BWD = ["tests/cuda/test_cuda_backward.py"]
@@ -88,7 +90,7 @@ MUTANTS = [
     M("tail_rows_dropped", F,
       "n_pad = (n + BM - 1) // BM * BM",
       "n_pad = max(n // BM * BM, BM)",
-      FWD, "query tail: rows past the last whole sub-block are not computed"),
+      FWD_BOUNDARY, "query tail: rows past the last whole sub-block are not computed"),
     M("tail_keys_full_block", F,
       "nj = min(BN, kv_end - j0)",
       "nj = min(BN - 1, kv_end - j0)",
@@ -139,6 +141,10 @@ MUTANTS = [
       "\nMIX2 = 0x94D049BB133111EB\n",
       "\nMIX2 = 0x94D049BB133111ED\n",
       DROP + CUDA_DROP, "the second mix constant changed in kernel and reference alike"),
+    M("dropout_gamma_both_cuda_suite", "sdpa_numba/dropout.py",
+      "\nGAMMA = 0x9E3779B97F4A7C15\n",
+      "\nGAMMA = 0x9E3779B97F4A7C17\n",
+      CUDA_DROP, "the same, against the CUDA suite alone (its own known answers)"),
     M("dropout_shift_kernel", "sdpa_numba/cpu/dropout.py",
       "_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)",
       "_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(31)",
@@ -155,11 +161,11 @@ MUTANTS = [
     M("bwd_causal_block_stop", B,
       "kb_stop = min(c1, (i0 + nv - 1) // BK + 1)",
       "kb_stop = min(c1, (i0 + nv - 2) // BK + 1)",
-      BWD, "backward causal block skip one row early"),
+      BWD_CAUSAL, "backward causal block skip one row early"),
     M("bwd_causal_mask_skip_late", B,
       "if use_mask or (is_causal and j0 + nk - 1 > i0):",
       "if use_mask or (is_causal and j0 + nk - 1 > i0 + 1):",
-      BWD, "backward causal mask-skip boundary one row late"),
+      BWD_CAUSAL, "backward causal mask-skip boundary one row late"),
     # --- CUDA (simulator)
     M("cuda_causal_off_by_one", CF,
       "if j >= nj or (is_causal and j0 + j > i):",

@@ -55,6 +55,12 @@ CASES = {
     "causal_L_lt_S": ((1, 2, 17, 8), (1, 2, 200, 8), (1, 2, 200, 3), {"is_causal": True}),
     "gqa_causal": ((2, 4, 65, 16), (2, 2, 130, 16), (2, 2, 130, 5),
                    {"enable_gqa": True, "is_causal": True}),
+    # causal boundaries of the blocking (BQ = 64 query rows, BK = 128 keys): the key count
+    # of the last block is 2 past a query block's first row (the mask skip), and a query block
+    # whose one row is the first of a key block (the block skip)
+    "causal_boundary_66": ((1, 2, 66, 8), (1, 2, 66, 8), (1, 2, 66, 4), {"is_causal": True}),
+    "causal_boundary_129": ((1, 2, 129, 8), (1, 2, 130, 8), (1, 2, 130, 5),
+                            {"is_causal": True}),
     "tiny": ((1, 1, 1, 3), (1, 1, 3, 3), (1, 1, 3, 1), {}),
     "one_key": ((3, 127, 5), (3, 1, 5), (3, 1, 7), {"scale": 0.3}),
     "two_dim": ((65, 17), (129, 17), (129, 17), {"is_causal": True}),
