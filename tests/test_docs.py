@@ -34,6 +34,30 @@ def test_example_runs(path, capsys):
     assert f"{path.stem}:" in capsys.readouterr().out  # each example ends by saying it passed
 
 
+#: Every line each example prints, in order (the expected errors included): an example that
+#: stops raising what its comments promise, or prints anything else, fails here.
+EXPECTED_OUTPUT = {
+    "api_tour": [
+        "ValueError: key's last dim must equal query's: query (2, 4, 100, 32), "
+        "key (2, 4, 120, 16)",
+        "ValueError: dropout_p must be in [0, 1), got 1.0",
+        "api_tour: all results match the float64 reference",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_OUTPUT))
+def test_example_prints_what_it_promises(name, capsys):
+    runpy.run_path(str(DOCS / "examples" / f"{name}.py"), run_name="__main__")
+    assert capsys.readouterr().out.splitlines() == EXPECTED_OUTPUT[name]
+
+
+def test_examples_do_not_expect_stale_errors():
+    # dropout is implemented: no example may still expect it to be refused
+    for path in EXAMPLES:
+        assert "NotImplementedError" not in path.read_text(), path.name
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_is_shown_in_the_docs(path):
     include = f'--8<-- "docs/examples/{path.name}"'

@@ -3,8 +3,12 @@
 import numpy as np
 import pytest
 
-from checks import check, randn
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from checks import TOL, check, randn, rel_err
 from sdpa_numba import scaled_dot_product_attention as sdpa
+from sdpa_numba.reference import attention
 
 DTYPES = [np.float32, np.float64, np.float16]
 
@@ -122,8 +126,9 @@ def test_strided_views(rng, dtype):
     v = randn(rng, (2, 4, 70, 10), dtype)[:, ::-1]
     check(q, k, v, is_causal=True)
     out = np.full((2, 130, 4, 10), np.nan, dtype).transpose(0, 2, 1, 3)
-    sdpa(q, k, v, out=out)
-    assert not np.isnan(out).any()
+    want = sdpa(q, k, v, is_causal=True)
+    assert sdpa(q, k, v, out=out, is_causal=True) is out
+    np.testing.assert_array_equal(out, want)  # a strided out= gets the very same values
 
 
 def _lined_view(rng, shape, row, dtype, shift):
@@ -210,11 +215,17 @@ def test_nan_stays_in_its_row(rng):
     k = randn(rng, (2, 130, 16))
     v = randn(rng, (2, 130, 16))
     q[1, 33, 5] = np.nan
-    out = sdpa(q, k, v)
-    assert np.isnan(out[1, 33]).all()
+    out, lse = sdpa(q, k, v, return_lse=True)
+    assert np.isnan(out[1, 33]).all() and np.isnan(lse[1, 33])
     rest = np.ones(out.shape[:2], bool)
     rest[1, 33] = False
-    assert np.isfinite(out[rest]).all()
+    q[1, 33] = 0
+    check_out, check_lse = sdpa(q, k, v, return_lse=True)  # checked against the reference
+    ref_out, ref_lse = attention(q, k, v)
+    assert rel_err(check_out, ref_out) <= TOL[np.float32]
+    # every other row: the values of the run without the NaN, bitwise
+    np.testing.assert_array_equal(out[rest], check_out[rest])
+    np.testing.assert_array_equal(lse[rest], check_lse[rest])
 
 
 def test_returns_new_array_by_default(rng):
@@ -241,3 +252,102 @@ def test_matches_torch(rng, causal):
         *(torch.from_numpy(a) for a in (q, k[:, :2], v[:, :2])), is_causal=causal,
         enable_gqa=True)
     np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# Boundary cases of the CPU kernel's blocking (cpu/forward.py): key blocks of BN = 64 keys,
+# score sub-blocks of BM = 64 query rows, tasks of up to 512 query rows. L and S are 0, 1, 2
+# and 63 (mod 64), and S = L +- 1 around them; causal with and without masks (the causal
+# block skips and mask skips sit on exactly these boundaries).
+BOUNDARY = [(1, 1), (2, 2), (2, 3), (3, 2), (1, 64), (64, 1), (63, 64), (64, 63), (64, 64),
+            (64, 65), (65, 64), (65, 65), (66, 65), (65, 66), (66, 66), (66, 67), (127, 128),
+            (128, 127), (128, 129), (129, 128), (130, 129), (129, 130), (191, 192), (193, 192)]
+
+
+@pytest.mark.parametrize("L,S", BOUNDARY, ids=[f"boundary-{L}-{S}" for L, S in BOUNDARY])
+def test_boundary_sizes(rng, L, S):
+    q, k, v = randn(rng, (1, 2, L, 8)), randn(rng, (1, 2, S, 8)), randn(rng, (1, 2, S, 5))
+    bool_mask = rng.random((L, S)) < 0.8
+    add_mask = np.where(rng.random((L, S)) < 0.15, -np.inf, randn(rng, (L, S)))
+    for causal in (False, True):
+        check(q, k, v, is_causal=causal)
+        check(q, k, v, is_causal=causal, attn_mask=bool_mask)
+        check(q, k, v, is_causal=causal, attn_mask=add_mask.astype(np.float32))
+
+
+CHUNKS = [(513, 512), (512, 513), (600, 599), (639, 640)]
+
+
+@pytest.mark.parametrize("L,S", CHUNKS, ids=[f"boundary-chunk-{L}-{S}" for L, S in CHUNKS])
+def test_boundary_task_chunks(rng, L, S):
+    # 16 heads: enough tasks that queries are split into chunks of 512 rows (not halved), so
+    # that a task's last rows are 1, 88 or 127 rows: a tail of more than one sub-block.
+    q, k, v = randn(rng, (16, L, 4)), randn(rng, (16, S, 4)), randn(rng, (16, S, 3))
+    check(q, k, v, is_causal=True)
+    check(q, k, v)
+
+
+@settings(max_examples=15, deadline=None)
+@given(L=st.integers(1, 200), S=st.integers(1, 200), causal=st.booleans(),
+       mask=st.sampled_from(["none", "bool"]), seed=st.integers(0, 2**32 - 1))
+@example(L=2, S=2, causal=True, mask="none", seed=0)  # the causal mask-skip boundary
+@example(L=66, S=66, causal=True, mask="none", seed=0)  # ... in a second sub-block
+@example(L=65, S=64, causal=True, mask="none", seed=0)  # a causal tail past S
+@example(L=64, S=65, causal=False, mask="bool", seed=0)  # a one-key tail block with a mask
+@example(L=1, S=1, causal=True, mask="bool", seed=0)
+def test_random_sizes(L, S, causal, mask, seed):
+    rng = np.random.default_rng(seed)
+    kw = dict(is_causal=causal)
+    if mask == "bool":
+        kw["attn_mask"] = rng.random((L, S)) < 0.8
+    check(randn(rng, (2, L, 8)), randn(rng, (2, S, 8)), randn(rng, (2, S, 3)), **kw)
+
+
+# torch as an independent reference for every semantic it expresses: causal (top-left, as
+# torch's is_causal) with L != S, GQA with bool and float masks, float masks with -inf.
+TORCH_CASES = {
+    "causal_L_gt_S": ((2, 3, 130, 16), (2, 3, 67, 16), (2, 3, 67, 8),
+                      dict(is_causal=True)),
+    "causal_L_lt_S": ((2, 3, 67, 16), (2, 3, 130, 16), (2, 3, 130, 8),
+                      dict(is_causal=True)),
+    "gqa_bool_mask": ((2, 4, 65, 16), (2, 2, 66, 16), (2, 2, 66, 8),
+                      dict(enable_gqa=True, mask="bool")),
+    "gqa_float_mask_neg_inf": ((2, 6, 65, 16), (2, 3, 129, 16), (2, 3, 129, 8),
+                               dict(enable_gqa=True, mask="float")),
+    "float_mask_neg_inf_scale": ((2, 2, 63, 16), (2, 2, 64, 16), (2, 2, 64, 8),
+                                 dict(mask="float", scale=0.7)),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_CASES))
+def test_matches_torch_cases(rng, name):
+    torch = pytest.importorskip("torch")
+    qs, ks, vs, kw = TORCH_CASES[name]
+    kw = dict(kw)
+    q, k, v = (randn(rng, s, np.float64) for s in (qs, ks, vs))
+    mask = kw.pop("mask", None)
+    if mask == "bool":  # per head: a GQA mask must be read at the query head
+        mask = rng.random((2, qs[1], qs[2], ks[2])) < 0.7
+        mask[..., 0] = True
+    elif mask == "float":
+        mask = randn(rng, (2, qs[1], qs[2], ks[2]), np.float64)
+        mask[rng.random(mask.shape) < 0.2] = -np.inf
+        mask[..., 1] = 0.0
+    ours, lse = sdpa(q, k, v, attn_mask=mask, return_lse=True, **kw)
+    t = [torch.from_numpy(a) for a in (q, k, v)]
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        *t, attn_mask=None if mask is None else torch.from_numpy(mask), **kw).numpy()
+    assert rel_err(ours, theirs) <= TOL[np.float64]
+    # the lse too: torch's math reference, logsumexp of the masked scores
+    scale = kw.get("scale", 1 / np.sqrt(qs[-1]))
+    rep = qs[1] // ks[1]
+    s = torch.matmul(t[0], t[1].repeat_interleave(rep, dim=1).transpose(-1, -2)) * scale
+    if kw.get("is_causal"):
+        s = s.masked_fill(~torch.ones(qs[2], ks[2], dtype=torch.bool).tril(), -torch.inf)
+    if mask is not None:
+        m = torch.from_numpy(mask)
+        s = s.masked_fill(~m, -torch.inf) if mask.dtype == bool else s + m
+    want = torch.logsumexp(s, dim=-1).numpy()
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isneginf(lse), ~fin)
+    assert np.abs(lse[fin] - want[fin]).max() <= 40 * np.finfo(float).eps * max(
+        1.0, np.abs(want[fin]).max())

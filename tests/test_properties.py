@@ -1,7 +1,7 @@
 """Property tests: random shapes, layouts, masks, dtypes and scales against the reference."""
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from checks import check
@@ -51,9 +51,22 @@ def problems(draw):
     return q, k, v, kw
 
 
+def _fixed(L, S, dtype, **kw):
+    """A fixed problem for an @example: the smallest shapes that caught planted bugs."""
+    rng = np.random.default_rng(L * 1000 + S)
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in
+               ((1, 2, L, 8), (1, 2, S, 8), (1, 2, S, 3)))
+    return q, k, v, kw
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
+# the causal mask-skip boundary one row late (2 real rows in the last sub-block)
+@example(_fixed(2, 2, np.float32, is_causal=True))
+@example(_fixed(66, 66, np.float16, is_causal=True))
+# lse off by 1e-4; float16 outputs scaled by 0.9995
+@example(_fixed(3, 5, np.float32))
+@example(_fixed(3, 5, np.float16))
 def test_matches_reference(problem):
     q, k, v, kw = problem
-    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[q.dtype.type]
-    check(q, k, v, tol=tol, **kw)
+    check(q, k, v, **kw)  # the tolerances of checks.py, measured

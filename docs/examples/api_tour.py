@@ -70,10 +70,17 @@ try:
 except ValueError as exc:
     print("ValueError:", exc)
 
-# 10. dropout_p must be 0 for now (dropout comes with the backward pass).
+# 10. Dropout of the probabilities (training): dropout_p in [0, 1), kept ones scaled by
+# 1 / (1 - p). A seed makes the mask reproducible (the backward redraws the same one); without
+# one, every call draws a fresh mask. lse is that of the softmax before dropout.
+a, lse_a = sdpa(q, k, v, attn_mask=pad, dropout_p=0.1, seed=1234, return_lse=True)
+b = sdpa(q, k, v, attn_mask=pad, dropout_p=0.1, seed=1234)
+assert np.array_equal(a, b)
+assert not np.array_equal(a, sdpa(q, k, v, attn_mask=pad, dropout_p=0.1, seed=1))
+assert np.allclose(lse_a, sdpa(q, k, v, attn_mask=pad, return_lse=True)[1], rtol=1e-6)
 try:
-    sdpa(q, k, v, dropout_p=0.1)
-except NotImplementedError as exc:
-    print("NotImplementedError:", exc)
+    sdpa(q, k, v, dropout_p=1.0)
+except ValueError as exc:
+    print("ValueError:", exc)
 
 print("api_tour: all results match the float64 reference")

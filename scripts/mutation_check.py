@@ -1,0 +1,325 @@
+"""Mutation check: plant known bugs in the kernels, one at a time, and see the tests catch them.
+
+Each mutant is an exact text replacement in one file of the package (the ``old`` text must
+occur exactly once: the script fails loudly otherwise, so the list stays in step with the
+code). For each mutant the repository is copied to a scratch directory (without ``.git``,
+``__pycache__`` and Numba's ``.nbi``/``.nbc`` cache files), the replacement is applied, and
+the mutant's fast tests run there with ``pytest -x -q`` under a fresh ``NUMBA_CACHE_DIR`` (a
+stale cache would run the unmutated kernels) and a per-mutant timeout. A mutant is *caught*
+when pytest fails; *missed* when it passes. Every test a mutant runs is part of the default
+test run (``python -m pytest -q``), so "caught" here means caught by that run.
+
+    python scripts/mutation_check.py                 # every mutant, one at a time
+    python scripts/mutation_check.py --jobs 2        # two mutants at once
+    python scripts/mutation_check.py --only causal_mask_skip_late --only lse_offset
+    python scripts/mutation_check.py --list          # names and descriptions only
+    python scripts/mutation_check.py --baseline      # first run every selection unmutated
+
+Exit status: 0 when every mutant run was caught, 1 when one was missed (or timed out), 2
+when a mutant's ``old`` text is not found exactly once.
+
+Add a mutant for every new kernel or variant (window bounds, paging, cu_seqlens offsets,
+merge, ...): the list grows with the code.
+"""
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+F = "sdpa_numba/cpu/forward.py"
+B = "sdpa_numba/cpu/backward.py"
+CF = "sdpa_numba/cuda/forward.py"
+CB = "sdpa_numba/cuda/backward.py"
+
+# Test selections (all part of the default run). Small and fast where possible: a mutant that
+# is caught stops at the first failure (-x); only a missed one runs its whole selection.
+FWD = ["tests/test_forward.py"]
+FWD_CAUSAL = ["tests/test_forward.py", "-k", "causal or boundary or torch"]
+FWD_F16 = ["tests/test_forward.py", "-k", "float16"]
+FWD_BOUNDARY = ["tests/test_forward.py", "-k", "boundary"]
+DROP = ["tests/test_dropout.py"]
+BWD = ["tests/test_backward.py"]
+BWD_CAUSAL = ["tests/test_backward.py", "-k", "causal"]
+CUDA_FWD = ["tests/cuda/test_cuda_forward.py"]
+CUDA_DROP = ["tests/cuda/test_cuda_dropout.py"]
+CUDA_BWD = ["tests/cuda/test_cuda_backward.py"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple
+    description: str
+
+
+def M(name, path, old, new, tests, description):
+    return Mutant(name, path, old, new, tuple(tests), description)
+
+
+MUTANTS = [
+    # --- CPU forward: causal bounds and block skips
+    M("causal_diagonal_off_by_one", F,
+      "for i in range(min(BM, max(jj - i_first, 0))):",
+      "for i in range(min(BM, max(jj - i_first - 1, 0))):",
+      FWD_CAUSAL, "causal mask lets query i see key i + 1"),
+    M("causal_kv_end_short", F,
+      "kv_end = min(s_len, i1) if is_causal else s_len",
+      "kv_end = min(s_len, i1 - 1) if is_causal else s_len",
+      FWD_CAUSAL, "causal: the task's last row never sees its own key"),
+    M("causal_n_keys_short", F,
+      "n_keys = min(nj, min(i1, i0 + r0 + BM) - j0)",
+      "n_keys = min(nj, min(i1, i0 + r0 + BM) - j0 - 1)",
+      FWD_CAUSAL, "causal: the sub-block's key count one short (block skip)"),
+    M("causal_mask_skip_late", F,
+      "(is_causal and j0 + n_keys - 1 > i0 + r0)",
+      "(is_causal and j0 + n_keys - 1 > i0 + r0 + 1)",
+      FWD_CAUSAL, "causal: the mask-skip boundary one row late (the audit's mutant)"),
+    # --- CPU forward: tails, alpha, D, scale, mask strides, lse
+    M("tail_rows_dropped", F,
+      "n_pad = (n + BM - 1) // BM * BM",
+      "n_pad = max(n // BM * BM, BM)",
+      FWD_BOUNDARY, "query tail: rows past the last whole sub-block are not computed"),
+    M("tail_keys_full_block", F,
+      "nj = min(BN, kv_end - j0)",
+      "nj = min(BN - 1, kv_end - j0)",
+      FWD, "key blocks: the last key of every full block is skipped"),
+    M("alpha_not_applied_to_l", F,
+      "l_new[i] = a[i] * l[i] + total[i]",
+      "l_new[i] = l[i] + total[i]",
+      FWD, "online softmax: the running sum is not rescaled by alpha"),
+    M("head_dim_E_short", "sdpa_numba/cpu/forward.py",
+      "ptr_add(st, j * BM), BM, e_len,",
+      "ptr_add(st, j * BM), BM, e_len - (e_len > 64),",
+      FWD, "scores: the last of E > 64 query/key columns ignored"),
+    M("value_dim_Ev_rows", F,
+      "return (ev + 3) // 4 * 4",
+      "return ev // 4 * 4",
+      FWD, "accumulator rows for Ev not a multiple of 4 too few"),
+    M("scale_off", F,
+      "cast(scale * LOG2E, lse), qt)",
+      "cast(scale * LOG2E * 1.00002, lse), qt)",
+      FWD, "scale off by 2e-5 (relative)"),
+    M("lse_offset", F,
+      "lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse)",
+      "lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse) + cast(1e-4, lse)",
+      FWD, "lse off by 1e-4 (the audit's mutant)"),
+    M("mask_block_relative_column", F,
+      "row[i] = masked_score(row[i], mask[i_first + i, jj])",
+      "row[i] = masked_score(row[i], mask[i_first + i, j])",
+      FWD, "mask read at the block-relative key column (a stride/offset slip)"),
+    M("mask_gqa_kv_head", F,
+      "attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], is_causal",
+      "attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, kh], is_causal",
+      FWD, "GQA: the mask read at the key/value head instead of the query head"),
+    # --- float16 conversion
+    M("f16_store_scaled", "sdpa_numba/cpu/storage.py",
+      "return lambda x, like: float32_to_half_bits(np.float32(x))",
+      "return lambda x, like: float32_to_half_bits(np.float32(x) * np.float32(0.9995))",
+      FWD_F16, "float16 outputs scaled by 0.9995 (the audit's mutant)"),
+    M("f16_load_last_bit", "sdpa_numba/cpu/storage.py",
+      "return lambda x: half_bits_to_float32(x)",
+      "return lambda x: half_bits_to_float32(x | np.uint16(1))",
+      FWD_F16, "float16 inputs read with their last mantissa bit set"),
+    # --- dropout stream
+    M("dropout_gamma_both", "sdpa_numba/dropout.py",
+      "\nGAMMA = 0x9E3779B97F4A7C15\n",
+      "\nGAMMA = 0x9E3779B97F4A7C17\n",
+      DROP, "a stream constant changed in kernel and reference alike (known answers)"),
+    M("dropout_mix_both", "sdpa_numba/dropout.py",
+      "\nMIX2 = 0x94D049BB133111EB\n",
+      "\nMIX2 = 0x94D049BB133111ED\n",
+      DROP + CUDA_DROP, "the second mix constant changed in kernel and reference alike"),
+    M("dropout_gamma_both_cuda_suite", "sdpa_numba/dropout.py",
+      "\nGAMMA = 0x9E3779B97F4A7C15\n",
+      "\nGAMMA = 0x9E3779B97F4A7C17\n",
+      CUDA_DROP, "the same, against the CUDA suite alone (its own known answers)"),
+    M("dropout_shift_kernel", "sdpa_numba/cpu/dropout.py",
+      "_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)",
+      "_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(31)",
+      DROP, "the kept test reads bits >> 31 (kernel only)"),
+    M("dropout_row_index", "sdpa_numba/cpu/dropout.py",
+      "rk = stream_step(dropout[0], i_first + i)",
+      "rk = stream_step(dropout[0], i_first + i + (i_first > 0))",
+      DROP, "dropout: rows past the first sub-block draw the next row's bits"),
+    M("dropout_batch_offset", "sdpa_numba/cpu/dropout.py",
+      "head_key(dropout[0], dropout[3] + b, h)",
+      "head_key(dropout[0], b, h)",
+      DROP, "dropout: a launch's batch offset ignored"),
+    # --- CPU backward
+    M("bwd_causal_block_stop", B,
+      "kb_stop = min(c1, (i0 + nv - 1) // BK + 1)",
+      "kb_stop = min(c1, (i0 + nv - 2) // BK + 1)",
+      BWD_CAUSAL, "backward causal block skip one row early"),
+    M("bwd_causal_mask_skip_late", B,
+      "if use_mask or (is_causal and j0 + nk - 1 > i0):",
+      "if use_mask or (is_causal and j0 + nk - 1 > i0 + 1):",
+      BWD_CAUSAL, "backward causal mask-skip boundary one row late"),
+    # --- CUDA (simulator)
+    M("cuda_causal_off_by_one", CF,
+      "if j >= nj or (is_causal and j0 + j > i):",
+      "if j >= nj or (is_causal and j0 + j > i + 1):",
+      CUDA_FWD, "CUDA forward: causal lets query i see key i + 1"),
+    M("cuda_keys_seen_short", "sdpa_numba/cuda/tiles.py",
+      "return min(S, i_end) if is_causal else S",
+      "return min(S, i_end - 1) if is_causal else S",
+      CUDA_FWD, "CUDA: causal key blocks stop one key early"),
+    M("cuda_alpha", "sdpa_numba/cuda/online_softmax.py",
+      "return m_new, alpha * l + total, alpha",
+      "return m_new, l + total, alpha",
+      CUDA_FWD, "CUDA online softmax: the running sum not rescaled"),
+    M("cuda_lse_offset", "sdpa_numba/cuda/online_softmax.py",
+      "return m + math.log(l)  # NaN",
+      "return m + math.log(l) + 1e-4  # NaN",
+      CUDA_FWD, "CUDA lse off by 1e-4"),
+    M("cuda_mask_block_relative", CF,
+      "s = masked(s, mask, b, h, i, j0 + j, BOOL_MASK, neg_inf)",
+      "s = masked(s, mask, b, h, i, j, BOOL_MASK, neg_inf)",
+      CUDA_FWD, "CUDA forward: mask read at the block-relative key column"),
+    M("cuda_dropout_row_key", "sdpa_numba/cuda/dropout.py",
+      "return numba.uint64(stream_step(numba.uint64(head_key(seed, b, h)), i))",
+      "return numba.uint64(stream_step(numba.uint64(head_key(seed, b, h)), i + 1))",
+      CUDA_DROP, "CUDA dropout: the next row's bits"),
+    M("cuda_bwd_causal_qb0", CB,
+      "qb0 = j0 // BM  # earlier rows",
+      "qb0 = j0 // BM + 1  # earlier rows",
+      CUDA_BWD, "CUDA backward dK/dV: causal skips one query block too many"),
+]
+
+
+def check_list(mutants, root):
+    """Every mutant's ``old`` text occurs exactly once in its file; names are unique."""
+    problems = []
+    names = [m.name for m in mutants]
+    for n in set(names):
+        if names.count(n) > 1:
+            problems.append(f"{n}: name used {names.count(n)} times")
+    for m in mutants:
+        text = (root / m.path).read_text()
+        count = text.count(m.old)
+        if count != 1:
+            problems.append(f"{m.name}: old text found {count} times in {m.path}: {m.old!r}")
+        if m.old == m.new:
+            problems.append(f"{m.name}: old and new are the same")
+    return problems
+
+
+def _ignore(directory, names):
+    skip = {".git", "__pycache__", ".hypothesis", ".pytest_cache", ".venv", "site", "build",
+            "dist", ".benchmarks", "results", "env", "html"}
+    return [n for n in names if n in skip or n.endswith((".nbi", ".nbc", ".pyc"))]
+
+
+def run_one(m, timeout, root):
+    """Apply mutant ``m`` (no path: the unmutated tree) in a scratch copy and run its tests.
+
+    Returns ``(status, seconds, detail)``; status is "caught", "missed" or "timeout".
+    """
+    start = time.monotonic()
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="sdpa_mut_"))
+    try:
+        tree = scratch / "repo"
+        shutil.copytree(root, tree, ignore=_ignore, symlinks=True)
+        tests = m.tests
+        if m.path:  # else: the baseline, unmutated
+            f = tree / m.path
+            text = f.read_text()
+            assert text.count(m.old) == 1, m.name
+            f.write_text(text.replace(m.old, m.new))
+        cache = scratch / "numba_cache"
+        cache.mkdir()
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(tree),
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        env.pop("NUMBA_ENABLE_CUDASIM", None)  # tests/cuda's conftest sets it itself
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               "--hypothesis-seed=0", *tests]
+        try:
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - start, ""
+        out = proc.stdout + proc.stderr
+        failed = [ln.split(" - ")[0].replace("FAILED ", "").replace("ERROR ", "")
+                  for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+        detail = failed[0] if failed else out.strip().splitlines()[-1] if out.strip() else ""
+        if proc.returncode == 5:  # nothing collected: the selection is wrong
+            return "no tests", time.monotonic() - start, detail
+        status = "caught" if proc.returncode != 0 else "missed"
+        return status, time.monotonic() - start, detail
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", metavar="NAME",
+                    help="run only this mutant (repeatable)")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    ap.add_argument("--timeout", type=float, default=900,
+                    help="seconds per mutant before it counts as a timeout (default 900)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first run each mutant's tests on the unmutated tree (must pass)")
+    args = ap.parse_args(argv)
+
+    problems = check_list(MUTANTS, ROOT)
+    if problems:
+        print("MUTANT LIST OUT OF STEP WITH THE CODE:", file=sys.stderr)
+        for p in problems:
+            print("  " + p, file=sys.stderr)
+        return 2
+    mutants = MUTANTS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTANTS}
+        if unknown:
+            ap.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+        mutants = [m for m in MUTANTS if m.name in args.only]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:30} {m.path:35} {m.description}")
+        return 0
+
+    t0 = time.monotonic()
+    if args.baseline:
+        selections = {m.tests for m in mutants}
+        for sel in sorted(selections):
+            base = Mutant("baseline", "", "", "", sel, "the unmutated tree")
+            status, secs, detail = run_one(base, args.timeout, ROOT)
+            print(f"baseline {' '.join(sel)}: {'ok' if status == 'missed' else status} "
+                  f"({secs:.0f} s) {detail}", flush=True)
+            if status != "missed":
+                print("the unmutated tree fails its tests: fix that first", file=sys.stderr)
+                return 1
+
+    def one(m):
+        status, secs, detail = run_one(m, args.timeout, ROOT)
+        print(f"  {m.name:30} {status:8} {secs:6.0f} s  {detail}", flush=True)
+        return m, status, secs, detail
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(one, mutants))
+    total = time.monotonic() - t0
+
+    print()
+    print(f"{'mutant':30} {'result':8} {'time':>6}  caught by / description")
+    for m, status, secs, detail in results:
+        print(f"{m.name:30} {status:8} {secs:5.0f}s  {detail if status == 'caught' else ''}"
+              f"{'' if status == 'caught' else m.description}")
+    caught = sum(r[1] == "caught" for r in results)
+    print(f"\n{caught}/{len(results)} caught; total {total:.0f} s ({total / 60:.1f} min)")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
