@@ -37,8 +37,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 F = "sdpa_numba/cpu/forward.py"
 B = "sdpa_numba/cpu/backward.py"
-CF = "sdpa_numba/cuda/forward.py"
-CB = "sdpa_numba/cuda/backward.py"
+CF = "sdpa_numba/gpu/forward.py"
+CB = "sdpa_numba/gpu/backward.py"
 
 # Test selections (all part of the default run). Small and fast where possible: a mutant that
 # is caught stops at the first failure (-x); only a missed one runs its whole selection.
@@ -171,15 +171,15 @@ MUTANTS = [
       "if j >= nj or (is_causal and j0 + j > i):",
       "if j >= nj or (is_causal and j0 + j > i + 1):",
       CUDA_FWD, "CUDA forward: causal lets query i see key i + 1"),
-    M("cuda_keys_seen_short", "sdpa_numba/cuda/tiles.py",
+    M("cuda_keys_seen_short", "sdpa_numba/gpu/tiles.py",
       "return min(S, i_end) if is_causal else S",
       "return min(S, i_end - 1) if is_causal else S",
       CUDA_FWD, "CUDA: causal key blocks stop one key early"),
-    M("cuda_alpha", "sdpa_numba/cuda/online_softmax.py",
+    M("cuda_alpha", "sdpa_numba/gpu/online_softmax.py",
       "return m_new, alpha * l + total, alpha",
       "return m_new, l + total, alpha",
       CUDA_FWD, "CUDA online softmax: the running sum not rescaled"),
-    M("cuda_lse_offset", "sdpa_numba/cuda/online_softmax.py",
+    M("cuda_lse_offset", "sdpa_numba/gpu/online_softmax.py",
       "return m + math.log(l)  # NaN",
       "return m + math.log(l) + 1e-4  # NaN",
       CUDA_FWD, "CUDA lse off by 1e-4"),
@@ -187,7 +187,7 @@ MUTANTS = [
       "s = masked(s, mask, b, h, i, j0 + j, BOOL_MASK, neg_inf)",
       "s = masked(s, mask, b, h, i, j, BOOL_MASK, neg_inf)",
       CUDA_FWD, "CUDA forward: mask read at the block-relative key column"),
-    M("cuda_dropout_row_key", "sdpa_numba/cuda/dropout.py",
+    M("cuda_dropout_row_key", "sdpa_numba/gpu/dropout.py",
       "return numba.uint64(stream_step(numba.uint64(head_key(seed, b, h)), i))",
       "return numba.uint64(stream_step(numba.uint64(head_key(seed, b, h)), i + 1))",
       CUDA_DROP, "CUDA dropout: the next row's bits"),
