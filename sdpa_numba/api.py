@@ -14,6 +14,7 @@ from typing import Any, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
+from ._bf16 import is_bfloat16
 from ._typing import F16, F32, ArrayT, Mask, SelfComputed
 from .dropout import check_seed, new_seed
 from .dropout import params as dropout_params
@@ -77,8 +78,9 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
             raise ValueError(f"{name} must have at least 2 dims (..., L, E), got shape "
                              f"{_shape_str(x)}")
     dtype = np.dtype(query.dtype)
-    if dtype not in _FLOATS:
-        raise TypeError(f"query dtype {dtype} is not supported: use float16, float32 or float64")
+    if dtype not in _FLOATS and not is_bfloat16(dtype):
+        raise TypeError(f"query dtype {dtype} is not supported: use float16, bfloat16 "
+                        f"(ml_dtypes.bfloat16), float32 or float64")
     for name, x in (("key", key), ("value", value)):
         if np.dtype(x.dtype) != dtype:
             raise TypeError(f"{name} dtype {np.dtype(x.dtype)} differs from query dtype {dtype}")
