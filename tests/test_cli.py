@@ -193,7 +193,7 @@ def test_bench_cases_selection():
     ["check", "--tol", "-1"],
     ["check", "--threads", "100000"],
     ["bench", "--case", "1x8x2048"],
-    ["bench", "--case", "1x8x2048x64:bfloat16"],
+    ["bench", "--case", "1x8x2048x64:int8"],
     ["bench", "--impl", "jax"],
     ["bench", "--plot", "out.svg"],
     ["bench", "--causal", "maybe"],
