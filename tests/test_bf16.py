@@ -135,3 +135,17 @@ def test_dtype_errors(rng):
 def test_specializations_include_bfloat16():
     specs = [str(s) for s in specializations(["bfloat16"], ["none"], [False])]
     assert specs == ["forward bfloat16, mask none", "backward bfloat16, mask bool"]
+
+
+def test_other_dtypes_never_import_ml_dtypes():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, sdpa_numba\n"
+            "x = np.ones((1, 2, 3, 4), np.float32)\n"
+            "sdpa_numba.scaled_dot_product_attention(x, x, x)\n"
+            "assert 'ml_dtypes' not in sys.modules\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
