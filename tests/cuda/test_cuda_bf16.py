@@ -12,7 +12,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from bf16_checks import (BF16, check_forward, check_grads, check_rounding,  # noqa: E402
                          randn, special_float32)
-from sdpa_cuda_testing import SIMULATED, dev  # noqa: E402
+from sdpa_cuda_testing import SIMULATED, dev, torch_cuda  # noqa: E402
 
 import sdpa_numba  # noqa: E402
 from sdpa_numba.gpu.storage import load, storage_view, store  # noqa: E402
@@ -87,3 +87,18 @@ def test_numba_level_launcher_takes_bfloat16(rng):
     lse = dev(np.zeros((1, 2, 5), np.float32))
     forward(dev(q), dev(k), dev(v), None, False, 0.5, out, lse)
     check_forward(out.copy_to_host(), lse.copy_to_host(), q, k, v, scale=0.5)
+
+
+@pytest.mark.skipif(torch_cuda() is None, reason="needs a GPU and torch with CUDA")
+def test_torch_bfloat16_in_torch_bfloat16_out(rng):
+    torch = torch_cuda()
+    q, k, v = randn(rng, (2, 3, 9, 8)), randn(rng, (2, 3, 7, 8)), randn(rng, (2, 3, 7, 5))
+
+    def put(x):
+        return torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+
+    out, lse = sdpa_numba.scaled_dot_product_attention(put(q), put(k), put(v), is_causal=True,
+                                                       return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.bfloat16
+    host = out.view(torch.int16).cpu().numpy().view(BF16)
+    check_forward(host, lse.cpu().numpy(), q, k, v, is_causal=True)
