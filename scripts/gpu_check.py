@@ -86,7 +86,14 @@ def configs(args):
         shapes = [(1, 8, 1024, 64), (1, 8, 1024, 128)]
     else:
         shapes = [(4, 16, 4096, 64), (4, 16, 4096, 128)]
-    return [(dt, B, H, L, D, causal) for dt in ("float32", "float16")
+    dtypes = ["float32", "float16"]
+    try:
+        import ml_dtypes  # noqa: F401  (bfloat16 NumPy arrays: the bf16 extra)
+
+        dtypes.append("bfloat16")
+    except ImportError:
+        print("ml_dtypes not installed: bfloat16 not checked", flush=True)
+    return [(dt, B, H, L, D, causal) for dt in dtypes
             for (B, H, L, D) in shapes for causal in (False, True)]
 
 
@@ -109,15 +116,21 @@ class Device:
         """Host array ``x`` on the device: ``(ours, peer)``, peer None without torch."""
         from numba import cuda
 
+        peer = None
+        if self.torch is not None:  # torch.from_numpy has no bfloat16: the same bits as int16
+            bf16 = x.dtype.name == "bfloat16"
+            peer = self.torch.from_numpy(x.view("int16") if bf16 else x)
+            peer = peer.view(self.torch.bfloat16) if bf16 else peer
         if self.simulate or self.torch is None:
-            return cuda.to_device(x), (self.torch.from_numpy(x) if self.torch else None)
-        t = self.torch.from_numpy(x).cuda()
+            return cuda.to_device(x), peer
+        t = peer.cuda()
         return t, t
 
     def inputs(self, dtype, B, H, L, D, seed=0):
         """``([q, k, v, out buffer], [q, k, v] for torch or None)``; standard normal."""
         import numpy as np
 
+        dtype = np_dtype(dtype)
         rng = np.random.default_rng(seed)
         pairs = [self.put(rng.standard_normal((B, H, L, D)).astype(dtype)) for _ in range(3)]
         ours = [o for o, _ in pairs]
@@ -162,6 +175,17 @@ class Device:
         return x.detach().float().cpu().numpy()
 
 
+def np_dtype(name):
+    """The NumPy dtype of a dtype name (bfloat16: ml_dtypes')."""
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def rel_err(got, want):
     import numpy as np
 
@@ -170,8 +194,8 @@ def rel_err(got, want):
 
 
 #: Relative Frobenius error allowed against torch: forward output, and gradients.
-FORWARD_TOL = {"float32": 1e-4, "float16": 2e-3}
-BACKWARD_TOL = {"float32": 1e-4, "float16": 5e-3}
+FORWARD_TOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
+BACKWARD_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 
 
 def bench(args, started):
@@ -216,7 +240,7 @@ def bench(args, started):
         # The backward, given the forward's output and lse, against torch's autograd backward
         # (retained graph: only the backward kernels are timed).
         g, g_peer = dev.put(np.random.default_rng(1).standard_normal((B, H, L, D))
-                            .astype(dtype))
+                            .astype(np_dtype(dtype)))
         o, lse = sdpa(q, k, v, is_causal=causal, return_lse=True)
         grads = []
 

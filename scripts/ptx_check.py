@@ -66,7 +66,8 @@ def main(argv=None):
     for which in args.kernels.split(","):
         factory, signature = kernels[which]
         for blocks, ev in ((Blocks(64, 32, 256, 4), 64), (Blocks(32, 16, 128, 4), 128)):
-            for dtype in (np.float16, np.float32, np.float64):
+            # int16: bfloat16 storage, as the launchers pass it (sdpa_numba.gpu.storage)
+            for dtype in (np.float16, np.int16, np.float32, np.float64):
                 for mask_kind in ("none", "bool", "additive"):
                     cuda.jit = uncompiled_jit
                     try:
@@ -77,7 +78,8 @@ def main(argv=None):
                     t0 = time.perf_counter()
                     ptx, _ = cuda.compile_ptx(kernel.py_func, sig.args, cc=cc,
                                               fastmath=FASTMATH, launch_bounds=blocks.threads)
-                    name = (f"{which}-{np.dtype(dtype)}-{mask_kind}-{blocks.block_m}x"
+                    dt_name = "bfloat16" if dtype is np.int16 else np.dtype(dtype).name
+                    name = (f"{which}-{dt_name}-{mask_kind}-{blocks.block_m}x"
                             f"{blocks.block_n}-ev{ev}")
                     if args.out:
                         os.makedirs(args.out, exist_ok=True)

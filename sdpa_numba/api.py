@@ -14,6 +14,7 @@ from typing import Any, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
+from ._bf16 import is_bfloat16
 from ._typing import F16, F32, ArrayT, Mask, SelfComputed
 from .dropout import check_seed, new_seed
 from .host_arrays import adopt as adopt_host
@@ -79,11 +80,12 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
             raise ValueError(f"{name} must have at least 2 dims (..., L, E), got shape "
                              f"{_shape_str(x)}")
     dtype = np.dtype(query.dtype)
-    if dtype not in _FLOATS:
+    if dtype not in _FLOATS and not is_bfloat16(dtype):
         if dtype.kind == "f" and dtype.newbyteorder("=") in _FLOATS:
             raise TypeError(f"query dtype {dtype.str} is not in the machine's byte order: "
                             f"pass query.astype(query.dtype.newbyteorder('='))")
-        raise TypeError(f"query dtype {dtype} is not supported: use float16, float32 or float64")
+        raise TypeError(f"query dtype {dtype} is not supported: use float16, bfloat16 "
+                        f"(ml_dtypes.bfloat16), float32 or float64")
     for name, x in (("key", key), ("value", value)):
         if np.dtype(x.dtype) != dtype:
             raise TypeError(f"{name} dtype {np.dtype(x.dtype)} differs from query dtype {dtype}")
@@ -312,7 +314,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     Parameters
     ----------
     query : ndarray or CUDA array, shape (..., Hq, L, E)
-        2-D ``(L, E)`` and 3-D inputs work too. float16, float32 or float64; any strides.
+        2-D ``(L, E)`` and 3-D inputs work too. float16, bfloat16 (``ml_dtypes.bfloat16``),
+        float32 or float64; any strides.
     key : ndarray or CUDA array, shape (..., H, S, E)
     value : ndarray or CUDA array, shape (..., H, S, Ev)
         Leading (batch) dims of the three broadcast as in NumPy.
@@ -335,7 +338,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
         head ``h // (Hq // H)``. Without it, head dims broadcast like batch dims.
     return_lse : bool, keyword-only
         Also return the log-sum-exp of each row's scores, shape ``(..., Hq, L)``, in the
-        compute dtype (float32 for float16/float32 inputs, float64 for float64).
+        compute dtype (float32 for float16/bfloat16/float32 inputs, float64 for float64).
     out : array, keyword-only, optional
         Buffer of the output's shape and dtype, written in place and returned.
     seed : int, keyword-only, optional
@@ -354,13 +357,15 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     TypeError, ValueError
         For bad input, naming the argument, before any kernel runs.
     NotImplementedError
-        For bfloat16 CUDA arrays (the CUDA kernels support float16, float32 and float64).
+        For bfloat16 CUDA arrays other than Numba device arrays of ``ml_dtypes.bfloat16`` and
+        torch tensors (others' ``__cuda_array_interface__`` does not say bfloat16).
 
     Notes
     -----
     The scores matrix is never built: the kernels stream key/value blocks with an online
     softmax. A row whose every key is masked gives zeros (and ``lse = -inf``); ``S = 0`` too.
-    float16 computes with float32 accumulators. Results do not depend on the thread count.
+    float16 and bfloat16 compute with float32 accumulators; a bfloat16 output is rounded to
+    nearest even. Results do not depend on the thread count.
     """
     device = _device_of([("query", query), ("key", key), ("value", value),
                          ("attn_mask", attn_mask), ("out", out)], ("query", "key", "value"))

@@ -57,8 +57,8 @@ def scaled_dot_product_attention_backward(
         Exactly as given to the forward (same checks).
     out, lse : ndarray or CUDA array
         What the forward returned with ``return_lse=True``: ``out`` of the output's shape and
-        dtype, ``lse`` of shape ``(..., Hq, L)`` in the compute dtype (float32 for float16
-        and float32 inputs, float64 for float64). All arrays are NumPy arrays (CPU kernels)
+        dtype, ``lse`` of shape ``(..., Hq, L)`` in the compute dtype (float32 for float16,
+        bfloat16 and float32 inputs, float64 for float64). All arrays are NumPy arrays (CPU kernels)
         or all CUDA arrays (Numba device arrays, CuPy, PyTorch CUDA tensors: CUDA kernels,
         gradients returned as the query's kind of array).
     seed : int, keyword-only
@@ -74,7 +74,9 @@ def scaled_dot_product_attention_backward(
     grad_query, grad_key, grad_value : ndarray or CUDA array
         The shapes and dtype of ``query``, ``key``, ``value``: gradients of broadcast inputs
         are summed over their broadcast dims; with ``enable_gqa``, key/value gradients are
-        summed over the query heads of each group. float16 is computed in float32.
+        summed over the query heads of each group. float16 and bfloat16 are computed in
+        float32 (``D = rowsum(dO * O)`` from the stored, rounded ``out``, as torch does) and
+        rounded to nearest even.
     grad_attn_mask : ndarray or CUDA array, only with ``mask_grad=True``
         The mask's shape and dtype.
 
@@ -84,7 +86,8 @@ def scaled_dot_product_attention_backward(
         For bad input (including host and device arrays mixed), naming the argument, before
         any kernel runs.
     NotImplementedError
-        For bfloat16 CUDA arrays (the CUDA kernels support float16, float32 and float64).
+        For bfloat16 CUDA arrays other than Numba device arrays of ``ml_dtypes.bfloat16`` and
+        torch tensors.
 
     Notes
     -----

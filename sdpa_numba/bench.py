@@ -30,7 +30,7 @@ import numpy as np
 
 #: The implementations, in table order.
 IMPLS = ("sdpa_numba", "torch", "numpy")
-DTYPES = ("float16", "float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -92,17 +92,27 @@ def grid(batch, heads, seqs, dims, dtypes, causals):
             for dt in dtypes for d in dims for c in causals for L in seqs]
 
 
+def numpy_dtype(name):
+    """The NumPy dtype of a name of :data:`DTYPES` (bfloat16: ml_dtypes', TypeError without
+    it)."""
+    if name == "bfloat16":
+        from ._bf16 import bfloat16
+
+        return bfloat16()
+    return np.dtype(name)
+
+
 def make_inputs(case, seed=0):
     """Standard-normal ``q, k, v`` of shape ``(B, H, L, E)`` in the case's dtype."""
     rng = np.random.default_rng(seed)
     shape = (case.batch, case.heads, case.seq, case.dim)
-    return tuple(rng.standard_normal(shape, dtype=np.float32).astype(case.dtype)
-                 for _ in range(3))
+    dtype = numpy_dtype(case.dtype)
+    return tuple(rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(3))
 
 
 def naive_numpy(q, k, v, is_causal=False):
     """Attention the obvious NumPy way, one head at a time (the whole score matrix)."""
-    work = np.float32 if q.dtype == np.float16 else q.dtype.type
+    work = np.float32 if q.dtype.itemsize == 2 else q.dtype.type  # float16, bfloat16
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
     L, S = q.shape[-2], k.shape[-2]
@@ -135,12 +145,15 @@ def prepare(impl, case, q, k, v):
     if impl == "torch":
         import torch
 
-        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        bf16 = q.dtype.name == "bfloat16"  # torch.from_numpy has no bfloat16: same bits
+        tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if bf16
+                      else torch.from_numpy(x) for x in (q, k, v))
         f = torch.nn.functional.scaled_dot_product_attention
 
         def run():
             with torch.inference_mode():
-                return f(tq, tk, tv, is_causal=case.causal).numpy()
+                o = f(tq, tk, tv, is_causal=case.causal)
+                return o.view(torch.int16).numpy().view(q.dtype) if bf16 else o.numpy()
 
         return run
     if impl == "numpy":

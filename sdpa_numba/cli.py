@@ -27,9 +27,9 @@ from . import bench
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
 #: Relative Frobenius error allowed against the float64 reference.
-TOLERANCE = {"float16": 1e-3, "float32": 1e-5, "float64": 1e-12}
+TOLERANCE = {"float16": 1e-3, "bfloat16": 4e-3, "float32": 1e-5, "float64": 1e-12}
 #: Relative error allowed between sdpa_numba and torch in ``bench`` (two rounded results).
-AGREEMENT = {"float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
+AGREEMENT = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 1e-4, "float64": 1e-10}
 
 
 def _dump_json(doc, out):
@@ -130,8 +130,8 @@ def build_parser():
     p.add_argument("--repeats", type=_positive_int, default=10,
                    help="timed runs after the first call; the minimum is shown (default 10)")
     p.add_argument("--tol", type=_positive_float, default=None,
-                   help="relative error allowed (default: float16 1e-3, float32 1e-5, "
-                        "float64 1e-12)")
+                   help="relative error allowed (default: float16 1e-3, bfloat16 4e-3, "
+                        "float32 1e-5, float64 1e-12)")
     p.add_argument("--seed", type=_nonnegative_int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _threads_arg(p)
@@ -259,7 +259,7 @@ def cmd_check(args, out=None):
     rng = np.random.default_rng(args.seed)
     shape_q = (args.batch, args.heads, args.seq, args.dim)
     shape_kv = (args.batch, args.heads, S, args.dim)
-    q, k, v = (rng.standard_normal(s, dtype=np.float32).astype(args.dtype)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32).astype(bench.numpy_dtype(args.dtype))
                for s in (shape_q, shape_kv, shape_kv))
     flops = 4 * args.batch * args.heads * args.seq * S * args.dim // (2 if args.causal else 1)
     desc = (f"B={args.batch} H={args.heads} L={args.seq} S={S} E={args.dim} {args.dtype} "

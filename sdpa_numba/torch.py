@@ -20,8 +20,9 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
 Devices: CPU tensors run on the CPU kernels through NumPy views (``tensor.numpy()``: no
 copies); CUDA tensors run on the CUDA kernels through ``__cuda_array_interface__`` (no copies
 either; numba-cuda and a GPU needed; Numba launches on the legacy default stream, so tensors
-made on another torch stream must be synchronized first). dtypes: float16, float32, float64;
-bfloat16 is a TypeError for now. Other devices raise NotImplementedError; meta tensors only get
+made on another torch stream must be synchronized first). dtypes: float16, bfloat16, float32,
+float64 (bfloat16 goes through ``ml_dtypes.bfloat16`` NumPy views on the CPU, and int16 bit
+patterns on either device, without copies; it needs the ml_dtypes package). Other devices raise NotImplementedError; meta tensors only get
 shapes.
 
 Dropout: the forward op takes ``seed``, a 0-dim int64 CPU tensor (or None when
@@ -51,7 +52,7 @@ from .backward import scaled_dot_product_attention_backward as _backward
 __all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
            "SDPAFunction"]
 
-_FLOATS = (torch.float16, torch.float32, torch.float64)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _U64 = 1 << 64
 
 DOUBLE_BACKWARD = (
@@ -73,12 +74,9 @@ def _check_tensor(t, name, mask=False):
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(
             f"{name} is on {t.device}: sdpa_numba.torch supports CPU and CUDA tensors only")
-    if t.dtype == torch.bfloat16:
-        raise TypeError(f"{name} dtype torch.bfloat16 is not supported yet: use float16, "
-                        f"float32 or float64")
     if t.dtype not in _FLOATS and not (mask and t.dtype == torch.bool):
-        raise TypeError(f"{name} dtype {t.dtype} is not supported: use float16, float32 or "
-                        f"float64" + (" (or bool)" if mask else ""))
+        raise TypeError(f"{name} dtype {t.dtype} is not supported: use float16, bfloat16, "
+                        f"float32 or float64" + (" (or bool)" if mask else ""))
 
 
 def _operand(t, name, mask=False):
@@ -87,7 +85,13 @@ def _operand(t, name, mask=False):
     if t is None:
         return None
     _check_tensor(t, name, mask)
-    return t.detach().numpy() if t.device.type == "cpu" else t.detach()
+    if t.device.type != "cpu":
+        return t.detach()
+    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: ml_dtypes' over the same bits
+        from ._bf16 import bfloat16
+
+        return t.detach().view(torch.int16).numpy().view(bfloat16())
+    return t.detach().numpy()
 
 
 def _tensor(x):
@@ -95,7 +99,10 @@ def _tensor(x):
     the query's kind)."""
     if isinstance(x, Tensor):
         return x.contiguous()
-    return torch.from_numpy(np.ascontiguousarray(x))
+    x = np.ascontiguousarray(x)
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
 
 
 def _seed(seed):
@@ -204,7 +211,7 @@ def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     dtype = query.dtype
     nd = max(query.dim(), key.dim(), value.dim(), 3)
     q, k, v = (x.reshape((1,) * (nd - x.dim()) + tuple(x.shape)) for x in (query, key, value))
-    if dtype == torch.float16:  # the kernels' compute dtype
+    if dtype in (torch.float16, torch.bfloat16):  # the kernels' compute dtype
         q, k, v = q.float(), k.float(), v.float()
     if enable_gqa:
         group = q.shape[-3] // k.shape[-3]
@@ -389,8 +396,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     the dropout mask (see :mod:`sdpa_numba.dropout`: the same seed gives the mask that
     :func:`sdpa_numba.scaled_dot_product_attention` draws); None draws one from torch's
     generator, and the backward replays that mask. CPU tensors run on the CPU kernels, CUDA
-    tensors on the CUDA kernels; float16, float32, float64 (bfloat16 is a TypeError for
-    now). Double backward works: with ``create_graph=True`` the gradients are taken through
+    tensors on the CUDA kernels; float16, bfloat16 (needs ml_dtypes), float32, float64; 16-bit
+    inputs compute in float32. Double backward works: with ``create_graph=True`` the gradients are taken through
     torch operations (L x S memory) so that they have second-order terms.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):

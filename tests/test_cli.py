@@ -42,6 +42,14 @@ def test_check_passes_and_reports_error_time_and_gflops(capsys):
     assert doc["flops"] == 4 * 2 * 33 * 47 * 16 // 2
 
 
+def test_check_bfloat16(capsys):
+    pytest.importorskip("ml_dtypes")
+    rc, doc = run_json(capsys, TINY_CHECK + ["--dtype", "bfloat16", "--json"])
+    assert rc == cli.EXIT_OK and doc["ok"] is True
+    assert doc["tolerance"] == 4e-3 and 0 < doc["rel_err_out"] <= 4e-3
+    assert doc["rel_err_lse"] <= 1e-5
+
+
 def test_check_text_output(capsys):
     assert cli.main(TINY_CHECK) == cli.EXIT_OK
     text = capsys.readouterr().out
@@ -193,7 +201,7 @@ def test_bench_cases_selection():
     ["check", "--tol", "-1"],
     ["check", "--threads", "100000"],
     ["bench", "--case", "1x8x2048"],
-    ["bench", "--case", "1x8x2048x64:bfloat16"],
+    ["bench", "--case", "1x8x2048x64:int8"],
     ["bench", "--impl", "jax"],
     ["bench", "--plot", "out.svg"],
     ["bench", "--causal", "maybe"],

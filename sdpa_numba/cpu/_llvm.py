@@ -7,6 +7,7 @@
   256-bit code on many AVX-512 CPUs; setting it per function leaves the rest of the user's
   Numba code untouched, unlike a process-wide ``NUMBA_CPU_FEATURES``);
 * float16 <-> float32 conversion of uint16 bit patterns (Numba's CPU target has no float16);
+* bfloat16 <-> float32 conversion of int16 bit patterns (nor bfloat16);
 * rint(x) and 2**rint(x) by the magic-number trick, for the vectorizable exp2;
 * an atomic fetch-and-add, for the kernels' task queue (:mod:`.tasks`).
 """
@@ -123,6 +124,47 @@ def float32_to_half_bits(typingctx, x):
     def codegen(context, builder, signature, args):
         h = builder.fptrunc(args[0], ir.HalfType())
         return builder.bitcast(h, ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def bf16_bits_to_float32(typingctx, bits):
+    """The float32 value of a bfloat16 stored as its int16 bit pattern: its top 16 bits."""
+    if bits != types.int16:
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        hi = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.bitcast(hi, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def float32_to_bf16_bits(typingctx, x):
+    """The int16 bit pattern of ``x`` rounded to bfloat16, to nearest even.
+
+    Adding ``0x7fff`` plus the lowest kept bit to the float32's bits and dropping the low 16
+    rounds ties to even, and carries into the exponent where it should: past the largest
+    finite value that gives inf, as round-to-nearest must; infinities are exact. A NaN could
+    carry into its sign or turn into inf, so it keeps its top bits with the quiet bit set.
+    """
+    if x != types.float32:
+        return None
+    sig = types.int16(x)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        b = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(b, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.lshr(builder.add(builder.add(b, ir.Constant(i32, 0x7FFF)), lsb),
+                               ir.Constant(i32, 16))
+        quiet = builder.or_(builder.lshr(b, ir.Constant(i32, 16)), ir.Constant(i32, 0x40))
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.trunc(builder.select(is_nan, quiet, rounded), ir.IntType(16))
 
     return sig, codegen
 

@@ -1,7 +1,7 @@
 """From a validated :class:`~sdpa_numba.api.Plan` and NumPy arrays to the jitted forward.
 
-Operands become strided 4-D views (broadcast dims get stride 0, float16 is read as uint16):
-nothing is copied. Every array is passed as an 'A'-layout array, so each (dtype, mask kind)
+Operands become strided 4-D views (broadcast dims get stride 0, float16 is read as uint16,
+bfloat16 as int16): nothing is copied. Every array is passed as an 'A'-layout array, so each (dtype, mask kind)
 pair is one compiled specialization, whatever the inputs' layouts, cached on disk.
 """
 
@@ -13,7 +13,7 @@ from numba import types
 
 from .._runtime import compile_entry, kernel_launch
 from .forward import forward
-from .storage import storage_view
+from .storage import is_bfloat16, storage_view
 
 _NB = {np.dtype(np.float16): types.uint16, np.dtype(np.float32): types.float32,
        np.dtype(np.float64): types.float64}
@@ -29,7 +29,7 @@ def arr(dt, nd, readonly):
 
 def kernel_types(dtype, mask_kind):
     """Numba types of a storage dtype: (storage, compute, mask argument)."""
-    st = _NB[np.dtype(dtype)]
+    st = types.int16 if is_bfloat16(dtype) else _NB[np.dtype(dtype)]
     ct = types.float64 if st == types.float64 else types.float32
     mask_t = {"none": types.none, "bool": arr(types.boolean, 4, True),
               "additive": arr(st, 4, True)}[mask_kind]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DTYPES = ("float16", "float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 MASKS = ("none", "bool", "additive")
 
 
@@ -30,7 +30,8 @@ class Specialization:
         return f"{self.kernel} {self.dtype}, mask {self.mask}{extra}"
 
     def _dispatcher_and_signature(self):
-        dt = np.dtype(self.dtype)
+        # bfloat16 by name: compiling it needs no ml_dtypes
+        dt = self.dtype if self.dtype == "bfloat16" else np.dtype(self.dtype)
         if self.kernel == "forward":
             from .forward import forward
             from .launch import signature

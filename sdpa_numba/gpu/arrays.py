@@ -11,6 +11,8 @@ no broadcast is materialized. The CUDA simulator's arrays (which wrap NumPy arra
 import numpy as np
 from numba import cuda
 
+from .._bf16 import bfloat16, is_bfloat16
+
 
 def is_simulated(x):
     """Whether ``x`` is an array of Numba's CUDA simulator."""
@@ -34,13 +36,21 @@ def _kind(x):
 def _adopt_one(name, x):
     if x is None or _is_numba(x):
         return x
-    if "bfloat16" in str(getattr(x, "dtype", "")):
+    torch_bf16 = _kind(x) == "torch" and str(x.dtype) == "torch.bfloat16"
+    if "bfloat16" in str(getattr(x, "dtype", "")) and not torch_bf16:
         raise NotImplementedError(
-            f"{name} is bfloat16: the CUDA kernels do not support bfloat16 yet (the CUDA "
-            f"simulator that tests them has no bfloat16); use float16 or float32")
+            f"{name} is a bfloat16 {type(x).__name__}: only torch tensors and Numba device "
+            f"arrays of ml_dtypes.bfloat16 are taken as bfloat16 on the GPU")
     if is_simulated_mode():
         raise TypeError(f"{name} is a {type(x).__name__}, but Numba runs the CUDA simulator "
                         f"(NUMBA_ENABLE_CUDASIM=1), which takes only its own arrays")
+    if torch_bf16:
+        # torch's __cuda_array_interface__ has no bfloat16: adopt the int16 bits, then read
+        # them as ml_dtypes.bfloat16 (no copy either way)
+        import torch
+
+        bits = cuda.as_cuda_array(x.view(torch.int16))
+        return as_strided(bits, bits.shape, bits.strides, bfloat16())
     return cuda.as_cuda_array(x)
 
 
@@ -67,6 +77,9 @@ def adopt(named, out=None):
         if kind == "torch":
             import torch
 
+            if is_bfloat16(x.dtype):  # no bfloat16 in __cuda_array_interface__: as int16
+                bits = as_strided(x, x.shape, x.strides, np.int16)
+                return torch.as_tensor(bits, device=query.device).view(torch.bfloat16)
             return torch.as_tensor(x, device=query.device)
         if kind == "cupy":
             import cupy
@@ -90,16 +103,19 @@ def device_array(shape, dtype):
     return cuda.device_array(shape, dtype=np.dtype(dtype))
 
 
-def as_strided(x, shape, strides):
+def as_strided(x, shape, strides, dtype=None):
     """A view of device array ``x`` with ``shape`` and byte ``strides``, starting at ``x``'s
-    first element, as :func:`numpy.lib.stride_tricks.as_strided` (and as unchecked)."""
+    first element, as :func:`numpy.lib.stride_tricks.as_strided` (and as unchecked); its
+    elements read as ``dtype`` (of the same size) if given."""
     shape = tuple(int(n) for n in shape)
     strides = tuple(int(s) for s in strides)
+    dtype = x.dtype if dtype is None else np.dtype(dtype)
     if is_simulated(x):
-        return type(x)(np.lib.stride_tricks.as_strided(x._ary, shape, strides))
+        # a view of the same itemsize works whatever the strides
+        return type(x)(np.lib.stride_tricks.as_strided(x._ary, shape, strides).view(dtype))
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-    return DeviceNDArray(shape, strides, x.dtype, stream=x.stream, gpu_data=x.gpu_data)
+    return DeviceNDArray(shape, strides, dtype, stream=x.stream, gpu_data=x.gpu_data)
 
 
 def broadcast_view(x, shape):

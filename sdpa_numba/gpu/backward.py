@@ -43,6 +43,7 @@ from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .forward import DROPOUT_ARGS, arr, jit_options, launch_blocks, mask_kind_of, \
     operand_types
 from .options import FASTMATH
+from .storage import load, storage_view
 from .tiles import clear, grid_block, keys_seen, load_tile, masked, query_block, \
     tile_product, tile_thread, u
 
@@ -198,7 +199,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
             dd = zero
             if r < nv:
                 for d in range(Ev):
-                    dd += sm[do_at + r * DP + d] * CT(out[b, h, i0 + r, d])
+                    dd += sm[do_at + r * DP + d] * CT(load(out[b, h, i0 + r, d]))
                 D[b, h, i0 + r] = dd
                 x = lse[b, h, i0 + r]
                 if x == -math.inf:
@@ -396,9 +397,10 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     Notes
     -----
     Arguments are trusted (:func:`sdpa_numba.scaled_dot_product_attention_backward` validates
-    them); any non-negative strides. The launches are asynchronous, on ``stream``. Allocates
+    them); any non-negative strides; float16, bfloat16, float32 or float64 operands. The launches are asynchronous, on ``stream``. Allocates
     ``D`` (B, Hq, L) in the compute dtype. Bitwise the same results on every launch.
     """
+    q, k, v, mask, dout, out = (storage_view(a) for a in (q, k, v, mask, dout, out))
     n_b, n_hq, L, e = q.shape
     n_h, S = k.shape[1], k.shape[2]
     ev = v.shape[3]

@@ -32,6 +32,7 @@ from .arrays import is_simulated_mode
 from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .online_softmax import online_softmax_lse, online_softmax_update
 from .options import CANDIDATES, FASTMATH, Blocks
+from .storage import storage_view, store
 from .tiles import clear, keys_seen, load_tile, masked, query_block, tile_product, tile_thread
 
 _kernels = {}
@@ -180,9 +181,9 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
                     d = tc + TC * c
                     if d < Ev:
                         if l == 0:  # every key masked (or S == 0): zeros, as torch
-                            out[b, h, i, d] = zero
+                            out[b, h, i, d] = store(zero, out)
                         else:
-                            out[b, h, i, d] = acc[a * DC + c] / l
+                            out[b, h, i, d] = store(acc[a * DC + c] / l, out)
         for r in range(tid, BM, NT):
             if i0 + r < L:
                 lse[b, h, i0 + r] = online_softmax_lse(sm[m_at + r], sm[l_at + r])
@@ -267,7 +268,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
     out : device array, shape (B, Hq, L, Ev)
         Written.
     lse : device array, shape (B, Hq, L)
-        Written; its dtype is the compute dtype: float32 for float16 and float32 inputs,
+        Written; its dtype is the compute dtype: float32 for 16-bit and float32 inputs,
         float64 for float64. With dropout, that of the softmax before dropout.
     blocks : Blocks, optional
         Tiling; default :data:`~.options.BLOCKS`, else the largest that fits the device.
@@ -280,11 +281,13 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
 
     Notes
     -----
-    Inputs are float16, float32 or float64 Numba device arrays with any non-negative strides
+    Inputs are float16, bfloat16 (``ml_dtypes.bfloat16``; computed in float32, read and
+    written as int16 bit patterns, see :mod:`.storage`), float32 or float64 Numba device arrays with any non-negative strides
     (:func:`sdpa_numba.gpu.arrays.adopt` wraps CuPy arrays and torch tensors as such).
     Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention` validates them. The
     launch is asynchronous, on ``stream``.
     """
+    q, k, v, mask, out = (storage_view(a) for a in (q, k, v, mask, out))
     n_bh, L, e = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
     ev = v.shape[3]
     if n_bh == 0 or L == 0:

@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda
 
 from .arrays import device_array
+from .storage import storage_view, store
 
 #: Threads per block of the small kernels here.
 THREADS = 128
@@ -33,10 +34,10 @@ def _sum_middle(x, out):
 
 @cuda.jit
 def _cast(x, out):
-    """``out = x`` elementwise (1-D), converting to ``out``'s dtype."""
+    """``out = x`` elementwise (1-D), converting to ``out``'s dtype (bfloat16 as int16 bits)."""
     t = cuda.grid(1)
     if t < out.shape[0]:
-        out[t] = x[t]
+        out[t] = store(x[t], out)
 
 
 def _grid(n):
@@ -70,6 +71,6 @@ def sum_to(x, shape, dtype):
     if np.dtype(dtype) != np.dtype(x.dtype):
         y = device_array(shape, dtype)
         if y.size:
-            _cast[_grid(y.size)](x.reshape(y.size), y.reshape(y.size))
+            _cast[_grid(y.size)](x.reshape(y.size), storage_view(y.reshape(y.size)))
         x = y
     return x

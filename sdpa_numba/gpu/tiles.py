@@ -14,6 +14,8 @@ threads reading consecutive rows hit distinct shared-memory banks.
 import numba
 from numba import cuda
 
+from .storage import load
+
 
 @cuda.jit(device=True, inline="always")
 def u(i):
@@ -46,7 +48,7 @@ def load_tile(src, b, h, row0, n_valid, n_rows, n_cols, n_pad, factor, sm, at, r
     while r < n_rows:
         x = ct(0)
         if r < n_valid and c < n_cols:
-            x = ct(src[b, h, row0 + r, c]) * factor
+            x = ct(load(src[b, h, row0 + r, c])) * factor
         sm[at + r * row_step + c * col_step] = x
         r += r_step
         c += c_step
@@ -126,4 +128,4 @@ def masked(s, mask, b, h, i, j, bool_mask, neg_inf):
     else ``s``; for a float mask, ``s`` plus the mask's value."""
     if bool_mask:
         return s if mask[b, h, i, j] else neg_inf
-    return s + mask[b, h, i, j]
+    return s + load(mask[b, h, i, j])
