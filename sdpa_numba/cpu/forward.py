@@ -77,8 +77,11 @@ def _masked_score(s, x):
 
 @njit(**INLINE)
 def _pack_row(src, i, n, dst, scale):
-    """dst[0:n] = scale * src[i, 0:n] in the compute dtype; a contiguous fast path."""
-    if src.strides[1] == src.itemsize:
+    """dst[0:n] = scale * src[i, 0:n] in the compute dtype; a contiguous fast path.
+
+    Strides are in bytes and need not be multiples of the item size (a field of a structured
+    array): the fast path counts in elements, so it is taken only when they are."""
+    if src.strides[1] == src.itemsize and src.strides[0] % src.itemsize == 0:
         p = ptr_add(data_ptr(src), i * (src.strides[0] // src.itemsize))
         for e in range(n):
             dst[e] = load(p[e]) * scale
