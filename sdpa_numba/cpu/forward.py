@@ -329,8 +329,9 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     for j0 in range(0, kv_end, BN):
         nj = min(BN, kv_end - j0)
         k_in_place = ldk > 0 and nj == BN
-        # Tiles read up to 3 columns past Ev in each row: never past the end of V.
-        v_in_place = ldv > 0 and nj == BN and (ev == ev_pad or j0 + BN < s_len)
+        # Tiles read ev_pad - Ev (up to 3) elements past the end of the block's last row:
+        # in place only if they are still inside V (rows may overlap: ldv < Ev).
+        v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv
         _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place, not v_in_place)
         p_kb = block_start(k, j0, ldk, p_ks, k_in_place)
         p_vb = block_start(v, j0, ldv, p_vs, v_in_place)
