@@ -76,3 +76,93 @@ def test_big_endian_is_a_type_error(dtype):
     x = np.ones((3, 4), dtype)
     with pytest.raises(TypeError, match="dtype"):
         sdpa(x, x, x)
+
+
+# Huge finite scores: any finite score is finite; only -inf masks.
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_forward_huge_finite_mask(rng, dtype):
+    """Hugging Face masks with np.finfo(dtype).min: a row masked so everywhere is the softmax
+    over equal scores (uniform), as torch gives, not a fully masked row."""
+    L, S, E = 6, 70, 8
+    q, k, v = (rng.standard_normal((2, n, E)).astype(dtype) for n in (L, S, S))
+    mask = np.zeros((2, L, S), dtype)
+    big = np.finfo(dtype).min
+    mask[0, 1] = big  # every key: uniform over all of them
+    mask[1, 2, 5:] = big  # all but five: those five
+    mask[1, 3, ::2] = big
+    mask[0, 4, :-1] = -np.inf
+    mask[0, 4, -1] = big  # one key left, at a finite (huge) score
+    out, lse = sdpa(q, k, v, attn_mask=mask, return_lse=True)
+    want, want_lse = reference.attention(q, k, v, attn_mask=mask)
+    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    if dtype != np.float16:  # (float16's min, -65504, leaves the scores' differences)
+        np.testing.assert_allclose(out[0, 1], v[0].astype(np.float64).mean(0), rtol=tol,
+                                   atol=tol)
+    assert np.isfinite(lse).all()
+    np.testing.assert_allclose(lse, want_lse.astype(lse.dtype), rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_forward_scores_near_the_largest_float(rng, dtype):
+    """q·k·scale between FLT_MAX / log2(e) and FLT_MAX (and as negative): finite scores."""
+    top = float(np.finfo(dtype).max)
+    S, Ev = 67, 5
+    q = np.array([[1.0], [-1.0], [0.5]], dtype)
+    k = np.linspace(0.72, 0.95, S).reshape(S, 1) * top
+    k[10] = 0.95 * top  # two equal top scores for the first row
+    k = k.astype(dtype)
+    v = rng.standard_normal((S, Ev)).astype(dtype)
+    out, lse = sdpa(q, k, v, scale=1.0, return_lse=True)
+    want, want_lse = reference.attention(q, k, v, scale=1.0)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_huge_finite_scores(rng, dtype):
+    """Masks of np.finfo(dtype).min and scores near -FLT_MAX and FLT_MAX: finite, right
+    gradients. (Not a row whose every score is that large: its lse, m + log(l), rounds to m,
+    which the probabilities recomputed from lse cannot undo; torch's flash backward is off the
+    same way.)"""
+    L, S, E = 6, 130, 4
+    q, k, v, g = (rng.standard_normal((n, E)).astype(dtype) for n in (L, S, S, L))
+    top = float(np.finfo(dtype).max)
+    mask = np.zeros((L, S), dtype)
+    mask[1, 1:] = np.finfo(dtype).min
+    mask[2, 3:] = np.finfo(dtype).min
+    mask[3, ::2] = np.finfo(dtype).min
+    # second head: scores up to 0.9 FLT_MAX, and down to -0.9 FLT_MAX, a clear maximum each
+    q[0, 0], q[1, 0] = 1, -1
+    q[0, 1:] = q[1, 1:] = 0
+    k2 = k.copy()
+    k2[:, 0] = np.linspace(0.3, 0.9, S) * top
+    q, k, v, g = np.stack([q, q]), np.stack([k, k2]), np.stack([v, v]), np.stack([g, g])
+    mask = np.stack([mask, np.zeros_like(mask)])
+    q[1, 2:] = 0  # rows whose scores are all 0
+    out, lse = sdpa(q, k, v, attn_mask=mask, scale=1.0, return_lse=True)
+    got = sdpa_backward(g, q, k, v, out, lse, mask, scale=1.0, mask_grad=True)
+    want = reference.attention_backward(g, q, k, v, mask, scale=1.0)
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    for a, b in zip(got, want):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, np.abs(b).max()))
+
+
+def test_online_softmax_update_huge_scores():
+    from sdpa_numba import cpu
+
+    top = np.finfo(np.float32).max
+    s = np.array([[-top, -top, -top], [0.9 * top, 0.8 * top, 0.9 * top]], np.float32)
+    v = np.arange(6, dtype=np.float32).reshape(3, 2)
+    m = np.full(2, -np.inf, np.float32)
+    l = np.zeros(2, np.float32)
+    acc = np.zeros((2, 2), np.float32)
+    cpu.online_softmax_update(s, v, m, l, acc)
+    out = np.empty((2, 2), np.float32)
+    lse = np.empty(2, np.float32)
+    cpu.online_softmax_finalize(m, l, acc, out, lse)
+    np.testing.assert_allclose(out, [[2, 3], [2, 3]], rtol=1e-6)
+    assert np.isfinite(lse).all()

@@ -32,7 +32,7 @@ from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, sta
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
-from .online_softmax import LN2, LOG2E
+from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
 from .storage import cast, is_compute_dtype, load, store
@@ -64,7 +64,7 @@ _lanes = stack_buffer(BM)
 
 
 def masked_score(s, x):
-    """Base-2 score ``s`` under mask element ``x`` (jitted code only)."""
+    """Score ``s`` (natural units) under mask element ``x`` (jitted code only)."""
     raise NotImplementedError("masked_score is only callable from jitted code")
 
 
@@ -72,7 +72,9 @@ def masked_score(s, x):
 def _masked_score(s, x):
     if isinstance(x, types.Boolean):  # True takes part
         return lambda s, x: s if x else cast(-np.inf, s)
-    return lambda s, x: s + load(x) * cast(LOG2E, s)  # additive, in natural units
+    # Additive. Any finite mask value gives a finite score (np.finfo(np.float32).min is
+    # Hugging Face's "masked"): only -inf masks.
+    return lambda s, x: s + load(x)
 
 
 @njit(**INLINE)
@@ -159,7 +161,7 @@ def _row_stride(a, like, n_cols):
 
 @njit(**INLINE)
 def _mask_tile(st, n_keys, i_first, n_real, j0, mask, is_causal):
-    """Apply causal and user masks to the first ``n_keys`` rows of Sᵀ (BN x BM, base 2).
+    """Apply causal and user masks to the first ``n_keys`` rows of Sᵀ (BN x BM).
 
     Query lanes at or past ``n_real`` are padding: no mask is read for them.
     """
@@ -179,8 +181,14 @@ def _mask_tile(st, n_keys, i_first, n_real, j0, mask, is_causal):
 def _softmax_tile(st, n_keys, m, l, alpha):
     """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
 
-    Overwrites scores with p = 2**(s - m_new) (and the rows past ``n_keys`` with 0) and
+    Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
     updates ``m``, ``l``, ``alpha`` (pointers to BM lanes).
+
+    Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
+    converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
+    into the scale) would overflow for finite scores beyond FLT_MAX / log2(e) (a mask of
+    np.finfo(np.float32).min became -inf, a fully masked row); a difference that overflows
+    is below -FLT_MAX and its exponential is 0 anyway.
     """
     no_inline()  # as the tile products: a call of its own
     prefer_512_bit()
@@ -201,15 +209,16 @@ def _softmax_tile(st, n_keys, m, l, alpha):
         row = ptr_add(st, j * BM)
         for i in range(BM):
             m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
+    c = cast(LOG2E, m_old[0])
     for i in range(BM):
         # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
         m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
-        a[i] = exp2(m_old[i] - m_use[i])
+        a[i] = exp2((m_old[i] - m_use[i]) * c)
         total[i] = 0
     for j in range(n_keys):
         row = ptr_add(st, j * BM)
         for i in range(BM):
-            p = exp2(row[i] - m_use[i])
+            p = exp2((row[i] - m_use[i]) * c)
             row[i] = p
             total[i] += p
     for i in range(BM):
@@ -311,8 +320,7 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     m = aligned_full(n_pad, -np.inf, ct)
     l = aligned_full(n_pad, 0, ct)
     alpha = aligned_empty(n_pad, ct)
-    # Scores are computed in base 2: exp(x) = 2**(x log2 e), folded into the packed queries.
-    _pack_queries(q, i0, n, n_pad, cast(scale * LOG2E, lse), qt)
+    _pack_queries(q, i0, n, n_pad, cast(scale, lse), qt)
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
@@ -361,7 +369,7 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
                 out[i, d] = store(0.0, out)
         else:
             inv = 1 / l[r]
-            lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse)
+            lse[i] = m[r] + math.log(l[r])
             acc_r = ptr_add(p_acc, (r - r % BM) * ev_pad + r % BM)  # row r of accᵀ's block
             for d in range(ev):
                 out[i, d] = store(acc_r[d * BM] * inv, out)
