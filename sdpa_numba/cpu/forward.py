@@ -60,6 +60,10 @@ SCRATCH_BYTES = 512 * 1024
 #: BM rows) until there are this many, so that every core gets several tasks.
 MIN_TASKS = 16
 
+#: Key blocks whose P·V and row sums are added into the running ``acc`` and ``l`` before
+#: those are folded into a second, outer total, at least; see :func:`_fold_every`.
+MIN_FOLD_BLOCKS = 64
+
 _lanes = stack_buffer(BM)
 
 
@@ -297,6 +301,47 @@ def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
                            alpha, 4)
 
 
+@njit(**INLINE)
+def _fold_every(s_len):
+    """Key blocks between folds of the running totals into the outer ones: a power of two at
+    least sqrt(blocks) and MIN_FOLD_BLOCKS (S > 4096 keys only), from S alone.
+
+    Each block's P·V starts from zero (see the micro-kernel), but the running total still takes
+    one block sum at a time: at S = 2**25 (2**19 blocks) with equal scores that alone was 7e-3
+    off in float32. Two levels of about sqrt(blocks) terms each keep it near 1e-5. The fold
+    points depend on S only, and a fold between blocks that add nothing to a row changes
+    nothing in it (alpha = 1, p = 0, then 1 * outer + 0), so rows are bitwise the same whatever
+    the chunking or the thread count.
+    """
+    n = (s_len + BN - 1) // BN
+    f = MIN_FOLD_BLOCKS
+    while f * f < n:
+        f *= 2
+    return f
+
+
+@njit(**INLINE)
+def _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o):
+    """Fold the running ``acc``, ``l`` (against max ``m``) into the outer ``acc_o``, ``l_o``
+    (against ``m_o``), and restart the running ones from zero (accᵀ layout, see attend_rows)."""
+    c = cast(LOG2E, l)
+    beta = _lanes(data_ptr(m))
+    for r0 in range(0, n_pad, BM):
+        for i in range(BM):
+            mi = m[r0 + i]
+            mu = mi if mi != -np.inf else cast(0.0, mi)
+            beta[i] = exp2((m_o[r0 + i] - mu) * c)  # 0 while m_o is -inf
+        for i in range(BM):
+            l_o[r0 + i] = beta[i] * l_o[r0 + i] + l[r0 + i]
+            l[r0 + i] = 0
+            m_o[r0 + i] = m[r0 + i]
+        for d in range(ev_pad):
+            t0 = r0 * ev_pad + d * BM
+            for i in range(BM):
+                acc_o[t0 + i] = beta[i] * acc_o[t0 + i] + acc[t0 + i]
+                acc[t0 + i] = 0
+
+
 @njit(**KERNEL)
 def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
@@ -320,6 +365,12 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     m = aligned_full(n_pad, -np.inf, ct)
     l = aligned_full(n_pad, 0, ct)
     alpha = aligned_empty(n_pad, ct)
+    # Outer totals (see _fold_every), for long sequences only.
+    fold_every = _fold_every(s_len)
+    folds = s_len > fold_every * BN
+    acc_o = aligned_full(n_pad * ev_pad if folds else 1, 0, ct)
+    m_o = aligned_full(n_pad, -np.inf, ct)
+    l_o = aligned_full(n_pad, 0, ct)
     _pack_queries(q, i0, n, n_pad, cast(scale, lse), qt)
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
@@ -360,6 +411,12 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),
                         ptr_add(p_alpha, r0))
+        if folds and (j0 // BN + 1) % fold_every == 0:
+            _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
+    if folds:  # the last fold: the totals are the outer ones
+        _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
+        acc, m, l = acc_o, m_o, l_o
+        p_acc = data_ptr(acc)
 
     for r in range(n):
         i = i0 + r
@@ -375,7 +432,7 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
                 out[i, d] = store(acc_r[d * BM] * inv, out)
     # Numba frees an array after its last use by name; the loops above used them through
     # raw pointers, so they must live until here.
-    keep_alive((qt, ks, vs, st, acc, m, l, alpha))
+    keep_alive((qt, ks, vs, st, acc, m, l, alpha, acc_o, m_o, l_o))
 
 
 @njit(**INLINE)
