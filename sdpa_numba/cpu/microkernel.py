@@ -30,22 +30,25 @@ _acc_buffer = stack_buffer(MR_WIDE * NR)
 
 
 @njit(**INLINE)
-def _set(cr, ac, alpha, r):
-    for j in range(NR):
-        cr[j] = ac[j]
+def _set(acc, c, ldc, alpha, mr):
+    pass
 
 
 @njit(**INLINE)
-def _row_fold(cr, ac, alpha, r):
-    ar = alpha[r]
-    for j in range(NR):
-        cr[j] = ar * cr[j] + ac[j]
+def _row_fold(acc, c, ldc, alpha, mr):
+    for r in range(mr):
+        cr = ptr_add(c, r * ldc)
+        ar = alpha[r]
+        for j in range(NR):
+            acc[r * NR + j] += ar * cr[j]
 
 
 @njit(**INLINE)
-def _lane_fold(cr, ac, alpha, r):
-    for j in range(NR):
-        cr[j] = alpha[j] * cr[j] + ac[j]
+def _lane_fold(acc, c, ldc, alpha, mr):
+    for r in range(mr):
+        cr = ptr_add(c, r * ldc)
+        for j in range(NR):
+            acc[r * NR + j] += alpha[j] * cr[j]
 
 
 def _make_pass(fold):
@@ -57,7 +60,9 @@ def _make_pass(fold):
     dV, dQ over blocks), each call's few terms are summed among themselves, and only their
     sum is added to the running total. Added one at a time to a running total, the terms
     lost their low bits to it: at S = 2**24 equal scores gave 3.667 for 3.0. Same loads,
-    stores and FMAs.
+    stores and FMAs. (The old ``c`` is folded into the register tile, which is then stored:
+    storing into ``c`` while loading ``alpha``, which LLVM cannot prove apart, could keep the
+    fold scalar.)
     """
 
     @njit(**INLINE)
@@ -71,10 +76,11 @@ def _make_pass(fold):
                 a_rk = a[r * a_rs + kk * a_ks]
                 for j in range(NR):
                     acc[r * NR + j] += a_rk * bk[j]
+        fold(acc, c, ldc, alpha, mr)
         for r in range(mr):
             cr = ptr_add(c, r * ldc)
-            ac = ptr_add(acc, r * NR)
-            fold(cr, ac, alpha, r)
+            for j in range(NR):
+                cr[j] = acc[r * NR + j]
 
     return tile_pass
 
