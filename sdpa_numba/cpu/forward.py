@@ -60,9 +60,6 @@ SCRATCH_BYTES = 512 * 1024
 #: BM rows) until there are this many, so that every core gets several tasks.
 MIN_TASKS = 16
 
-#: Half the largest float32: a running max beyond it takes the softmax's slower path.
-_HALF_MAX = float(np.finfo(np.float32).max) / 2
-
 #: Key blocks whose P·V and row sums are added into the running ``acc`` and ``l`` before
 #: those are folded into a second, outer total, at least; see :func:`_fold_every`.
 MIN_FOLD_BLOCKS = 64
@@ -217,32 +214,17 @@ def _softmax_tile(st, n_keys, m, l, alpha):
         for i in range(BM):
             m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
     c = cast(LOG2E, m_old[0])
-    mc = _lanes(m)
-    huge = False
     for i in range(BM):
         # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
         m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
         a[i] = exp2((m_old[i] - m_use[i]) * c)
-        mc[i] = m_use[i] * c
         total[i] = 0
-        huge |= abs(m_use[i]) > cast(_HALF_MAX, c)
-    if not huge:
-        # s * c - m * c: one FMA per score, as a plain subtraction costs (a subtraction and
-        # then a multiply cost 4-9% of the forward at D = 64). s * c is exact inside the FMA,
-        # and m * c cannot overflow here; a difference below -FLT_MAX still gives 0.
-        for j in range(n_keys):
-            row = ptr_add(st, j * BM)
-            for i in range(BM):
-                p = exp2(row[i] * c - mc[i])
-                row[i] = p
-                total[i] += p
-    else:  # a max beyond FLT_MAX / 2 in some lane: m * c could overflow
-        for j in range(n_keys):
-            row = ptr_add(st, j * BM)
-            for i in range(BM):
-                p = exp2((row[i] - m_use[i]) * c)
-                row[i] = p
-                total[i] += p
+    for j in range(n_keys):
+        row = ptr_add(st, j * BM)
+        for i in range(BM):
+            p = exp2((row[i] - m_use[i]) * c)
+            row[i] = p
+            total[i] += p
     for i in range(BM):
         l_new[i] = a[i] * l[i] + total[i]
     for i in range(BM):
