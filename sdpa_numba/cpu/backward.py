@@ -10,7 +10,7 @@ With ``P`` recomputed from the forward's ``lse`` (never stored), ``Z`` the dropo
 Work is split into tasks of (batch, key/value head, group of key blocks), run in parallel.
 A task packs its keys once (in the compute dtype; float16 converted here), then for every
 query head that reads them (one, or a group with GQA) and every block of ``BQ`` query rows
-that sees them: packs the query block (Q, dO, ``lse`` in base 2, ``D``), and for each of its
+that sees them: packs the query block (Q, dO, ``lse``, ``D``), and for each of its
 key blocks of ``BK`` keys recomputes the scores and accumulates dK, dV (held by the task for
 all its keys) and the block's dQ (held for the query block), which it writes out at the end
 of the block. When batch x heads alone gives enough tasks, a task holds every key of its head
@@ -26,7 +26,7 @@ All five products go through the forward's register-tiled :func:`tile_product` (
 tiles) in its natural layout, because every score-sized tile is kept *transposed*: keys are
 rows, ``BQ = NR`` query rows are columns::
 
-    Sᵀ  = K  · (scale·log2e·Q)ᵀ      a: K rows (BK x E),   b: Qᵀ block (E x BQ)
+    Sᵀ  = K  · (scale·Q)ᵀ            a: K rows (BK x E),   b: Qᵀ block (E x BQ)
     dPᵀ = V  · dOᵀ                   a: V rows (BK x Ev),  b: dOᵀ block (Ev x BQ)
     dV += (P Z)ᵀ · dO                a: (P Z)ᵀ (BK x BQ),  b: dO block (BQ x Ev)
     dK += dSᵀ · Q                    a: dSᵀ (BK x BQ),     b: Q block (BQ x E)
@@ -135,8 +135,8 @@ def prepare_block(q, dout, out, lse, i0, nv, scale2, e_pad, ev_pad, qt, qr, dot,
     """Pack query rows ``[i0, i0 + nv)`` of one head for the key loop (pointers, see module doc).
 
     ``qt`` (E x BQ) = scale2 · Qᵀ, ``qr`` (BQ x e_pad) = Q, ``dot`` (Ev x BQ) = dOᵀ,
-    ``dor`` (BQ x ev_pad) = dO, ``l2`` = lse in base 2 (0 for fully masked rows, whose scores
-    are all -inf), ``dd`` = rowsum(dO ∘ O); zeros past ``nv`` rows and in the padding.
+    ``dor`` (BQ x ev_pad) = dO, ``l2`` = lse (0 for fully masked rows, whose scores are all
+    -inf), ``dd`` = rowsum(dO ∘ O); zeros past ``nv`` rows and in the padding.
     """
     e_len = q.shape[1]
     ev = dout.shape[1]
@@ -165,7 +165,7 @@ def prepare_block(q, dout, out, lse, i0, nv, scale2, e_pad, ev_pad, qt, qr, dot,
             for d in range(ev, ev_pad):
                 dor[c * ev_pad + d] = zero
             x = lse[i0 + c]
-            l2[c] = zero if x == -np.inf else x * cast(LOG2E, lse)
+            l2[c] = zero if x == -np.inf else x
             dd[c] = acc
         else:
             for e in range(e_pad):
@@ -222,9 +222,11 @@ def _mask_scores(st, nk, nv, j0, i0, mask, use_mask, b, h, is_causal):
 
 @njit(**INLINE)
 def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j0):
-    """In place on the tiles (pointers): ``st`` (Sᵀ, base 2) becomes (P Z)ᵀ and ``dpt`` (dPᵀ
-    before dropout) becomes dSᵀ. Padding (key rows past ``nk``, query columns past ``nv``)
-    gets exact zeros."""
+    """In place on the tiles (pointers): ``st`` (Sᵀ) becomes (P Z)ᵀ and ``dpt`` (dPᵀ before
+    dropout) becomes dSᵀ. Padding (key rows past ``nk``, query columns past ``nv``) gets exact
+    zeros. As in the forward, only ``s - lse`` is converted to base 2, so that no finite score
+    overflows."""
+    c2 = cast(LOG2E, zero)
     for r in range(nk4):
         srow = ptr_add(st, r * BQ)
         drow = ptr_add(dpt, r * BQ)
@@ -235,14 +237,14 @@ def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j
         elif drop_on:
             j = j0 + r
             for c in range(BQ):
-                p = exp2(srow[c] - l2[c])
+                p = exp2((srow[c] - l2[c]) * c2)
                 z = inv if kept(rk[c], j, thresh) else zero
                 valid = c < nv
                 srow[c] = p * z if valid else zero
                 drow[c] = p * (drow[c] * z - dd[c]) if valid else zero
         else:
             for c in range(BQ):
-                p = exp2(srow[c] - l2[c])
+                p = exp2((srow[c] - l2[c]) * c2)
                 valid = c < nv
                 srow[c] = p if valid else zero
                 drow[c] = p * (drow[c] - dd[c]) if valid else zero
@@ -354,7 +356,7 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     queries = (data_ptr(qt), data_ptr(qr), data_ptr(dot), data_ptr(dor), data_ptr(l2),
                data_ptr(dd), data_ptr(dqt))
     p_st, p_dpt, p_ones = data_ptr(st), data_ptr(dpt), data_ptr(ones)
-    scale2 = cast(scale * LOG2E, lse)
+    scale2 = cast(scale, lse)
     sc = cast(scale, lse)
     seed, thresh, inv_keep, b_off = dropout
     drop_on = inv_keep != 1.0

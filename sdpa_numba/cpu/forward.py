@@ -32,7 +32,7 @@ from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, sta
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
-from .online_softmax import LN2, LOG2E
+from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
 from .storage import cast, is_compute_dtype, load, store
@@ -60,11 +60,15 @@ SCRATCH_BYTES = 512 * 1024
 #: BM rows) until there are this many, so that every core gets several tasks.
 MIN_TASKS = 16
 
+#: Key blocks whose P·V and row sums are added into the running ``acc`` and ``l`` before
+#: those are folded into a second, outer total, at least; see :func:`_fold_every`.
+MIN_FOLD_BLOCKS = 64
+
 _lanes = stack_buffer(BM)
 
 
 def masked_score(s, x):
-    """Base-2 score ``s`` under mask element ``x`` (jitted code only)."""
+    """Score ``s`` (natural units) under mask element ``x`` (jitted code only)."""
     raise NotImplementedError("masked_score is only callable from jitted code")
 
 
@@ -72,13 +76,18 @@ def masked_score(s, x):
 def _masked_score(s, x):
     if isinstance(x, types.Boolean):  # True takes part
         return lambda s, x: s if x else cast(-np.inf, s)
-    return lambda s, x: s + load(x) * cast(LOG2E, s)  # additive, in natural units
+    # Additive. Any finite mask value gives a finite score (np.finfo(np.float32).min is
+    # Hugging Face's "masked"): only -inf masks.
+    return lambda s, x: s + load(x)
 
 
 @njit(**INLINE)
 def _pack_row(src, i, n, dst, scale):
-    """dst[0:n] = scale * src[i, 0:n] in the compute dtype; a contiguous fast path."""
-    if src.strides[1] == src.itemsize:
+    """dst[0:n] = scale * src[i, 0:n] in the compute dtype; a contiguous fast path.
+
+    Strides are in bytes and need not be multiples of the item size (a field of a structured
+    array): the fast path counts in elements, so it is taken only when they are."""
+    if src.strides[1] == src.itemsize and src.strides[0] % src.itemsize == 0:
         p = ptr_add(data_ptr(src), i * (src.strides[0] // src.itemsize))
         for e in range(n):
             dst[e] = load(p[e]) * scale
@@ -156,7 +165,7 @@ def _row_stride(a, like, n_cols):
 
 @njit(**INLINE)
 def _mask_tile(st, n_keys, i_first, n_real, j0, mask, is_causal):
-    """Apply causal and user masks to the first ``n_keys`` rows of Sᵀ (BN x BM, base 2).
+    """Apply causal and user masks to the first ``n_keys`` rows of Sᵀ (BN x BM).
 
     Query lanes at or past ``n_real`` are padding: no mask is read for them.
     """
@@ -176,8 +185,14 @@ def _mask_tile(st, n_keys, i_first, n_real, j0, mask, is_causal):
 def _softmax_tile(st, n_keys, m, l, alpha):
     """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
 
-    Overwrites scores with p = 2**(s - m_new) (and the rows past ``n_keys`` with 0) and
+    Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
     updates ``m``, ``l``, ``alpha`` (pointers to BM lanes).
+
+    Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
+    converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
+    into the scale) would overflow for finite scores beyond FLT_MAX / log2(e) (a mask of
+    np.finfo(np.float32).min became -inf, a fully masked row); a difference that overflows
+    is below -FLT_MAX and its exponential is 0 anyway.
     """
     no_inline()  # as the tile products: a call of its own
     prefer_512_bit()
@@ -198,15 +213,16 @@ def _softmax_tile(st, n_keys, m, l, alpha):
         row = ptr_add(st, j * BM)
         for i in range(BM):
             m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
+    c = cast(LOG2E, m_old[0])
     for i in range(BM):
         # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
         m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
-        a[i] = exp2(m_old[i] - m_use[i])
+        a[i] = exp2((m_old[i] - m_use[i]) * c)
         total[i] = 0
     for j in range(n_keys):
         row = ptr_add(st, j * BM)
         for i in range(BM):
-            p = exp2(row[i] - m_use[i])
+            p = exp2((row[i] - m_use[i]) * c)
             row[i] = p
             total[i] += p
     for i in range(BM):
@@ -285,6 +301,47 @@ def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
                            alpha, 4)
 
 
+@njit(**INLINE)
+def _fold_every(s_len):
+    """Key blocks between folds of the running totals into the outer ones: a power of two at
+    least sqrt(blocks) and MIN_FOLD_BLOCKS (S > 4096 keys only), from S alone.
+
+    Each block's P·V starts from zero (see the micro-kernel), but the running total still takes
+    one block sum at a time: at S = 2**25 (2**19 blocks) with equal scores that alone was 7e-3
+    off in float32. Two levels of about sqrt(blocks) terms each keep it near 1e-5. The fold
+    points depend on S only, and a fold between blocks that add nothing to a row changes
+    nothing in it (alpha = 1, p = 0, then 1 * outer + 0), so rows are bitwise the same whatever
+    the chunking or the thread count.
+    """
+    n = (s_len + BN - 1) // BN
+    f = MIN_FOLD_BLOCKS
+    while f * f < n:
+        f *= 2
+    return f
+
+
+@njit(**INLINE)
+def _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o):
+    """Fold the running ``acc``, ``l`` (against max ``m``) into the outer ``acc_o``, ``l_o``
+    (against ``m_o``), and restart the running ones from zero (accᵀ layout, see attend_rows)."""
+    c = cast(LOG2E, l)
+    beta = _lanes(data_ptr(m))
+    for r0 in range(0, n_pad, BM):
+        for i in range(BM):
+            mi = m[r0 + i]
+            mu = mi if mi != -np.inf else cast(0.0, mi)
+            beta[i] = exp2((m_o[r0 + i] - mu) * c)  # 0 while m_o is -inf
+        for i in range(BM):
+            l_o[r0 + i] = beta[i] * l_o[r0 + i] + l[r0 + i]
+            l[r0 + i] = 0
+            m_o[r0 + i] = m[r0 + i]
+        for d in range(ev_pad):
+            t0 = r0 * ev_pad + d * BM
+            for i in range(BM):
+                acc_o[t0 + i] = beta[i] * acc_o[t0 + i] + acc[t0 + i]
+                acc[t0 + i] = 0
+
+
 @njit(**KERNEL)
 def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
@@ -308,8 +365,13 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     m = aligned_full(n_pad, -np.inf, ct)
     l = aligned_full(n_pad, 0, ct)
     alpha = aligned_empty(n_pad, ct)
-    # Scores are computed in base 2: exp(x) = 2**(x log2 e), folded into the packed queries.
-    _pack_queries(q, i0, n, n_pad, cast(scale * LOG2E, lse), qt)
+    # Outer totals (see _fold_every), for long sequences only.
+    fold_every = _fold_every(s_len)
+    folds = s_len > fold_every * BN
+    acc_o = aligned_full(n_pad * ev_pad if folds else 1, 0, ct)
+    m_o = aligned_full(n_pad, -np.inf, ct)
+    l_o = aligned_full(n_pad, 0, ct)
+    _pack_queries(q, i0, n, n_pad, cast(scale, lse), qt)
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
@@ -326,8 +388,9 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     for j0 in range(0, kv_end, BN):
         nj = min(BN, kv_end - j0)
         k_in_place = ldk > 0 and nj == BN
-        # Tiles read up to 3 columns past Ev in each row: never past the end of V.
-        v_in_place = ldv > 0 and nj == BN and (ev == ev_pad or j0 + BN < s_len)
+        # Tiles read ev_pad - Ev (up to 3) elements past the end of the block's last row:
+        # in place only if they are still inside V (rows may overlap: ldv < Ev).
+        v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv
         _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place, not v_in_place)
         p_kb = block_start(k, j0, ldk, p_ks, k_in_place)
         p_vb = block_start(v, j0, ldv, p_vs, v_in_place)
@@ -348,6 +411,12 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),
                         ptr_add(p_alpha, r0))
+        if folds and (j0 // BN + 1) % fold_every == 0:
+            _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
+    if folds:  # the last fold: the totals are the outer ones
+        _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
+        acc, m, l = acc_o, m_o, l_o
+        p_acc = data_ptr(acc)
 
     for r in range(n):
         i = i0 + r
@@ -357,13 +426,13 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
                 out[i, d] = store(0.0, out)
         else:
             inv = 1 / l[r]
-            lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse)
+            lse[i] = m[r] + math.log(l[r])
             acc_r = ptr_add(p_acc, (r - r % BM) * ev_pad + r % BM)  # row r of accᵀ's block
             for d in range(ev):
                 out[i, d] = store(acc_r[d * BM] * inv, out)
     # Numba frees an array after its last use by name; the loops above used them through
     # raw pointers, so they must live until here.
-    keep_alive((qt, ks, vs, st, acc, m, l, alpha))
+    keep_alive((qt, ks, vs, st, acc, m, l, alpha, acc_o, m_o, l_o))
 
 
 @njit(**INLINE)

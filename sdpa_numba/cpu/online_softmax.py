@@ -11,9 +11,9 @@ A row with every score masked so far has ``m = -inf``; exponentials are then tak
 instead of -inf, which gives p = 0 and alpha = 0 rather than exp(-inf + inf) = NaN, so a fully
 masked row ends with acc = 0, l = 0, out = 0 and lse = -inf.
 
-The kernels work in base 2 (scores pre-multiplied by log2(e)) so that every exponential is the
-vectorizable :func:`exp2`; :func:`online_softmax_update` is the same step in natural units for
-users' own jitted code.
+Scores, ``m`` and ``lse`` are in natural units; every exponential is the vectorizable
+:func:`exp2` of a difference ``s - m <= 0`` times log2(e). (Converting the scores themselves to
+base 2 would overflow for finite scores beyond FLT_MAX / log2(e).)
 """
 
 import math
@@ -27,14 +27,13 @@ from .storage import cast
 from .options import INLINE, KERNEL
 
 LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
 
 
 @njit(**INLINE)
-def softmax_row_base2(row, n, m_old):
-    """One online-softmax step on ``n`` base-2 scores at pointer ``row``.
+def softmax_row(row, n, m_old):
+    """One online-softmax step on ``n`` scores at pointer ``row``.
 
-    Overwrites the scores with p = 2**(s - m_new); returns ``(m_new, alpha, sum(p))``.
+    Overwrites the scores with p = exp(s - m_new); returns ``(m_new, alpha, sum(p))``.
     """
     m_new = m_old
     for j in range(n):
@@ -42,11 +41,12 @@ def softmax_row_base2(row, n, m_old):
     # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
     m_use = m_new if m_new != -np.inf else cast(0.0, m_new)
     total = cast(0.0, m_new)
+    c = cast(LOG2E, m_new)
     for j in range(n):
-        p = exp2(row[j] - m_use)
+        p = exp2((row[j] - m_use) * c)
         row[j] = p
         total += p
-    return m_new, exp2(m_old - m_use), total
+    return m_new, exp2((m_old - m_use) * c), total
 
 
 @njit(**KERNEL)
@@ -76,10 +76,10 @@ def online_softmax_update(s, v, m, l, acc):
     prow = data_ptr(row)
     for i in range(n):
         for j in range(b):
-            row[j] = s[i, j] * LOG2E
-        m2, alpha, total = softmax_row_base2(prow, b, m[i] * LOG2E)
+            row[j] = s[i, j]
+        m2, alpha, total = softmax_row(prow, b, m[i])
         l[i] = alpha * l[i] + total
-        m[i] = m2 * LN2
+        m[i] = m2
         for d in range(ev):
             a = alpha * acc[i, d]
             for j in range(b):

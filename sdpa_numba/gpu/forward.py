@@ -114,6 +114,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
             sm[l_at + r] = zero
         acc = cuda.local.array(NA, CT)
         clear(acc, NA)
+        pv = cuda.local.array(NA, CT)  # one key block's P·V, summed from zero
         sreg = cuda.local.array(NS, CT)
         kreg = cuda.local.array(SC, CT)
         vreg = cuda.local.array(DC, CT)
@@ -166,11 +167,14 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
                             sm[t] *= dropout_factor(rk[a], j0 + j, threshold, inv, zero)
                 cuda.syncthreads()
 
+            # acc = alpha acc + P V, the block's P V summed on its own first: added one key at
+            # a time to the running acc, terms lost their low bits to it over long sequences.
+            clear(pv, NA)
+            tile_product(sm, ss_at, SP, vs_at, VP, nj, r0, tc, TC, RM, DC, vreg, pv)
             for a in range(RM):
                 alpha = sm[a_at + r0 + a]
                 for c in range(DC):
-                    acc[a * DC + c] *= alpha
-            tile_product(sm, ss_at, SP, vs_at, VP, nj, r0, tc, TC, RM, DC, vreg, acc)  # += P V
+                    acc[a * DC + c] = alpha * acc[a * DC + c] + pv[a * DC + c]
 
         cuda.syncthreads()  # the last block's m and l are written
         for a in range(RM):
