@@ -52,6 +52,9 @@ BWD_CAUSAL = ["tests/test_backward.py", "-k", "causal"]
 CUDA_FWD = ["tests/cuda/test_cuda_forward.py"]
 CUDA_DROP = ["tests/cuda/test_cuda_dropout.py"]
 CUDA_BWD = ["tests/cuda/test_cuda_backward.py"]
+HARD_STRIDES = ["tests/test_hardening_numerics.py", "-k", "strides"]
+HARD_LONG = ["tests/test_hardening_numerics.py", "-k", "long_sequence"]
+GUARD = ["tests/test_guard_pages.py"]
 
 
 @dataclass(frozen=True)
@@ -108,12 +111,12 @@ MUTANTS = [
       "return ev // 4 * 4",
       FWD, "accumulator rows for Ev not a multiple of 4 too few"),
     M("scale_off", F,
-      "cast(scale * LOG2E, lse), qt)",
-      "cast(scale * LOG2E * 1.00002, lse), qt)",
+      "_pack_queries(q, i0, n, n_pad, cast(scale, lse), qt)",
+      "_pack_queries(q, i0, n, n_pad, cast(scale * 1.00002, lse), qt)",
       FWD, "scale off by 2e-5 (relative)"),
     M("lse_offset", F,
-      "lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse)",
-      "lse[i] = (m[r] + math.log2(l[r])) * cast(LN2, lse) + cast(1e-4, lse)",
+      "lse[i] = m[r] + math.log(l[r])",
+      "lse[i] = m[r] + math.log(l[r]) + cast(1e-4, lse)",
       FWD, "lse off by 1e-4 (the audit's mutant)"),
     M("mask_block_relative_column", F,
       "row[i] = masked_score(row[i], mask[i_first + i, jj])",
@@ -195,6 +198,19 @@ MUTANTS = [
       "qb0 = j0 // BM  # earlier rows",
       "qb0 = j0 // BM + 1  # earlier rows",
       CUDA_BWD, "CUDA backward dK/dV: causal skips one query block too many"),
+    # The hardening fixes (issue 14), each undone.
+    M("byte_strides_rounded", F,
+      "if src.strides[1] == src.itemsize and src.strides[0] % src.itemsize == 0:",
+      "if src.strides[1] == src.itemsize:",
+      HARD_STRIDES, "rows whose stride is not a multiple of the item size read as if it were"),
+    M("v_tiles_past_the_end", F,
+      "v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv",
+      "v_in_place = ldv > 0 and nj == BN and j0 + BN < s_len",
+      GUARD, "V read in place although the tiles' padding columns pass its end"),
+    M("no_outer_fold", F,
+      "folds = s_len > fold_every * BN",
+      "folds = False",
+      HARD_LONG, "long sequences: no second level of float32 sums"),
 ]
 
 
