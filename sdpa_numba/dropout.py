@@ -35,7 +35,7 @@ import numpy.typing as npt
 from .problem.arguments import check_seed
 
 __all__ = ["GAMMA", "MIX1", "MIX2", "new_seed", "check_seed", "threshold", "params",
-           "keep_mask"]
+           "NO_DROPOUT", "keep_mask"]
 
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
@@ -63,6 +63,11 @@ def params(p: float, seed: int,
     p = float(p)
     return (np.uint64(seed), np.uint64(threshold(p)), 1.0 / (1.0 - p), int(batch_offset))
 
+
+
+#: The kernels' dropout argument for "no dropout" where they take one at run time (the CPU
+#: backward, the CUDA kernels): ``inv_keep == 1.0`` reads as off. Elsewhere no dropout is None.
+NO_DROPOUT: tuple[np.uint64, np.uint64, float, int] = params(0.0, 0)
 
 def _mix(z):
     z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX1)

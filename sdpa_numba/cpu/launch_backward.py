@@ -17,13 +17,13 @@ import numpy as np
 from numba import types
 
 from .._runtime import compile_entry, kernel_launch
+from ..dropout import NO_DROPOUT
 from ..problem import for_each_launch, operand_views, row_view, sum_to
 from .backward import backward
 from .launch import DROPOUT_TYPE, arr, as_strided, kernel_types
 from .storage import storage_view
 
 _entries = {}
-_NO_DROPOUT = (np.uint64(0), np.uint64(0), 1.0, 0)
 _NO_MASK = np.zeros((0, 0, 0, 0), np.bool_)
 
 
@@ -74,7 +74,7 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
     with kernel_launch():  # first: it refuses what would crash the process
         entry = _entry(p.dtype, "additive" if p.mask_kind == "additive" else "bool")
         for_each_launch(p.batch, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask],
-                        _NO_DROPOUT if dropout is None else dropout, launch, as_strided)
+                        NO_DROPOUT if dropout is None else dropout, launch, as_strided)
 
     def final(g, x):
         return sum_to(g, x.shape).astype(p.dtype, copy=False)

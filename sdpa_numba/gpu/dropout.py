@@ -17,13 +17,12 @@ inference, and "off" costs one uniform branch per key block.
 """
 
 import numba
-import numpy as np
 from numba import cuda
 
+from ..dropout import NO_DROPOUT
 from ..score.dropout import head_key, kept, stream_step
 
-#: The kernels' dropout arguments when there is no dropout.
-NO_DROPOUT = (np.uint64(0), np.uint64(0), 1.0, 0)
+__all__ = ["NO_DROPOUT", "row_key", "row_keys", "dropout_factor"]
 
 
 @cuda.jit(device=True, inline="always")
