@@ -1,4 +1,4 @@
-"""The public backward: validation (shared with the forward: :func:`~sdpa_numba.api.plan`) and
+"""The public backward: validation (shared with the forward: :mod:`sdpa_numba.problem`) and
 dispatch to the CPU or CUDA kernels."""
 
 from typing import Any, Literal, overload
@@ -6,15 +6,15 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from ._typing import ArrayT, Mask
-from .api import _check_flag, _device_of, _shape_str, adopt, check_dropout, plan
-from .dropout import check_seed
+from .api import _device_of, adopt
 from .dropout import params as dropout_params
+from .problem import check_device_strides, check_dropout, check_flag, check_seed, plan, shape_str
 
 
 def _check_like(name, x, shape, dtype, what):
     if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != dtype:
         raise ValueError(f"{name} must have {what}'s shape {tuple(shape)} and dtype {dtype}, "
-                         f"got {_shape_str(x)} {np.dtype(x.dtype)}")
+                         f"got {shape_str(x)} {np.dtype(x.dtype)}")
 
 
 @overload
@@ -108,7 +108,7 @@ def scaled_dot_product_attention_backward(
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
-    mask_grad = _check_flag("mask_grad", mask_grad)
+    mask_grad = check_flag("mask_grad", mask_grad)
     _check_like("grad_out", grad_out, p.out_shape, p.dtype, "the output")
     _check_like("out", out, p.out_shape, p.dtype, "the output")
     _check_like("lse", lse, p.out_shape[:-1], p.compute_dtype,
@@ -119,6 +119,10 @@ def scaled_dot_product_attention_backward(
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
                          "regenerates the dropout mask from it")
+    if device == "cuda":
+        check_device_strides([("grad_out", grad_out), ("query", query), ("key", key),
+                              ("value", value), ("out", out), ("lse", lse),
+                              ("attn_mask", attn_mask)])
     dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
     if device == "host":
         from .cpu.launch_backward import run_backward

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .problem import flops
+
 #: The implementations, in table order.
 IMPLS = ("sdpa_numba", "torch", "numpy")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -46,9 +48,8 @@ class Case:
 
     @property
     def flops(self):
-        """Forward FLOPs: 4·B·H·L·S·E, half when causal."""
-        f = 4 * self.batch * self.heads * self.seq * self.seq * self.dim
-        return f // 2 if self.causal else f
+        """Forward FLOPs (:func:`sdpa_numba.problem.flops`): 4·B·H·L·S·E, half when causal."""
+        return flops(self.batch, self.heads, self.seq, self.seq, self.dim, self.causal)
 
     @property
     def label(self):

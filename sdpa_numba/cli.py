@@ -23,6 +23,7 @@ import traceback
 import numpy as np
 
 from . import bench
+from .problem import flops as count_flops
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
@@ -261,7 +262,7 @@ def cmd_check(args, out=None):
     shape_kv = (args.batch, args.heads, S, args.dim)
     q, k, v = (rng.standard_normal(s, dtype=np.float32).astype(bench.numpy_dtype(args.dtype))
                for s in (shape_q, shape_kv, shape_kv))
-    flops = 4 * args.batch * args.heads * args.seq * S * args.dim // (2 if args.causal else 1)
+    flops = count_flops(args.batch, args.heads, args.seq, S, args.dim, args.causal)
     desc = (f"B={args.batch} H={args.heads} L={args.seq} S={S} E={args.dim} {args.dtype} "
             f"{'causal' if args.causal else 'non-causal'}, {threads} threads")
 

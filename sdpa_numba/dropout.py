@@ -22,37 +22,29 @@ so a probability is kept with probability ``1 - threshold / 2**32`` (``1 - p`` t
 that of the softmax before dropout.
 
 This module holds the Python side (seeds, thresholds, a NumPy implementation of the mask for
-references and tests); the jitted version is :mod:`sdpa_numba.cpu.dropout`.
+references and tests); the jitted version, for both targets, is
+:mod:`sdpa_numba.score.dropout`; the seed check lives with the other argument checks
+(:func:`sdpa_numba.problem.check_seed`, re-exported here).
 """
 
-import numbers
 import secrets
 
 import numpy as np
 import numpy.typing as npt
 
+from .problem.arguments import check_seed
+
+__all__ = ["GAMMA", "MIX1", "MIX2", "new_seed", "check_seed", "threshold", "params",
+           "NO_DROPOUT", "keep_mask"]
+
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
-
-_U64 = 1 << 64
 
 
 def new_seed() -> int:
     """A fresh 64-bit seed from the operating system's entropy (:mod:`secrets`)."""
     return secrets.randbits(64)
-
-
-def check_seed(seed: object) -> int | None:
-    """``seed`` as a Python int in ``[0, 2**64)``, or None; TypeError / ValueError otherwise."""
-    if seed is None:
-        return None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    seed = int(seed)
-    if not 0 <= seed < _U64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    return seed
 
 
 def threshold(p: float) -> int:
@@ -71,6 +63,11 @@ def params(p: float, seed: int,
     p = float(p)
     return (np.uint64(seed), np.uint64(threshold(p)), 1.0 / (1.0 - p), int(batch_offset))
 
+
+
+#: The kernels' dropout argument for "no dropout" where they take one at run time (the CPU
+#: backward, the CUDA kernels): ``inv_keep == 1.0`` reads as off. Elsewhere no dropout is None.
+NO_DROPOUT: tuple[np.uint64, np.uint64, float, int] = params(0.0, 0)
 
 def _mix(z):
     z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX1)

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from ._typing import F64, ArrayLike
+from .problem.reductions import sum_to
 
 
 def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa):
@@ -67,15 +68,6 @@ def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         out = np.matmul(np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0), v)
         lse = (m_safe + np.log(l))[..., 0]
     return out, lse
-
-
-def _reduce_to(x, shape):
-    """Sum ``x`` over the dims that broadcasting added or stretched to reach ``x.shape``."""
-    shape = tuple(shape)
-    lead = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(lead))) if lead else x
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
 
 
 def _train_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
@@ -148,6 +140,6 @@ def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
         dv = dv.reshape(dv.shape[:-3] + (-1, rep) + dv.shape[-2:]).sum(axis=-3)
     dmask = None
     if attn_mask is not None and np.asarray(attn_mask).dtype != bool:
-        dmask = _reduce_to(ds, np.shape(attn_mask))
-    return (_reduce_to(dq, np.shape(query)), _reduce_to(dk, np.shape(key)),
-            _reduce_to(dv, np.shape(value)), dmask)
+        dmask = sum_to(ds, np.shape(attn_mask))
+    return (sum_to(dq, np.shape(query)), sum_to(dk, np.shape(key)),
+            sum_to(dv, np.shape(value)), dmask)

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from .api import scaled_dot_product_attention as _forward
 from .backward import scaled_dot_product_attention_backward as _backward
+from .problem import compute_dtype
 
 __all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
            "SDPAFunction"]
@@ -125,11 +126,12 @@ def _seed_tensor(seed, dropout_p):
 
 
 def _lse_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The compute dtype of a torch dtype (:func:`sdpa_numba.problem.compute_dtype`)."""
+    return getattr(torch, compute_dtype(dtype).name)
 
 
 def _out_shape(query, key, value, enable_gqa):
-    """The output's shape, as :func:`sdpa_numba.api.plan` gives it, in torch terms (so that
+    """The output's shape, as :func:`sdpa_numba.problem.plan` gives it, in torch terms (so that
     symbolic shapes propagate under torch.compile)."""
     ndims = (query.dim(), key.dim(), value.dim())
     nd = max(*ndims, 3)

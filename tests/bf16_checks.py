@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from sdpa_numba import reference
+from sdpa_numba.problem import sum_to
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: bfloat16's unit roundoff: the largest relative error of a rounding to nearest.
@@ -86,8 +87,8 @@ def reference_backward(g, q, k, v, out, mask=None, dropout_p=0.0, is_causal=Fals
         dv = dv.reshape(dv.shape[:-3] + (-1, rep) + dv.shape[-2:]).sum(axis=-3)
     dmask = None
     if mask is not None and np.asarray(mask).dtype != bool:
-        dmask = reference._reduce_to(ds, np.shape(mask))
-    red = reference._reduce_to
+        dmask = sum_to(ds, np.shape(mask))
+    red = sum_to
     return (red(dq, np.shape(q)), red(dk, np.shape(k)), red(dv, np.shape(v)), dmask)
 
 

@@ -66,7 +66,7 @@ MISUSES = {
 #: types but not reported there: the public modules are checked on their own below.
 STRICT = "[mypy]\nstrict = True\n\n[mypy-sdpa_numba.*]\nfollow_imports = silent\n"
 #: The public modules: mypy's defaults (their untyped private helpers are allowed).
-DEFAULT = "[mypy]\n\n[mypy-sdpa_numba.cpu.*,sdpa_numba.gpu.*]\nfollow_imports = silent\n"
+DEFAULT = "[mypy]\n\n[mypy-sdpa_numba.cpu.*,sdpa_numba.gpu.*,sdpa_numba.score.*]\nfollow_imports = silent\n"
 
 
 def _mypy(tmp_path, config, *args):

@@ -44,6 +44,6 @@ class Backward:
 
     def track_gflops(self, L, causal):
         b, h, L, e = self.shape
-        return 2 * flops(b, h, L, L, e, causal) / min_time(self._call, 3) / 1e9
+        return flops(b, h, L, L, e, causal, backward=True) / min_time(self._call, 3) / 1e9
 
     track_gflops.unit = "GFLOP/s"

@@ -143,6 +143,6 @@ class CudaBackward:
 
     def track_gflops(self, L, causal, dtype):
         b, h, L, e = self.shape
-        return 2 * flops(b, h, L, L, e, self.causal) / min_time(self._call, 5) / 1e9
+        return flops(b, h, L, L, e, self.causal, backward=True) / min_time(self._call, 5) / 1e9
 
     track_gflops.unit = "GFLOP/s"

@@ -63,11 +63,6 @@ def storage_view(a):
     return a.view(np.int16) if is_bfloat16(a.dtype) else a
 
 
-def compute_dtype(dtype):
-    """The accumulation dtype for a storage dtype: float64 stays, everything else is float32."""
-    return np.dtype(np.float64) if not is_bfloat16(dtype) and np.dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
 def is_compute_dtype(a, like):
     """Whether the array ``a`` is stored in the compute dtype of the array ``like`` (jitted
     code only; a compile-time constant)."""

@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda
 
 from .._bf16 import bfloat16, is_bfloat16
+from ..problem.views import broadcast_view as _broadcast_view
 
 
 def is_simulated(x):
@@ -119,28 +120,15 @@ def as_strided(x, shape, strides, dtype=None):
 
 
 def broadcast_view(x, shape):
-    """``x`` seen with ``shape``: missing leading dims and broadcast dims get stride 0."""
-    pad = len(shape) - x.ndim
-    xs = (1,) * pad + tuple(x.shape)
-    st = (0,) * pad + tuple(x.strides)
-    st = tuple(0 if n == 1 and t != 1 else s for n, s, t in zip(xs, st, shape))
-    return as_strided(x, shape, st)
+    """``x`` seen with ``shape``: missing leading dims and broadcast dims get stride 0
+    (:func:`sdpa_numba.problem.broadcast_view` with the device's :func:`as_strided`)."""
+    return _broadcast_view(x, shape, as_strided)
 
 
-def byte_extent(x):
-    """``(first, last)`` byte addresses (``last`` exclusive) ``x`` may touch; None if empty."""
-    if any(n == 0 for n in x.shape):
-        return None
+def address(x):
+    """The device address of element 0 of device array ``x`` (for the problem layer's ``out``
+    checks, :func:`sdpa_numba.problem.check_out`); the host address of a simulator array's
+    data."""
     if is_simulated(x):
-        base = x._ary.__array_interface__["data"][0]
-    else:
-        base = x.device_ctypes_pointer.value or 0
-    lo = base + sum(s * (n - 1) for n, s in zip(x.shape, x.strides) if s < 0)
-    hi = base + sum(s * (n - 1) for n, s in zip(x.shape, x.strides) if s > 0)
-    return lo, hi + np.dtype(x.dtype).itemsize
-
-
-def may_overlap(a, b):
-    """Whether device arrays ``a`` and ``b`` may share memory (by their byte extents)."""
-    ea, eb = byte_extent(a), byte_extent(b)
-    return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
+        return x._ary.__array_interface__["data"][0]
+    return x.device_ctypes_pointer.value or 0

@@ -2,8 +2,8 @@
 
 Whether probability ``P[b, h, i, j]`` is kept is the counter-based SplitMix64 stream of
 :mod:`sdpa_numba.dropout` (64-bit unsigned adds, multiplies, shifts and xors only). Its jitted
-functions (:func:`sdpa_numba.cpu.dropout.head_key`, ``stream_step``, ``kept``) are written once,
-as ``@njit`` functions: numba-cuda compiles any CPU-jitted function that a kernel calls as a
+functions (:func:`sdpa_numba.score.dropout.head_key`, ``stream_step``, ``kept``) are written
+once, as target-neutral ``@njit`` functions: numba-cuda compiles any CPU-jitted function that a kernel calls as a
 device function of its own, from the same Python source. So the GPU runs the very code the CPU
 runs, and the two cannot drift apart; the tests compare the decisions of the device functions
 below with the NumPy reference :func:`sdpa_numba.dropout.keep_mask`. (On Numba's CUDA simulator
@@ -17,13 +17,12 @@ inference, and "off" costs one uniform branch per key block.
 """
 
 import numba
-import numpy as np
 from numba import cuda
 
-from ..cpu.dropout import head_key, kept, stream_step
+from ..dropout import NO_DROPOUT
+from ..score.dropout import head_key, kept, stream_step
 
-#: The kernels' dropout arguments when there is no dropout.
-NO_DROPOUT = (np.uint64(0), np.uint64(0), 1.0, 0)
+__all__ = ["NO_DROPOUT", "row_key", "row_keys", "dropout_factor"]
 
 
 @cuda.jit(device=True, inline="always")

@@ -1,16 +1,16 @@
-"""From a validated :class:`~sdpa_numba.api.Plan` and Numba device arrays to the backward
+"""From a validated :class:`~sdpa_numba.problem.Plan` and Numba device arrays to the backward
 kernels.
 
-As for the forward (:mod:`.launch`): operands become strided 4-D views (nothing copied), batch
-dims are merged where strides allow, else one launch per leading batch index (with the dropout
-batch offset that keeps the mask's flat batch index). The kernels write gradients at the full
+As for the forward (:mod:`.launch`): the problem layer (:mod:`sdpa_numba.problem`) lays the
+operands out as strided 4-D views (nothing copied) and splits the batch into launches (with the
+dropout batch offset that keeps the mask's flat batch index), as on the CPU. The kernels write gradients at the full
 broadcast shapes in the compute dtype; :func:`.reduce.sum_to` sums them over each input's
 broadcast dims and casts them to the input's dtype, on the device.
 """
 
-from .arrays import broadcast_view, device_array
+from ..problem import for_each_launch, operand_views, row_view
+from .arrays import as_strided, device_array
 from .backward import backward
-from .launch import check_strides, for_each_launch, operand_views
 from .reduce import sum_to
 
 
@@ -21,14 +21,12 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
     ``dropout``: None or :func:`sdpa_numba.dropout.params` (batch offset 0). The kernels are
     launched asynchronously on the default stream.
     """
-    check_strides([("grad_out", grad_out), ("query", query), ("key", key), ("value", value),
-                   ("out", out), ("lse", lse), ("attn_mask", attn_mask)])
     full = (*p.batch, p.hq)
     ct = p.compute_dtype
-    q, k, v, mask = operand_views(p, query, key, value, attn_mask)
-    dout = broadcast_view(grad_out, (*full, p.L, p.Ev))
-    o = broadcast_view(out, (*full, p.L, p.Ev))
-    lse4 = broadcast_view(lse, (*full, p.L))
+    q, k, v, mask = operand_views(p, query, key, value, attn_mask, as_strided)
+    dout = row_view(p, grad_out, p.Ev, as_strided)
+    o = row_view(p, out, p.Ev, as_strided)
+    lse4 = row_view(p, lse, None, as_strided)
     dq = device_array((*full, p.L, p.E), ct)
     dk = device_array((*p.batch, p.h, p.S, p.E), ct)
     dv = device_array((*p.batch, p.h, p.S, p.Ev), ct)
@@ -38,7 +36,8 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
         bq, bk, bv, bm, bdo, bo, bl, bdq, bdk, bdv, bdm = arrays
         backward(bq, bk, bv, bm, p.is_causal, p.scale, bdo, bo, bl, bdq, bdk, bdv, drop, bdm)
 
-    for_each_launch(p, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask], dropout, launch)
+    for_each_launch(p.batch, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask], dropout, launch,
+                    as_strided)
     return (sum_to(dq, query.shape, p.dtype), sum_to(dk, key.shape, p.dtype),
             sum_to(dv, value.shape, p.dtype),
             None if dmask is None else sum_to(dmask, attn_mask.shape, attn_mask.dtype))

@@ -1,7 +1,7 @@
 """Compilation options and block sizes of the CUDA kernels.
 
-fastmath keeps only the flags that preserve inf/NaN semantics: masks are -inf and must stay
--inf, and a NaN in a query row must show up in that row, so ``nnan``/``ninf`` are never set.
+``FASTMATH`` is the target-neutral one of :mod:`sdpa_numba.options` (see there why
+``nnan``/``ninf`` are never set).
 
 Block sizes are chosen by the launcher from the device's limits (shared memory and threads per
 block); :data:`BLOCKS` overrides that choice for every launch, e.g. with tiny blocks so that
@@ -10,7 +10,9 @@ tests on tiny inputs still cross several query and key blocks.
 
 from dataclasses import dataclass
 
-FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+from ..options import FASTMATH
+
+__all__ = ["FASTMATH", "Blocks", "CANDIDATES", "BLOCKS"]
 
 
 @dataclass(frozen=True)

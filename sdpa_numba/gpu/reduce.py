@@ -4,6 +4,8 @@ The backward kernels write gradients at the full broadcast shapes, in the comput
 CPU backward does). :func:`sum_to` then sums them over the dims along which each operand was
 broadcast, one dim at a time, each output element by one thread adding in index order: a fixed
 order, so the result is bitwise the same on every run. It then casts to the operand's dtype.
+Which axes are summed is the problem layer's rule
+(:func:`sdpa_numba.problem.broadcast_axes`), shared with the CPU.
 """
 
 import math
@@ -11,8 +13,11 @@ import math
 import numpy as np
 from numba import cuda
 
+from ..problem.reductions import broadcast_axes
 from .arrays import device_array
 from .storage import storage_view, store
+
+__all__ = ["broadcast_axes", "sum_to", "THREADS"]
 
 #: Threads per block of the small kernels here.
 THREADS = 128
@@ -42,14 +47,6 @@ def _cast(x, out):
 
 def _grid(n):
     return (n + THREADS - 1) // THREADS, THREADS
-
-
-def broadcast_axes(full, shape):
-    """Axes of ``full`` along which an operand of ``shape`` was broadcast to reach it: the
-    leading axes it lacks and the axes where it has 1 and ``full`` does not."""
-    lead = len(full) - len(shape)
-    return tuple(range(lead)) + tuple(lead + a for a, n in enumerate(shape)
-                                      if n == 1 and full[lead + a] != 1)
 
 
 def sum_to(x, shape, dtype):

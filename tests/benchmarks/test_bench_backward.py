@@ -26,12 +26,13 @@ torch = pytest.importorskip("torch")
 from sdpa_numba import scaled_dot_product_attention as sdpa  # noqa: E402
 from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward  # noqa: E402
 from sdpa_numba.bench import PAUSE  # noqa: E402
+from sdpa_numba.problem import flops as count_flops  # noqa: E402
 
 B, H, L, D = 1, 8, 2048, 64
 
 
 def flops(causal):
-    return 8 * B * H * L * L * D / (2 if causal else 1)
+    return count_flops(B, H, L, L, D, causal, backward=True)
 
 
 def make(causal, seed=0):

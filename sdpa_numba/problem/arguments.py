@@ -1,0 +1,52 @@
+"""Checks of the scalar arguments shared by the forward and the backward: flags, the dropout
+probability and the seed. Each returns the value in its canonical Python type or raises
+TypeError / ValueError naming the argument."""
+
+import numbers
+
+import numpy as np
+
+_U64 = 1 << 64
+
+
+def shape_str(x):
+    """``x.shape`` as ``(a, b, c)`` for error messages."""
+    return "(" + ", ".join(str(int(n)) for n in x.shape) + ")"
+
+
+def check_flag(name, value):
+    """``value`` as a bool; TypeError unless it is a Python or NumPy bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_dropout(dropout_p):
+    """``dropout_p`` as a float in [0, 1); TypeError / ValueError otherwise."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:  # also rejects NaN
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def check_seed(seed: object) -> int | None:
+    """``seed`` as a Python int in ``[0, 2**64)``, or None; TypeError / ValueError otherwise."""
+    if seed is None:
+        return None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    seed = int(seed)
+    if not 0 <= seed < _U64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def check_device_strides(named):
+    """The CUDA path's one layout limit: no negative strides. Numba's own views with negative
+    strides point at their lowest address, other libraries' at element 0: no view could be
+    built for both, so such operands are refused. ``named``: ``(name, array or None)``."""
+    for name, x in named:
+        if x is not None and any(s < 0 for s in x.strides):
+            raise ValueError(f"{name} has negative strides {tuple(x.strides)}, which the CUDA "
+                             f"path does not support: pass a copy")

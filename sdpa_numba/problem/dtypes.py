@@ -1,0 +1,28 @@
+"""Storage dtypes and the compute-dtype rule.
+
+The inputs are float16, bfloat16, float32 or float64; the kernels accumulate in float64 for float64 and
+in float32 for everything narrower. That rule is :func:`compute_dtype`, the only place it is
+written: the plan, both back ends' kernel types and the PyTorch operator's ``lse`` use it.
+"""
+
+import numpy as np
+
+#: The storage dtypes the public functions accept.
+FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+def compute_dtype(dtype):
+    """The accumulation (compute) dtype of a storage dtype, as a NumPy dtype: float64 for
+    float64, float32 for float32, float16 and bfloat16.
+
+    ``dtype``: anything :class:`numpy.dtype` reads, or a dtype named like NumPy's (e.g. a
+    ``torch.dtype``, whose ``str`` ends in the name).
+    """
+    try:
+        wide = np.dtype(dtype) == _F64
+    except TypeError:  # not a NumPy dtype (torch's, bfloat16 without ml_dtypes): by its name
+        wide = str(dtype).rsplit(".", 1)[-1] == "float64"
+    return _F64 if wide else _F32

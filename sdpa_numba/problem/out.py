@@ -1,0 +1,76 @@
+"""Checks of a caller's ``out`` buffer, on shapes, strides and byte addresses alone, so that
+one function serves NumPy and device arrays.
+
+A target gives the address of an array's element 0 (``address(x)``: :func:`host_address` for
+NumPy arrays, :func:`sdpa_numba.gpu.arrays.address` for device arrays); the byte ranges two
+arrays may touch then say whether they may overlap (a bounds test, as
+:func:`numpy.may_share_memory`'s default).
+"""
+
+import numpy as np
+
+from .arguments import shape_str
+
+
+def host_address(x):
+    """The address of a NumPy array's element 0."""
+    return x.__array_interface__["data"][0]
+
+
+def may_self_overlap(shape, strides, itemsize):
+    """Whether two elements of a strided array may share bytes (False: they never do).
+
+    Dims of size 1 don't move; the others, taken by increasing |stride|, must each step over
+    everything the smaller dims span. That is exact for every layout made by slicing,
+    transposing or reshaping a contiguous array, and conservative for the rest (interleaved
+    layouts that happen not to overlap are reported as overlapping). NumPy has no public test.
+    """
+    if any(n == 0 for n in shape):
+        return False
+    span = itemsize  # bytes covered by one element and the dims already checked
+    for n, s in sorted(((n, abs(int(s))) for n, s in zip(shape, strides) if n > 1),
+                       key=lambda d: d[1]):
+        if s < span:
+            return True
+        span += s * (n - 1)
+    return False
+
+
+def byte_extent(base, shape, strides, itemsize):
+    """``(first, last)`` byte addresses (``last`` exclusive) that an array with element 0 at
+    ``base`` may touch; None if it is empty."""
+    if any(n == 0 for n in shape):
+        return None
+    lo = base + sum(s * (n - 1) for n, s in zip(shape, strides) if s < 0)
+    hi = base + sum(s * (n - 1) for n, s in zip(shape, strides) if s > 0)
+    return lo, hi + itemsize
+
+
+def may_overlap(a, b, address):
+    """Whether arrays ``a`` and ``b`` (of one target, ``address`` its) may share memory."""
+    ea = byte_extent(address(a), a.shape, a.strides, np.dtype(a.dtype).itemsize)
+    eb = byte_extent(address(b), b.shape, b.strides, np.dtype(b.dtype).itemsize)
+    return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
+
+
+def check_out(p, out, inputs, address):
+    """``out`` must match plan ``p``'s result exactly and be safe to write: no zero strides,
+    no element sharing memory with another, writeable (NumPy), apart from every array of
+    ``inputs`` (``(name, array or None)`` pairs). ``address``: the target's, see above."""
+    if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
+        raise ValueError(f"out must have shape {p.out_shape} and dtype {p.dtype}, got "
+                         f"{shape_str(out)} {np.dtype(out.dtype)}")
+    # Overlapping elements would be written by several threads, in no fixed order.
+    if out.size and any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
+        raise ValueError(f"out must not have zero strides (a broadcast view), got strides "
+                         f"{tuple(out.strides)}")
+    if may_self_overlap(out.shape, out.strides, np.dtype(out.dtype).itemsize):
+        raise ValueError(f"out's elements overlap each other (strides {tuple(out.strides)} "
+                         f"for shape {shape_str(out)}): pass a buffer in which every "
+                         f"element has memory of its own")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    for name, x in inputs:
+        if x is not None and may_overlap(out, x, address):
+            raise ValueError(f"out overlaps {name}: pass a separate buffer")
+

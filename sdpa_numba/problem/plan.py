@@ -1,0 +1,142 @@
+"""The validated problem: :func:`plan` checks the operands' shapes, dtypes and flags and
+returns a :class:`Plan`, which everything below the public functions reads (both back ends,
+forward and backward).
+
+Everything here works on shapes and dtypes alone (anything with ``shape``, ``ndim`` and a
+NumPy ``dtype``: host or device arrays), so that the CPU and CUDA back ends share it.
+"""
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .arguments import check_flag, shape_str
+from .._bf16 import is_bfloat16
+from .dtypes import FLOATS, compute_dtype
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The problem after validation: how the operands map onto the kernels' 4-D layout.
+
+    ``batch`` is the broadcast shape of the leading (batch) dims; every operand is seen as
+    ``(*batch, heads, rows, cols)``. ``hq``/``h``: query and key/value heads (``h`` divides
+    ``hq``; without GQA, ``h == hq`` after broadcasting). ``out_shape`` is the user-facing
+    output shape; ``lse`` has ``out_shape[:-1]``.
+    """
+
+    batch: tuple
+    hq: int
+    h: int
+    L: int
+    S: int
+    E: int
+    Ev: int
+    out_shape: tuple
+    dtype: np.dtype
+    compute_dtype: np.dtype
+    scale: float
+    is_causal: bool
+    mask_kind: str  # "none", "bool" or "additive"
+
+
+def _broadcast(shapes, names, what):
+    """NumPy broadcasting of ``shapes``, with an error that names the arguments."""
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        desc = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes))
+        raise ValueError(f"{what} do not broadcast: {desc}") from None
+
+
+def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """Validate the arguments' shapes, dtypes and flags; return a :class:`Plan`.
+
+    Works on anything with ``shape``, ``ndim`` and a NumPy ``dtype`` (host or device arrays).
+    """
+    is_causal = check_flag("is_causal", is_causal)
+    enable_gqa = check_flag("enable_gqa", enable_gqa)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., L, E), got shape "
+                             f"{shape_str(x)}")
+    dtype = np.dtype(query.dtype)
+    if dtype not in FLOATS and not is_bfloat16(dtype):
+        if dtype.kind == "f" and dtype.newbyteorder("=") in FLOATS:
+            raise TypeError(f"query dtype {dtype.str} is not in the machine's byte order: "
+                            f"pass query.astype(query.dtype.newbyteorder('='))")
+        raise TypeError(f"query dtype {dtype} is not supported: use float16, bfloat16 "
+                        f"(ml_dtypes.bfloat16), float32 or float64")
+    for name, x in (("key", key), ("value", value)):
+        if np.dtype(x.dtype) != dtype:
+            raise TypeError(f"{name} dtype {np.dtype(x.dtype)} differs from query dtype {dtype}")
+
+    L, E = query.shape[-2:]
+    S, Ek = key.shape[-2:]
+    Sv, Ev = value.shape[-2:]
+    if Ek != E:
+        raise ValueError(f"key's last dim must equal query's: query {shape_str(query)}, "
+                         f"key {shape_str(key)}")
+    if Sv != S:
+        raise ValueError(f"value must have as many rows as key: key {shape_str(key)}, "
+                         f"value {shape_str(value)}")
+
+    nd = max(query.ndim, key.ndim, value.ndim, 3)
+    qs, ks, vs = ((1,) * (nd - x.ndim) + tuple(x.shape) for x in (query, key, value))
+    batch = _broadcast([qs[:-3], ks[:-3], vs[:-3]], ["query", "key", "value"],
+                       "batch dims of query, key and value")
+    hq, hk, hv = qs[-3], ks[-3], vs[-3]
+    if hk != hv:
+        raise ValueError(f"key and value must have the same number of heads: key "
+                         f"{shape_str(key)}, value {shape_str(value)}")
+    if enable_gqa:
+        if hk == 0 or hq % hk:
+            raise ValueError(f"enable_gqa needs query heads to be a multiple of key/value heads:"
+                             f" query {shape_str(query)}, key {shape_str(key)}")
+        h = hk
+    else:
+        (hq,) = _broadcast([(hq,), (hk,)], ["query", "key"],
+                           "heads of query and key (pass enable_gqa=True for grouped-query "
+                           "attention)")
+        h = hq
+    out_shape = (*batch, hq, L, Ev)
+    # Sizes are products of Python ints here; in NumPy and in the kernels they are int64.
+    for what, shape in (("output", out_shape), ("scores", (*batch, hq, L, S))):
+        if math.prod(shape) * dtype.itemsize >= 2**63:
+            raise ValueError(f"the {what} would have shape {shape}, too large to address: "
+                             f"query {shape_str(query)}, key {shape_str(key)}, value "
+                             f"{shape_str(value)}")
+    if nd > max(query.ndim, key.ndim, value.ndim):  # 2-D inputs: no head dim in the output
+        out_shape = out_shape[1:]
+
+    mask_kind = "none"
+    if attn_mask is not None:
+        mdt = np.dtype(attn_mask.dtype)
+        if mdt == np.bool_:
+            mask_kind = "bool"
+        elif mdt == dtype:
+            mask_kind = "additive"
+        else:
+            raise TypeError(f"attn_mask dtype {mdt} must be bool or the query dtype {dtype}")
+        scores = (*batch, hq, L, S)
+        try:
+            fits = np.broadcast_shapes(tuple(attn_mask.shape), scores) == scores
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"attn_mask of shape {shape_str(attn_mask)} does not broadcast "
+                             f"to the scores' shape {scores} (..., Hq, L, S)")
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E else 1.0
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+
+    return Plan(batch, hq, h, L, S, E, Ev, out_shape, dtype, compute_dtype(dtype), scale,
+                is_causal, mask_kind)
