@@ -8,6 +8,7 @@ from numba import cuda
 import sdpa_numba
 from sdpa_numba import dropout, reference
 from sdpa_numba.gpu.dropout import dropout_factor, row_key
+from dropout_known_answers import known_keep_1234
 from sdpa_cuda_testing import TOL, dev, permuted, randn, rel_err, run
 
 SEED = 2**63 + 12345  # high bit set: the seed must travel as a uint64
@@ -141,24 +142,7 @@ def test_bad_dropout_arguments_raise_before_any_kernel(monkeypatch, kw, err):
         sdpa_numba.scaled_dot_product_attention(x, x, x, **kw)
 
 
-# Known answers, the same as tests/test_dropout.py's (computed once from the implementation at
-# the commit that added them): a stream constant changed in both the kernels and the NumPy
-# reference keeps them equal, but fails here.
-KNOWN_KEEP_1234 = {  # keep_mask(1234, 0.5, (2,), 2, 3, 70)[b, h, i]: bit j = key j kept
-    (0, 0, 0): 0x382FED39B72FC65B2, (0, 0, 1): 0x306CF292D448ED4C88,
-    (0, 0, 2): 0x35308EDBC8C33B3665, (0, 1, 0): 0x3A99FB2F76FAE28EB,
-    (0, 1, 1): 0x2382C939C4EC29794D, (0, 1, 2): 0x231B8B982DE904C272,
-    (1, 0, 0): 0x2F6D98260F83806FD9, (1, 0, 1): 0x12899CB4F4F3129ECC,
-    (1, 0, 2): 0x23638CD517820360A, (1, 1, 0): 0x16BE089D07D58CADBB,
-    (1, 1, 1): 0x2B3C7171D69445F5FC, (1, 1, 2): 0x163FCC40E53AFC3420,
-}
-
-
-def _known_keep():
-    keep = np.zeros((2, 2, 3, 70), bool)
-    for (b, h, i), bits in KNOWN_KEEP_1234.items():
-        keep[b, h, i] = [(bits >> j) & 1 for j in range(70)]
-    return keep
+# Known answers: tests/dropout_known_answers.py, shared with the CPU suite.
 
 
 def test_known_answers_of_the_device_functions():
@@ -166,7 +150,7 @@ def test_known_answers_of_the_device_functions():
     out = cuda.to_device(np.zeros(shape, np.bool_))
     keep_grid[(out.size + 31) // 32, 32](np.uint64(1234), np.uint64(2**31), shape[1],
                                           shape[2], shape[3], out)
-    np.testing.assert_array_equal(out.copy_to_host(), _known_keep())
+    np.testing.assert_array_equal(out.copy_to_host(), known_keep_1234())
 
 
 def test_known_answers_of_the_kernel():
@@ -175,4 +159,4 @@ def test_known_answers_of_the_kernel():
     q, k = randn(rng, (2, 2, 3, 4), np.float64), randn(rng, (2, 2, 70, 4), np.float64)
     v = np.ascontiguousarray(np.broadcast_to(np.eye(70), (2, 2, 70, 70)))
     out, _ = run(q, k, v, dropout_p=0.5, seed=1234)
-    np.testing.assert_array_equal(out != 0, _known_keep())
+    np.testing.assert_array_equal(out != 0, known_keep_1234())
