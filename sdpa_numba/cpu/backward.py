@@ -47,7 +47,8 @@ from .microkernel import MR, NR, tile_product
 from .online_softmax import LOG2E
 from .options import FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
-from .storage import cast, load
+from ..score.numbers import cast
+from .storage import load
 from .tasks import next_task, task_queue
 
 #: Query rows per tile (the tiles' columns): one micro-tile wide.

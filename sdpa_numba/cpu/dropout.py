@@ -9,7 +9,7 @@ from numba.extending import overload
 
 from ..score.dropout import head_key, kept, mix64, stream_step
 from .options import FASTMATH
-from .storage import cast
+from ..score.numbers import cast
 
 __all__ = ["mix64", "stream_step", "head_key", "kept", "head_dropout", "drop_tile"]
 

@@ -35,7 +35,8 @@ from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
-from .storage import cast, is_compute_dtype, load, store
+from ..score.numbers import cast
+from .storage import is_compute_dtype, load, store
 from .tasks import next_task, task_queue
 
 #: Keys per key/value block.

@@ -23,7 +23,7 @@ from numba import njit
 
 from ._llvm import data_ptr
 from .exp2 import exp2
-from .storage import cast
+from ..score.numbers import cast
 from .options import INLINE, KERNEL
 
 LOG2E = 1.0 / math.log(2.0)

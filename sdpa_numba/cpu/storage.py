@@ -75,17 +75,3 @@ def _is_compute_dtype(a, like):
     return lambda a, like: same
 
 
-def cast(value, like):
-    """``value`` converted to the float type of ``like``, a scalar or an array (jitted only)."""
-    raise NotImplementedError("cast is only callable from jitted code")
-
-
-@overload(cast, fastmath=FASTMATH)
-def _cast(value, like):
-    if isinstance(like, types.Array):
-        like = like.dtype
-    if like == types.float32:
-        return lambda value, like: np.float32(value)
-    if like == types.float64:
-        return lambda value, like: np.float64(value)
-    return None

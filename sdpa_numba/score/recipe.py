@@ -1,0 +1,279 @@
+"""How a score is formed: the one definition both targets compile.
+
+A kernel receives the variants of a call as one :class:`Recipe`, a named tuple of run-time
+numbers (the window in the aligned frame, the soft cap, the batch offset of the launch) and of
+optional parts (ALiBi slopes, sinks, the user's ``score_mod``/``mask_mod``/``score_mod_grad``
+and their ``mod_args``, a block mask). "Not used" is ``None`` for every optional part, and the
+functions below are resolved by type at compile time, so an unused part costs nothing in the
+compiled kernel. The numbers are run-time values: dense, causal, windowed, bottom-right and
+soft-capped attention are one compiled specialization.
+
+For query row ``i`` and key ``j`` (positions in the call's ``q`` and ``k``; ``b`` the flat batch
+index, ``h`` the query head), with ``i' = i + offset`` the row in the aligned frame
+(``offset = 0`` top-left, ``S - L`` bottom-right)::
+
+    s = scale · q_i · k_j                      (the kernels form this)
+    s = softcap · tanh(s / softcap)            if softcap > 0
+    s = s - slope[b, h] · |i' - j|             if ALiBi slopes are given
+    s = score_mod(s, b, h, i, j, *mod_args)    if given
+    s = s + attn_mask[b, h, i, j]              (float masks: the kernels add it)
+    s = -inf unless  i' - left <= j <= i' + right  (causal: right = 0)
+               and mask_mod(b, h, i, j, *mod_args)  and the bool mask (the kernels' part)
+
+Sinks do not change scores: each head's sink logit joins every row's softmax denominator
+(:func:`fold_sink`). Work lists come from the window alone (:func:`key_range`,
+:func:`window_covers`) and, when given, a block mask.
+
+All functions are ``@njit`` (inlined); numba-cuda compiles them as device functions, and the
+type dispatch (``None`` or not) uses ``@overload(target="generic")``, which both targets see.
+"""
+
+import math
+from collections import namedtuple
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from ..options import FASTMATH, INLINE
+from .numbers import cast
+
+#: A window side without a limit, in the kernels' encoding (``i' ± NO_LIMIT`` stays far inside
+#: int64 for any row index).
+NO_LIMIT = 1 << 62
+
+#: Block-mask states of a (query block, key block) pair.
+BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2
+
+Recipe = namedtuple("Recipe", [
+    "offset",          # int64: i' = i + offset
+    "left",            # int64: keys j >= i' - left are seen (NO_LIMIT: all)
+    "right",           # int64: keys j <= i' + right are seen (0: causal; NO_LIMIT: all)
+    "softcap",         # float64: > 0 caps scores; 0.0: no cap
+    "batch_offset",    # int64: flat batch index of the launch's first batch entry
+    "alibi",           # None or (B or 1, Hq) slopes, compute dtype
+    "sinks",           # None or (Hq,) logits, compute dtype
+    "score_mod",       # None or an @njit function (s, b, h, i, j, *mod_args) -> s
+    "mask_mod",        # None or an @njit function (b, h, i, j, *mod_args) -> bool
+    "score_mod_grad",  # None or an @njit function (s, b, h, i, j, *mod_args) -> ds'/ds
+    "mod_args",        # tuple of arrays (or scalars), () when none
+    "block_mask",      # None or int8 (B or 1, Hq or 1, q blocks, k blocks) of BLOCK_* states
+])
+
+
+def recipe(*, offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0,
+           alibi=None, sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None,
+           mod_args=(), block_mask=None):
+    """A :class:`Recipe` with the kernels' types (host code; arguments already validated).
+
+    The defaults are plain attention; the numbers are always int64/float64, so that every
+    recipe without optional parts has one Numba type.
+    """
+    return Recipe(np.int64(offset), np.int64(left), np.int64(right), np.float64(softcap),
+                  np.int64(batch_offset), alibi, sinks, score_mod, mask_mod, score_mod_grad,
+                  tuple(mod_args), block_mask)
+
+
+def with_batch_offset(r, batch_offset):
+    """``r`` for a launch whose first batch entry is ``batch_offset`` (host code)."""
+    return r._replace(batch_offset=np.int64(batch_offset))
+
+
+def _absent(r, name):
+    """Whether the Numba type of recipe ``r`` has no ``name`` part (typing code)."""
+    return isinstance(r.types[r.fields.index(name)], types.NoneType)
+
+
+#: The recipe of plain attention, and of plain causal attention (top-left).
+DENSE = recipe()
+CAUSAL = recipe(right=0)
+
+
+# --- the window: which keys a row sees; work lists -------------------------------------------
+
+@njit(**INLINE)
+def in_window(r, i, j):
+    """Whether query row ``i`` sees key ``j`` under the window (and causality)."""
+    ii = i + r.offset
+    return j >= ii - r.left and j <= ii + r.right
+
+
+@njit(**INLINE)
+def key_range(r, i_first, i_last, s_len):
+    """``(j_begin, j_end)``: the keys that any of rows ``i_first..i_last`` (inclusive) can see
+    under the window, within ``[0, s_len)``; ``j_begin == j_end`` when none."""
+    j_begin = max(i_first + r.offset - r.left, 0)
+    j_end = min(i_last + r.offset + r.right + 1, s_len)
+    if j_end < j_begin:
+        j_end = j_begin
+    return j_begin, j_end
+
+
+@njit(**INLINE)
+def window_covers(r, i_first, i_last, j_first, j_last):
+    """Whether every row ``i_first..i_last`` sees every key ``j_first..j_last`` under the
+    window (the tile needs no per-element window test)."""
+    return (j_first >= i_last + r.offset - r.left) and (j_last <= i_first + r.offset + r.right)
+
+
+def block_state(r, b, h, qb, kb):
+    """The block mask's state of (query block ``qb``, key block ``kb``) of (``b``, ``h``):
+    BLOCK_FULL without a block mask (jitted code only)."""
+    raise NotImplementedError("block_state is only callable from jitted code")
+
+
+@overload(block_state, target="generic", fastmath=FASTMATH)
+def _block_state(r, b, h, qb, kb):
+    if _absent(r, "block_mask"):
+        return lambda r, b, h, qb, kb: BLOCK_FULL
+    # Broadcast over batch and heads by size-1 leading dims.
+    return lambda r, b, h, qb, kb: r.block_mask[
+        min(b + r.batch_offset, r.block_mask.shape[0] - 1), min(h, r.block_mask.shape[1] - 1),
+        qb, kb]
+
+
+# --- the score -----------------------------------------------------------------------------
+
+@njit(**INLINE)
+def soft_cap(s, c):
+    """``c · tanh(s / c)`` (the caller checks ``c > 0``), in ``s``'s type."""
+    c = cast(c, s)
+    return c * math.tanh(s / c)
+
+
+def alibi_bias(r, s, b, h, i, j):
+    """``s - slope[b, h] · |i' - j|`` with ALiBi slopes, else ``s`` (jitted code only)."""
+    raise NotImplementedError("alibi_bias is only callable from jitted code")
+
+
+@overload(alibi_bias, target="generic", fastmath=FASTMATH)
+def _alibi_bias(r, s, b, h, i, j):
+    if _absent(r, "alibi"):
+        return lambda r, s, b, h, i, j: s
+    return lambda r, s, b, h, i, j: s - cast(
+        r.alibi[min(b + r.batch_offset, r.alibi.shape[0] - 1), h] * abs(i + r.offset - j), s)
+
+
+def user_score(r, s, b, h, i, j):
+    """``score_mod(s, b, h, i, j, *mod_args)`` (``b`` the flat batch index of the call), or
+    ``s`` without one (jitted code only)."""
+    raise NotImplementedError("user_score is only callable from jitted code")
+
+
+@overload(user_score, target="generic", fastmath=FASTMATH)
+def _user_score(r, s, b, h, i, j):
+    if _absent(r, "score_mod"):
+        return lambda r, s, b, h, i, j: s
+    return lambda r, s, b, h, i, j: r.score_mod(s, b + r.batch_offset, h, i, j, *r.mod_args)
+
+
+def user_score_grad(r, s, b, h, i, j):
+    """``score_mod_grad(s, b, h, i, j, *mod_args)``: d score_mod / d s at ``s``; 1 without a
+    score_mod (jitted code only). The public layer refuses a backward with a score_mod and no
+    score_mod_grad."""
+    raise NotImplementedError("user_score_grad is only callable from jitted code")
+
+
+@overload(user_score_grad, target="generic", fastmath=FASTMATH)
+def _user_score_grad(r, s, b, h, i, j):
+    if _absent(r, "score_mod") or _absent(r, "score_mod_grad"):
+        return lambda r, s, b, h, i, j: cast(1.0, s)
+    return lambda r, s, b, h, i, j: r.score_mod_grad(s, b + r.batch_offset, h, i, j,
+                                                     *r.mod_args)
+
+
+def user_keeps(r, b, h, i, j):
+    """``mask_mod(b, h, i, j, *mod_args)``, or True without one (jitted code only)."""
+    raise NotImplementedError("user_keeps is only callable from jitted code")
+
+
+@overload(user_keeps, target="generic", fastmath=FASTMATH)
+def _user_keeps(r, b, h, i, j):
+    if _absent(r, "mask_mod"):
+        return lambda r, b, h, i, j: True
+    return lambda r, b, h, i, j: r.mask_mod(b + r.batch_offset, h, i, j, *r.mod_args)
+
+
+@njit(**INLINE)
+def modified_score(r, s, b, h, i, j):
+    """The score of (``b``, ``h``, ``i``, ``j``) from the scaled ``s = scale · q_i · k_j``:
+    soft cap, ALiBi, score_mod, in that order (no masks). ``b`` is the launch's batch index."""
+    if r.softcap > 0:
+        s = soft_cap(s, r.softcap)
+    s = alibi_bias(r, s, b, h, i, j)
+    return user_score(r, s, b, h, i, j)
+
+
+@njit(**INLINE)
+def score_slope(r, s, b, h, i, j):
+    """d modified_score / d s at the scaled ``s`` (the backward's chain rule: ALiBi adds a
+    constant; the soft cap's derivative is ``1 - tanh²``)."""
+    g = cast(1.0, s)
+    if r.softcap > 0:
+        c = cast(r.softcap, s)
+        t = math.tanh(s / c)
+        g = 1 - t * t
+        s = c * t
+    s = alibi_bias(r, s, b, h, i, j)
+    return g * user_score_grad(r, s, b, h, i, j)
+
+
+@njit(**INLINE)
+def keeps(r, b, h, i, j):
+    """Whether key ``j`` takes part in row ``i``'s softmax by the recipe (window, causality,
+    mask_mod); the kernels apply the user's ``attn_mask`` themselves."""
+    return in_window(r, i, j) and user_keeps(r, b, h, i, j)
+
+
+def has_element_mask(r):
+    """Whether the recipe masks inside a tile beyond the window: a mask_mod (jitted code
+    only; a compile-time constant)."""
+    raise NotImplementedError("has_element_mask is only callable from jitted code")
+
+
+@overload(has_element_mask, target="generic")
+def _has_element_mask(r):
+    const = not _absent(r, "mask_mod")
+    return lambda r: const
+
+
+def modifies_scores(r):
+    """Whether the recipe changes scores (soft cap, ALiBi, score_mod): a run-time test of the
+    soft cap and a compile-time one of the rest (jitted code only)."""
+    raise NotImplementedError("modifies_scores is only callable from jitted code")
+
+
+@overload(modifies_scores, target="generic")
+def _modifies_scores(r):
+    const = not (_absent(r, "alibi") and _absent(r, "score_mod"))
+    return lambda r: const or r.softcap > 0
+
+
+# --- sinks ---------------------------------------------------------------------------------
+
+def sink_logit(r, h):
+    """Head ``h``'s sink logit, or -inf without sinks (jitted code only)."""
+    raise NotImplementedError("sink_logit is only callable from jitted code")
+
+
+@overload(sink_logit, target="generic", fastmath=FASTMATH)
+def _sink_logit(r, h):
+    if _absent(r, "sinks"):
+        return lambda r, h: -np.inf
+    return lambda r, h: r.sinks[h]
+
+
+@njit(**INLINE)
+def fold_sink(m, l, sink):
+    """Fold a sink logit into a row's final softmax state (max ``m``, sum ``l`` against it).
+
+    Returns ``(m_new, l_new, alpha)``: the accumulator is to be multiplied by ``alpha``.
+    Without a sink (``sink == -inf``) nothing changes; a row with every key masked (``l == 0``)
+    gets ``l = 1`` against ``m = sink``: output 0, lse = sink.
+    """
+    if sink == -np.inf:
+        return m, l, cast(1.0, l)
+    sink = cast(sink, l)
+    m_new = max(m, sink)
+    alpha = math.exp(m - m_new) if l > 0 else cast(0.0, l)
+    return m_new, alpha * l + math.exp(sink - m_new), alpha
