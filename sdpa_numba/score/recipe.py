@@ -163,8 +163,10 @@ def alibi_bias(r, s, b, h, i, j):
 def _alibi_bias(r, s, b, h, i, j):
     if _absent(r, "alibi"):
         return lambda r, s, b, h, i, j: s
+    # The distance cast first: a float32 slope times an int64 is float64 arithmetic in Numba.
     return lambda r, s, b, h, i, j: s - cast(
-        r.alibi[min(b + r.batch_offset, r.alibi.shape[0] - 1), h] * abs(i + r.offset - j), s)
+        r.alibi[min(b + r.batch_offset, r.alibi.shape[0] - 1), h], s) * cast(
+            abs(i + r.offset - j), s)
 
 
 def user_score(r, s, b, h, i, j):
@@ -225,7 +227,7 @@ def score_slope(r, s, b, h, i, j):
     if r.softcap > 0:
         c = cast(r.softcap, s)
         t = math.tanh(s / c)
-        g = 1 - t * t
+        g = cast(1.0, s) - t * t  # not 1 - t * t: int64 - float32 is float64 in Numba
         s = c * t
     s = alibi_bias(r, s, b, h, i, j)
     return g * user_score_grad(r, s, b, h, i, j)
