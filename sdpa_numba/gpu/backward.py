@@ -156,8 +156,8 @@ def _pair_grads(blocks, mask_kind, ct):
                 if j >= nj or i >= L:
                     s = neg_inf
                 else:  # the score seam, as in the forward
-                    if mod_on:
-                        s = modified_score(rc, s, b, h, i, j0 + j)
+                    if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
+                        s = CT(modified_score(rc, s, b, h, i, j0 + j))
                     s = masked(s, mask, b, h, i, j0 + j, neg_inf)
                     if test and not keeps(rc, b, h, i, j0 + j):
                         s = neg_inf
@@ -171,7 +171,7 @@ def _pair_grads(blocks, mask_kind, ct):
                 if want_dmask and i < L and j < nj:
                     dmask[b, h, i, j0 + j] = ds
                 if mod_on and p != 0:  # chain rule through soft cap, ALiBi, score_mod
-                    ds *= score_slope(rc, s0, b, h, i, j0 + j)
+                    ds *= CT(score_slope(rc, s0, b, h, i, j0 + j))
                 sm[ds_at + r * SP + j] = ds
 
     return pair_grads

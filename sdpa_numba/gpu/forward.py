@@ -177,8 +177,8 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
                     elif i < L:
                         # the score seam: soft cap, ALiBi, score_mod; the attention mask;
                         # window, causality and mask_mod
-                        if mod_on:
-                            s = modified_score(rc, s, b, h, i, j0 + j)
+                        if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
+                            s = CT(modified_score(rc, s, b, h, i, j0 + j))
                         s = masked(s, mask, b, h, i, j0 + j, neg_inf)
                         if test and not keeps(rc, b, h, i, j0 + j):
                             s = neg_inf
@@ -222,6 +222,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
                 alpha = one
                 if HAS_SINKS:  # the sink joins the denominator
                     _, l, alpha = fold_sink(sm[m_at + r0 + a], l, sink)
+                    l, alpha = CT(l), CT(alpha)
                 for c in range(DC):
                     d = tc + TC * c
                     if d < Ev:
@@ -233,7 +234,11 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
                             out[b, h, i, d] = store(acc[a * DC + c] / l, out)
         for t in range(tid, BM, NT):
             if i0 + t < L:
-                m, l, _ = fold_sink(sm[m_at + t], sm[l_at + t], sink)
+                m = sm[m_at + t]
+                l = sm[l_at + t]
+                if HAS_SINKS:
+                    m, l, _ = fold_sink(m, l, sink)
+                    m, l = CT(m), CT(l)
                 lse[b, h, i0 + t] = online_softmax_lse(m, l)
 
     return kernel
