@@ -12,11 +12,19 @@
    products dV, dP, dQ, dK; recomputing S is not counted), half that when causal: the
    convention of the CPU benchmark (tests/benchmarks/test_bench_backward.py). The gradients
    are checked against torch's.
+4. Times two variants (issue 15) forward and backward against torch's FlexAttention
+   (``flex_attention`` under ``torch.compile``, the same score_mod / block mask) and, for the
+   window, torch's SDPA given the equivalent dense bool mask: a soft cap (``softcap=20``, the
+   peer's score_mod ``20 tanh(s / 20)``) and a causal sliding window of 256 keys
+   (``is_causal=True, window=(256, 0)``; the peer's block mask from the same rule). TFLOP/s
+   count the visited work: the window's ``B·H·Σ_i min(i + 1, 257)·D·4`` flops (8 for the
+   backward). Outputs and gradients are checked against the peer's.
 
 Usage::
 
     python scripts/gpu_check.py            # tests, then the full table
     python scripts/gpu_check.py --quick    # smaller problems, fewer runs
+    python scripts/gpu_check.py --only-variants  # the soft cap and window against flex
     python scripts/gpu_check.py --simulate # no GPU: the same logic on Numba's CUDA simulator,
                                            # tiny sizes (checks the script, times nothing real)
 
@@ -43,6 +51,10 @@ def parse_args(argv=None):
     ap.add_argument("--skip-tests", action="store_true", help="only time")
     ap.add_argument("--skip-bench", action="store_true", help="only test")
     ap.add_argument("--runs", type=int, default=None, help="timed runs per figure")
+    ap.add_argument("--skip-variants", action="store_true",
+                    help="do not time the variants (soft cap, sliding window)")
+    ap.add_argument("--only-variants", action="store_true",
+                    help="time only the variants (implies --skip-tests)")
     return ap.parse_args(argv)
 
 
@@ -271,6 +283,142 @@ def bench(args, started):
     return ok
 
 
+def variant_configs(args):
+    """(variant, dtype name, B, H, L, D, window) of each timed variant problem."""
+    if args.simulate:
+        shapes, window = [(1, 1, 7, 4)], 2
+    elif args.quick:
+        shapes, window = [(1, 8, 2048, 64)], 256
+    else:
+        shapes, window = [(1, 8, 2048, 64), (4, 16, 4096, 64)], 256
+    return [(variant, dt, B, H, L, D, window) for variant in ("softcap", "window")
+            for dt in ("float32", "float16") for (B, H, L, D) in shapes]
+
+
+def window_flops(B, H, L, D, window):
+    """The forward's visited flops of a causal sliding window: row i sees min(i + 1, W + 1)
+    keys."""
+    keys = sum(min(i + 1, window + 1) for i in range(L))
+    return 4 * B * H * keys * D
+
+
+def bench_variants(args, started, dev):
+    """Forward and backward of the soft cap and the causal sliding window against torch's
+    flex_attention (compiled on the GPU; eager on the simulator's CPU) and, for the window,
+    torch's SDPA with the dense bool mask. Returns (ok, forward rows, backward rows)."""
+    import numpy as np
+
+    import sdpa_numba
+
+    CAP = 20.0
+    runs = args.runs or (1 if args.simulate else 5 if args.quick else 20)
+    warmup = 1 if args.simulate else 3
+    sdpa = sdpa_numba.scaled_dot_product_attention
+    sdpa_backward = sdpa_numba.scaled_dot_product_attention_backward
+    torch = dev.torch
+    flex = create_block_mask = None
+    if torch is not None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            flex = flex_attention if args.simulate else torch.compile(flex_attention)
+        except ImportError as exc:
+            print(f"torch has no flex_attention ({exc}): timing sdpa_numba alone", flush=True)
+    rows, back_rows, ok = [], [], True
+    for variant, dtype, B, H, L, D, W in variant_configs(args):
+        if time.perf_counter() - started > BUDGET_S:
+            print(f"time budget spent: skipping {variant} {dtype} L={L}", flush=True)
+            continue
+        (q, k, v, out), peer = dev.inputs(dtype, B, H, L, D)
+        if variant == "softcap":
+            kw = dict(softcap=CAP)
+            flops = 4 * B * H * L * L * D
+
+            def score_mod(score, b, h, i, j):
+                return CAP * torch.tanh(score / CAP)
+            peer_kw = dict(score_mod=score_mod)
+        else:
+            kw = dict(is_causal=True, window=(W, 0))
+            flops = window_flops(B, H, L, D, W)
+            peer_kw = {}
+            if flex is not None:
+                def in_window(b, h, i, j):
+                    return (j <= i) & (i - j <= W)
+                peer_kw = dict(block_mask=create_block_mask(
+                    in_window, None, None, L, L, device="cpu" if args.simulate else "cuda"))
+        t0 = time.perf_counter()
+
+        def ours():
+            sdpa(q, k, v, out=out, **kw)
+
+        t_ours = dev.time(ours, warmup, runs)
+        t_flex = t_masked = err = None
+        if flex is not None:
+            def theirs():
+                return flex(*peer, **peer_kw)
+
+            t_flex = dev.time(theirs, warmup, runs)
+            err = rel_err(dev.to_numpy(out), dev.to_numpy(theirs()))
+            ok &= err <= FORWARD_TOL[dtype]
+            if variant == "window":
+                i = torch.arange(L, device=peer[0].device)
+                dense = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] <= W)
+
+                def masked():
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        *peer, attn_mask=dense)
+
+                t_masked = dev.time(masked, warmup, runs)
+        rows.append((variant, dtype, B, H, L, D, t_ours, flops, t_flex, t_masked, err))
+
+        g, g_peer = dev.put(np.random.default_rng(1).standard_normal((B, H, L, D))
+                            .astype(np_dtype(dtype)))
+        o, lse = sdpa(q, k, v, return_lse=True, **kw)
+        grads = []
+
+        def ours_backward():
+            grads[:] = sdpa_backward(g, q, k, v, o, lse, **kw)
+
+        t_ours_b = dev.time(ours_backward, warmup, runs)
+        t_flex_b = err_b = None
+        if flex is not None and not args.simulate:  # eager flex has no backward on the CPU
+            leaves = [x.detach().clone().requires_grad_() for x in peer]
+            out_peer = flex(*leaves, **peer_kw)
+
+            def theirs_backward():
+                return torch.autograd.grad(out_peer, leaves, g_peer, retain_graph=True)
+
+            t_flex_b = dev.time(theirs_backward, warmup, runs)
+            err_b = max(rel_err(dev.to_numpy(a), dev.to_numpy(b))
+                        for a, b in zip(grads, theirs_backward()))
+            ok &= err_b <= BACKWARD_TOL[dtype]
+        back_rows.append((variant, dtype, B, H, L, D, t_ours_b, 2 * flops, t_flex_b, None,
+                          err_b))
+        print(f"  timed {variant} {dtype} B={B} H={H} L={L} D={D} (forward, backward) in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+    return ok, rows, back_rows
+
+
+def print_variant_table(title, rows, simulate):
+    peer = "flex (CPU, eager)" if simulate else "flex (compiled)"
+    head = (f"{'variant':8} {'dtype':8} {'B':>2} {'H':>3} {'L=S':>5} {'D':>4} | "
+            f"{'ours ms':>9} {'TFLOP/s':>8} | {peer + ' ms':>20} {'ratio':>7} | "
+            f"{'SDPA+mask ms':>12} {'ratio':>7} | {'rel err':>8}")
+    print(f"\n{title}")
+    print(head)
+    print("-" * len(head))
+    for variant, dtype, B, H, L, D, t_ours, flops, t_flex, t_masked, err in rows:
+        line = (f"{variant:8} {dtype:8} {B:>2} {H:>3} {L:>5} {D:>4} | "
+                f"{t_ours * 1e3:>9.3f} {flops / t_ours / 1e12:>8.2f} | ")
+        line += (f"{'n/a':>20} {'':>7} | " if t_flex is None else
+                 f"{t_flex * 1e3:>20.3f} {t_flex / t_ours:>6.2f}x | ")
+        line += (f"{'n/a':>12} {'':>7} | " if t_masked is None else
+                 f"{t_masked * 1e3:>12.3f} {t_masked / t_ours:>6.2f}x | ")
+        line += f"{'n/a':>8}" if err is None else f"{err:>8.1e}"
+        print(line)
+    print("\nratio = peer time / our time (above 1: faster than the peer). TFLOP/s: visited "
+          "work (window: keys each row sees).")
+
+
 def print_table(title, rows, simulate, flops_note):
     peer = "torch (CPU)" if simulate else "torch"
     head = (f"{'dtype':8} {'B':>2} {'H':>3} {'L=S':>5} {'D':>4} {'causal':>6} | "
@@ -307,14 +455,24 @@ def main(argv=None):
             return 2
         print(f"GPU: {what}", flush=True)
     passed = True
-    if not args.skip_tests:
+    if not args.skip_tests and not args.only_variants:
         passed, seconds = run_tests(args.simulate)
         print(f"tests/cuda {'passed' if passed else 'FAILED'} in {seconds:.0f}s", flush=True)
     matched = True
-    if not args.skip_bench:
+    if not args.skip_bench and not args.only_variants:
         matched = bench(args, started)
-        if not matched:
-            print("some results differ from torch's beyond tolerance", flush=True)
+    if not args.skip_bench and not args.skip_variants:
+        if args.simulate:
+            from sdpa_numba.gpu import Blocks, options
+
+            options.BLOCKS = Blocks(4, 4, 4, 2)
+        ok, rows, back_rows = bench_variants(args, started, Device(args.simulate))
+        matched &= ok
+        print_variant_table("Variants, forward", rows, args.simulate)
+        print_variant_table("Variants, backward (given out and lse; flex: autograd.grad)",
+                            back_rows, args.simulate)
+    if not matched:
+        print("some results differ from torch's beyond tolerance", flush=True)
     print(f"\ngpu_check done in {time.perf_counter() - started:.0f}s", flush=True)
     return 0 if passed and matched else 1
 

@@ -1,9 +1,12 @@
 """CUDA kernels (``@cuda.jit``) and device functions, callable from users' own Numba code.
 
 * :func:`forward`: launches the batched 4-D forward kernel (FlashAttention-2 style tiling,
-  see :mod:`sdpa_numba.gpu.forward`), with optional dropout;
+  see :mod:`sdpa_numba.gpu.forward`), with optional dropout and a score recipe
+  (``recipe=``: window, alignment, soft cap, ALiBi, sinks, the user's ``@njit``
+  score_mod/mask_mod compiled in as device functions, block mask; see
+  :mod:`sdpa_numba.score.recipe` and :mod:`sdpa_numba.gpu.variants`);
 * :func:`backward`: launches the two kernels of the deterministic backward
-  (:mod:`sdpa_numba.gpu.backward`);
+  (:mod:`sdpa_numba.gpu.backward`), with the same recipe;
 * :class:`Blocks`: its tiling; ``sdpa_numba.gpu.options.BLOCKS`` overrides the launcher's
   choice;
 * device functions for users' kernels: :func:`attend_row` (one query row against a key/value

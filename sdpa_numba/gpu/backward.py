@@ -38,14 +38,17 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..score.recipe import BLOCK_EMPTY, BLOCK_PARTIAL, DENSE, keeps, key_range, \
+    modified_score, query_range, score_slope, window_covers
 from .arrays import device_array
 from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .forward import DROPOUT_ARGS, arr, jit_options, launch_blocks, mask_kind_of, \
-    operand_types
+    operand_types, resolve_recipe
 from .options import FASTMATH
 from .storage import load, storage_view
-from .tiles import clear, grid_block, keys_seen, load_tile, masked, query_block, \
-    tile_product, tile_thread, u
+from .tiles import clear, grid_block, load_tile, query_block, tile_product, tile_thread, u
+from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, \
+    tile_state, unpack
 
 _kernels = {}
 
@@ -96,21 +99,22 @@ def _tiling(blocks):
             blocks.row_groups, blocks.block_n // TC, blocks.block_n + 1)
 
 
-def dq_signature(dtype, mask_kind):
-    """``(q, k, v, mask, is_causal, scale, dout, out, lse, *dropout, D, dq, dmask,
-    want_dmask)``: every array 'A', one compilation per dtype and mask kind."""
+def dq_signature(dtype, mask_kind, parts=compile_key(DENSE)):
+    """``(q, k, v, mask, scale, dout, out, lse, *dropout, D, dq, dmask, want_dmask,
+    *recipe)``: every array 'A', one compilation per dtype, mask kind and recipe parts
+    (:func:`.variants.compile_key`)."""
     st, ct, mask = operand_types(dtype, mask_kind)
-    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.boolean, numba.float64,
+    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
                       arr(st, 4), arr(st, 4), arr(ct, 3), *DROPOUT_ARGS, arr(ct, 3),
-                      arr(ct, 4), arr(ct, 4), numba.boolean), ct
+                      arr(ct, 4), arr(ct, 4), numba.boolean, *arg_types(parts, ct)), ct
 
 
-def dkv_signature(dtype, mask_kind):
-    """``(q, k, v, mask, is_causal, scale, dout, lse, *dropout, D, dk, dv)``."""
+def dkv_signature(dtype, mask_kind, parts=compile_key(DENSE)):
+    """``(q, k, v, mask, scale, dout, lse, *dropout, D, dk, dv, *recipe)``."""
     st, ct, mask = operand_types(dtype, mask_kind)
-    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.boolean, numba.float64,
+    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
                       arr(st, 4), arr(ct, 3), *DROPOUT_ARGS, arr(ct, 3), arr(ct, 4),
-                      arr(ct, 4)), ct
+                      arr(ct, 4), *arg_types(parts, ct)), ct
 
 
 def _pair_grads(blocks, mask_kind, ct):
@@ -118,16 +122,17 @@ def _pair_grads(blocks, mask_kind, ct):
     ``RM x SC`` entries of ``P Z`` and ``dS``, written to shared tiles."""
     BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
     NS = RM * SC  # entries of a score tile per thread (a constant: local array size)
-    HAS_MASK = mask_kind != "none"
-    BOOL_MASK = mask_kind == "bool"
     CT = ct
 
     @cuda.jit(device=True, inline="always")
-    def pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, is_causal, mask, b, h, drop_on, rk,
-                   threshold, inv):
+    def pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h, drop_on, rk,
+                   threshold, inv, dmask, want_dmask):
         """``at`` = (Q row length, dO row length, then the dO, lse, D, Kᵀ, Vᵀ, P Z and dS
         offsets; Q is at 0); a negative P Z offset: not wanted. Rows past ``L`` and keys past
-        ``nj`` get zeros."""
+        ``nj`` get zeros. ``rc``: the recipe; ``test``: whether the tile needs the
+        per-element window and mask_mod tests. With ``want_dmask``, this thread's entries of
+        dS with respect to the final score (the additive mask's gradient) go to ``dmask``;
+        the shared dS is with respect to the scaled ``q · k`` (the recipe's slope applied)."""
         qp, dp, do_at, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at = at
         zero = CT(0)
         neg_inf = CT(-math.inf)
@@ -138,6 +143,7 @@ def _pair_grads(blocks, mask_kind, ct):
         tile_product(sm, 0, qp, kt_at, SP, E, r0, tc, TC, RM, SC, kreg, sreg)  # scaled S
         clear(dpreg, NS)
         tile_product(sm, do_at, dp, vt_at, SP, Ev, r0, tc, TC, RM, SC, kreg, dpreg)  # dO Vᵀ
+        mod_on = modifies(rc)
         for a in range(RM):
             r = r0 + a
             i = i0 + r
@@ -145,36 +151,56 @@ def _pair_grads(blocks, mask_kind, ct):
             dd = sm[dd_at + r]
             for c in range(SC):
                 j = tc + TC * c
-                s = sreg[a * SC + c]
-                if j >= nj or i >= L or (is_causal and j0 + j > i):
+                s0 = sreg[a * SC + c]  # scale · q · k
+                s = s0
+                if j >= nj or i >= L:
                     s = neg_inf
-                elif HAS_MASK:
-                    s = masked(s, mask, b, h, i, j0 + j, BOOL_MASK, neg_inf)
+                else:  # the score seam, as in the forward
+                    if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
+                        s = CT(modified_score(rc, s, b, h, i, j0 + j))
+                    s = masked(s, mask, b, h, i, j0 + j, neg_inf)
+                    if test and not keeps(rc, b, h, i, j0 + j):
+                        s = neg_inf
                 p = math.exp(s - lse)  # the forward's probability (0 where masked)
                 z = CT(1)
                 if drop_on:
                     z = dropout_factor(rk[a], j0 + j, threshold, inv, zero)
                 if pz_at >= 0:
                     sm[pz_at + r * SP + j] = p * z
-                sm[ds_at + r * SP + j] = p * (dpreg[a * SC + c] * z - dd)
+                ds = p * (dpreg[a * SC + c] * z - dd)
+                if want_dmask and i < L and j < nj:
+                    dmask[b, h, i, j0 + j] = ds
+                if mod_on and p != 0:  # chain rule through soft cap, ALiBi, score_mod
+                    ds *= CT(score_slope(rc, s0, b, h, i, j0 + j))
+                sm[ds_at + r * SP + j] = ds
 
     return pair_grads
 
 
-def _make_dq_kernel(dtype, mask_kind, blocks):
-    """The dQ kernel for storage ``dtype``, mask kind and tiling ``blocks``."""
-    sig, ct = dq_signature(dtype, mask_kind)
+def _recipe_constants(parts):
+    """``(HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK)`` of compile key
+    ``parts`` (:func:`.variants.compile_key`)."""
+    return parts[2], parts[3], parts[4], parts[5], parts[4] is not None
+
+
+def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
+    """The dQ kernel for storage ``dtype``, mask kind, tiling ``blocks`` and recipe parts."""
+    sig, ct = dq_signature(dtype, mask_kind, parts)
     BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
     CT = ct
     pair_grads = _pair_grads(blocks, mask_kind, ct)
+    HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK = _recipe_constants(parts)
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
-    def dq_kernel(q, k, v, mask, is_causal, scale, dout, out, lse, seed, threshold, inv_keep,
-                  b_off, D, dq, dmask, want_dmask):
+    def dq_kernel(q, k, v, mask, scale, dout, out, lse, seed, threshold, inv_keep, b_off, D, dq,
+                  dmask, want_dmask, offset, left, right, softcap, r_boff, alibi_t, sinks_t,
+                  bm_t, bq, bk, mod_args):
         _, _, L, E = q.shape
         S = k.shape[2]
         Ev = v.shape[3]
         b, h, kh, i0 = query_block(q, k, BM)
+        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
+                    MASK_MOD, SCORE_MOD_GRAD, mod_args)
         nv = min(BM, L - i0)
         tid, g, tc = tile_thread(TC)
         r0 = g * RM  # this thread's rows of the tiles; tc: its first key and column of dQ
@@ -213,22 +239,28 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
         if drop_on:
             row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
 
-        kv_end = keys_seen(S, i0 + BM, is_causal)  # blocks above the diagonal: unseen
-        for j0 in range(0, kv_end, BN):
-            nj = min(BN, kv_end - j0)
+        # The forward's work list: key blocks some row sees, less empty block-mask blocks.
+        i_last = min(i0 + BM, L) - 1
+        j_begin, j_end = key_range(rc, i0, i_last, S)
+        j_first = j_begin - j_begin % BN
+        for j0 in range(j_first, j_end, BN):
+            nj = min(BN, j_end - j0)
+            state = tile_state(rc, HAS_BM, bq, bk, b, h, i0, i_last, j0, j0 + nj - 1)
+            if state == BLOCK_EMPTY:  # uniform across the thread block
+                if want_dmask:  # never visited: dS is 0
+                    for a in range(RM):
+                        if r0 + a < nv:
+                            for j in range(tc, nj, TC):
+                                dmask[b, h, i0 + r0 + a, j0 + j] = zero
+                continue
+            test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
+                ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
             cuda.syncthreads()  # the previous block's tiles are consumed (and lse, D written)
             load_tile(k, b, kh, j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)
             load_tile(v, b, kh, j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
             cuda.syncthreads()
-            pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, is_causal, mask, b, h, drop_on,
-                       rk, threshold, inv)
-            if want_dmask:  # this thread's own entries of dS: no barrier needed
-                for a in range(RM):
-                    i = i0 + r0 + a
-                    for c in range(SC):
-                        j = tc + TC * c
-                        if i < L and j < nj:
-                            dmask[b, h, i, j0 + j] = sm[ds_at + (r0 + a) * SP + j]
+            pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h, drop_on,
+                       rk, threshold, inv, dmask, want_dmask)
             cuda.syncthreads()  # the dS tile is complete
             # dQ += dS K for this thread's rows and columns e = tc, tc + TC, ...
             for e in range(tc, E, TC):
@@ -240,10 +272,12 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
                 for a in range(RM):
                     sm[dq_at + (r0 + a) * E + e] += acc[a]
 
-        if want_dmask:  # keys above the diagonal were never visited: their dS is 0
+        if want_dmask:  # keys outside the window were never visited: their dS is 0
             for a in range(RM):
                 if r0 + a < nv:
-                    for j in range(kv_end + tc, S, TC):
+                    for j in range(tc, j_first, TC):
+                        dmask[b, h, i0 + r0 + a, j] = zero
+                    for j in range(max(j_end, j_first) + tc, S, TC):
                         dmask[b, h, i0 + r0 + a, j] = zero
         sc = CT(scale)
         for e in range(tc, E, TC):
@@ -254,22 +288,27 @@ def _make_dq_kernel(dtype, mask_kind, blocks):
     return dq_kernel
 
 
-def _make_dkv_kernel(dtype, mask_kind, blocks):
-    """The dK/dV kernel for storage ``dtype``, mask kind and tiling ``blocks``."""
-    sig, ct = dkv_signature(dtype, mask_kind)
+def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
+    """The dK/dV kernel for storage ``dtype``, mask kind, tiling ``blocks`` and recipe
+    parts."""
+    sig, ct = dkv_signature(dtype, mask_kind, parts)
     BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
     CT = ct
     pair_grads = _pair_grads(blocks, mask_kind, ct)
+    HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK = _recipe_constants(parts)
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
-    def dkv_kernel(q, k, v, mask, is_causal, scale, dout, lse, seed, threshold, inv_keep, b_off,
-                   D, dk, dv):
+    def dkv_kernel(q, k, v, mask, scale, dout, lse, seed, threshold, inv_keep, b_off, D, dk, dv,
+                   offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq, bk,
+                   mod_args):
         _, Hq, L, E = q.shape
         H, S = k.shape[1], k.shape[2]
         Ev = v.shape[3]
         group = Hq // H
         nkb = (S + BN - 1) // BN
         b, kh, kb = grid_block(H, nkb)
+        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
+                    MASK_MOD, SCORE_MOD_GRAD, mod_args)
         # Under causal the first key blocks are seen by the most rows: they go first.
         j0 = kb * BN
         nj = min(BN, S - j0)
@@ -299,15 +338,19 @@ def _make_dkv_kernel(dtype, mask_kind, blocks):
         inv = CT(inv_keep)
         rk = cuda.local.array(RM, numba.uint64)
 
-        nqb = (L + BM - 1) // BM
-        qb0 = 0
-        if is_causal:
-            qb0 = j0 // BM  # earlier rows are all above these keys
+        # The query blocks whose rows see some of these keys under the window (causal: none
+        # above the diagonal), less empty block-mask blocks.
+        i_begin, i_end = query_range(rc, j0, j0 + nj - 1, L)
         # Query heads of the group, then query blocks, in order: a fixed order of the sums.
         for h in range(kh * group, (kh + 1) * group):
-            for qb in range(qb0, nqb):
-                i0 = qb * BM
+            for i0 in range(i_begin - i_begin % BM, i_end, BM):
                 nv = min(BM, L - i0)
+                i_last = i0 + nv - 1
+                state = tile_state(rc, HAS_BM, bq, bk, b, h, i0, i_last, j0, j0 + nj - 1)
+                if state == BLOCK_EMPTY:  # uniform across the thread block
+                    continue
+                test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
+                    ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
                 cuda.syncthreads()  # the previous pair's tiles are consumed (K, V staged)
                 load_tile(q, b, h, i0, nv, BM, E, E, qscale, sm, 0, QP, 1, tid, NT)
                 load_tile(dout, b, h, i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
@@ -324,8 +367,8 @@ def _make_dkv_kernel(dtype, mask_kind, blocks):
                 if drop_on:
                     row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
                 cuda.syncthreads()
-                pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, is_causal, mask, b, h,
-                           drop_on, rk, threshold, inv)
+                pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h,
+                           drop_on, rk, threshold, inv, dk, False)  # no dmask here
                 cuda.syncthreads()  # the P Z and dS tiles are complete
                 # dV += (P Z)ᵀ dO and dK += dSᵀ (scale Q), this thread's keys and columns,
                 # summed over the block's rows in order
@@ -360,15 +403,15 @@ def _make_dkv_kernel(dtype, mask_kind, blocks):
 _FACTORIES = {"dq": _make_dq_kernel, "dkv": _make_dkv_kernel}
 
 
-def _kernel(which, dtype, mask_kind, blocks):
-    key = (which, np.dtype(dtype), mask_kind, blocks)
+def _kernel(which, dtype, mask_kind, blocks, parts=compile_key(DENSE)):
+    key = (which, np.dtype(dtype), mask_kind, blocks, parts)
     if key not in _kernels:
         _kernels[key] = _FACTORIES[which](*key[1:])
     return _kernels[key]
 
 
 def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropout=None,
-             dmask=None, blocks=None, stream=0):
+             dmask=None, blocks=None, stream=0, recipe=None, block_sizes=(1, 1)):
     """Launch the attention backward on 4-D device arrays: the dQ kernel, then the dK/dV one.
 
     Parameters
@@ -388,17 +431,27 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
         The forward's: :func:`sdpa_numba.dropout.params`; the same mask is regenerated.
     dmask : None or device array, shape (B, Hq, L, S), optional
         Written (compute dtype) when given: the gradient of an additive mask, i.e. of the
-        scores ``scale · q · k + mask``. Full size: reduce broadcast dims yourself.
+        final scores (after the recipe's soft cap, ALiBi and score_mod). Full size: reduce
+        broadcast dims yourself.
     blocks : Blocks, optional
         Tiling of both kernels; default :data:`~.options.BLOCKS`, else, for each kernel, the
         largest of :data:`~.options.CANDIDATES` that fits the device's shared memory.
     stream : cuda stream, optional
+    recipe, block_sizes
+        The forward's (see :func:`~sdpa_numba.gpu.forward`). A recipe with a ``score_mod``
+        needs its ``score_mod_grad`` (the public layer checks); ALiBi slopes get no gradient.
+
+    Returns
+    -------
+    D : device array, shape (B, Hq, L)
+        ``rowsum(dO ∘ O)`` in the compute dtype (the gradient of sinks needs it:
+        ``d sink_h = -sum exp(sink_h - lse) D``).
 
     Notes
     -----
     Arguments are trusted (:func:`sdpa_numba.scaled_dot_product_attention_backward` validates
-    them); any non-negative strides; float16, bfloat16, float32 or float64 operands. The launches are asynchronous, on ``stream``. Allocates
-    ``D`` (B, Hq, L) in the compute dtype. Bitwise the same results on every launch.
+    them); any non-negative strides; float16, bfloat16, float32 or float64 operands. The
+    launches are asynchronous, on ``stream``. Bitwise the same results on every launch.
     """
     q, k, v, mask, dout, out = (storage_view(a) for a in (q, k, v, mask, dout, out))
     n_b, n_hq, L, e = q.shape
@@ -406,18 +459,23 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     ev = v.shape[3]
     itemsize = np.dtype(lse.dtype).itemsize
     mask_kind = mask_kind_of(mask)
-    m = q if mask is None else mask  # Numba cannot pass None to a kernel: q stands in, unread
+    m = NO_MASK if mask is None else (mask,)
+    rc = resolve_recipe(recipe, is_causal)
+    parts = compile_key(rc)
+    rargs = kernel_args(rc, block_sizes)
     drop = NO_DROPOUT if dropout is None else dropout
     drop = (np.uint64(drop[0]), np.uint64(drop[1]), float(drop[2]), int(drop[3]))
     D = device_array((n_b, n_hq, L), lse.dtype)
     if n_b * n_hq and L:
         bq, shared = launch_blocks(blocks, itemsize, e, ev, dq_shared_elements)
         grid = n_b * n_hq * ((L + bq.block_m - 1) // bq.block_m)
-        _kernel("dq", q.dtype, mask_kind, bq)[grid, bq.threads, stream, shared](
-            q, k, v, m, bool(is_causal), float(scale), dout, out, lse, *drop, D, dq,
-            dq if dmask is None else dmask, dmask is not None)
+        # Without dmask, dq stands in for it, never written (want_dmask False).
+        _kernel("dq", q.dtype, mask_kind, bq, parts)[grid, bq.threads, stream, shared](
+            q, k, v, m, float(scale), dout, out, lse, *drop, D, dq,
+            dq if dmask is None else dmask, dmask is not None, *rargs)
     if n_b * n_h and S:  # also with L == 0: dK and dV are then zeros
         bkv, shared = launch_blocks(blocks, itemsize, e, ev, dkv_shared_elements)
         grid = n_b * n_h * ((S + bkv.block_n - 1) // bkv.block_n)
-        _kernel("dkv", q.dtype, mask_kind, bkv)[grid, bkv.threads, stream, shared](
-            q, k, v, m, bool(is_causal), float(scale), dout, lse, *drop, D, dk, dv)
+        _kernel("dkv", q.dtype, mask_kind, bkv, parts)[grid, bkv.threads, stream, shared](
+            q, k, v, m, float(scale), dout, lse, *drop, D, dk, dv, *rargs)
+    return D

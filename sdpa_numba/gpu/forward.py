@@ -5,9 +5,16 @@ stays in shared memory; key/value blocks of ``block_n`` keys are staged through 
 one after the other (keys transposed, so that threads of a warp read consecutive keys). For each
 key block the threads compute the score tile, each a small register tile of it; the online
 softmax of each row runs on one thread (:func:`~.online_softmax.online_softmax_update`); then
-each thread folds ``p · V`` into its register tile of the output. Key blocks entirely above the
-diagonal are never loaded under ``is_causal``. Shared memory is O(block · head dim); nothing of
-size L x S exists anywhere.
+each thread folds ``p · V`` into its register tile of the output. Shared memory is
+O(block · head dim); nothing of size L x S exists anywhere.
+
+Scores are formed by the score seam (:mod:`sdpa_numba.score.recipe`; the kernel's arguments
+carry a recipe, :mod:`.variants`): the key blocks a query block visits are those of the
+recipe's window (:func:`~sdpa_numba.score.recipe.key_range`: causal and windowed attention
+never load the others), less those a block mask marks empty; a tile the window covers
+(:func:`~sdpa_numba.score.recipe.window_covers`) and no mask_mod cuts skips the per-element
+tests; soft cap, ALiBi and score_mod change each score (``modified_score``), window and
+mask_mod mask it (``keeps``); sinks join each row's denominator at the end (``fold_sink``).
 
 With dropout, each thread drops its entries of the probability tile after the online-softmax
 step (so ``l`` and ``lse`` are those of the softmax before dropout) with the counter-based stream
@@ -30,10 +37,14 @@ from numba.np import numpy_support
 from . import options
 from .arrays import is_simulated_mode
 from .dropout import NO_DROPOUT, dropout_factor, row_keys
+from ..score.recipe import BLOCK_EMPTY, BLOCK_PARTIAL, CAUSAL, DENSE, fold_sink, keeps, \
+    key_range, modified_score, window_covers
 from .online_softmax import online_softmax_lse, online_softmax_update
 from .options import CANDIDATES, FASTMATH, Blocks
 from .storage import storage_view, store
-from .tiles import clear, keys_seen, load_tile, masked, query_block, tile_product, tile_thread
+from .tiles import clear, load_tile, query_block, tile_product, tile_thread
+from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, sink_of, \
+    tile_state, unpack
 
 _kernels = {}
 
@@ -49,20 +60,25 @@ def arr(t, nd):
 def operand_types(dtype, mask_kind):
     """Numba types of a storage ``dtype``: (storage, compute, mask argument).
 
-    Numba cannot pass None to a kernel: without a mask, q stands in for it, unread.
+    Numba cannot pass None to a kernel: the mask travels as a tuple, empty without a mask
+    (:data:`.variants.NO_MASK`; a kernel argument of no size), else of the one mask.
     """
     st = numpy_support.from_dtype(dtype)
     ct = numba.float64 if st == numba.float64 else numba.float32
-    return st, ct, arr(numba.boolean, 4) if mask_kind == "bool" else arr(st, 4)
+    if mask_kind == "none":
+        return st, ct, numba.types.Tuple(())
+    return st, ct, numba.types.UniTuple(arr(numba.boolean, 4) if mask_kind == "bool"
+                                        else arr(st, 4), 1)
 
 
-def _signature(dtype, mask_kind):
-    """Every array 'A' (any strides): one compilation per dtype and mask kind, whatever the
-    operands' layouts (each compilation takes seconds). Dropout is four runtime arguments
-    (see :mod:`.dropout`): no extra compilation."""
+def _signature(dtype, mask_kind, parts=compile_key(DENSE)):
+    """Every array 'A' (any strides): one compilation per dtype, mask kind and recipe parts
+    (:func:`.variants.compile_key`), whatever the operands' layouts (each compilation takes
+    seconds). Dropout is four runtime arguments (see :mod:`.dropout`), the recipe's numbers
+    five more (window, alignment and soft cap): no extra compilation."""
     st, ct, mask = operand_types(dtype, mask_kind)
-    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.boolean, numba.float64,
-                      arr(st, 4), arr(ct, 3), *DROPOUT_ARGS), ct
+    return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
+                      arr(st, 4), arr(ct, 3), *DROPOUT_ARGS, *arg_types(parts, ct)), ct
 
 
 def jit_options(threads):
@@ -71,10 +87,11 @@ def jit_options(threads):
     return {} if is_simulated_mode() else {"launch_bounds": threads}
 
 
-def _make_kernel(dtype, mask_kind, blocks, dc):
+def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
     """The forward kernel for storage ``dtype``, mask kind ("none", "bool" or "additive"),
-    tiling ``blocks`` and ``dc`` output columns per thread."""
-    sig, ct = _signature(dtype, mask_kind)
+    tiling ``blocks``, ``dc`` output columns per thread and recipe parts ``parts``
+    (:func:`.variants.compile_key`: the user's functions are compiled in)."""
+    sig, ct = _signature(dtype, mask_kind, parts)
     BM, BN, NT, RM = blocks.block_m, blocks.block_n, blocks.threads, blocks.rows_per_thread
     TC = blocks.threads_per_row
     SC = BN // TC  # score columns per thread
@@ -83,16 +100,20 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
     NA = RM * DC
     VP = DC * TC  # V tile row length: zero-padded to whole thread columns
     SP = BN + 1  # score and Kᵀ tile row lengths
-    HAS_MASK = mask_kind != "none"
-    BOOL_MASK = mask_kind == "bool"
     CT = ct
+    HAS_SINKS, HAS_BM, SCORE_MOD, MASK_MOD = parts[1], parts[2], parts[3], parts[4]
+    SCORE_MOD_GRAD = parts[5]
+    ELEMENT_MASK = MASK_MOD is not None  # a mask_mod: tested per element unless a block is full
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
-    def kernel(q, k, v, mask, is_causal, scale, out, lse, seed, threshold, inv_keep, b_off):
+    def kernel(q, k, v, mask, scale, out, lse, seed, threshold, inv_keep, b_off, offset, left,
+               right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq, bk, mod_args):
         _, _, L, E = q.shape
         S = k.shape[2]
         Ev = v.shape[3]
         b, h, kh, i0 = query_block(q, k, BM)
+        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
+                   MASK_MOD, SCORE_MOD_GRAD, mod_args)
         tid, g, tc = tile_thread(TC)
         r0 = g * RM  # this thread's first row in the tile; tc: its column in the row group
 
@@ -125,9 +146,19 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
         if drop_on:
             row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
 
-        kv_end = keys_seen(S, i0 + BM, is_causal)  # blocks above the diagonal: never loaded
-        for j0 in range(0, kv_end, BN):
-            nj = min(BN, kv_end - j0)
+        # The work list: key blocks (aligned to BN) that some row of the block sees under the
+        # window (causal: none above the diagonal), less those the block mask says are empty.
+        i_last = min(i0 + BM, L) - 1
+        j_begin, j_end = key_range(rc, i0, i_last, S)
+        mod_on = modifies(rc)
+        for j0 in range(j_begin - j_begin % BN, j_end, BN):
+            nj = min(BN, j_end - j0)
+            state = tile_state(rc, HAS_BM, bq, bk, b, h, i0, i_last, j0, j0 + nj - 1)
+            if state == BLOCK_EMPTY:
+                continue  # uniform across the thread block
+            # Per-element tests only where the window cuts the tile or a mask_mod may.
+            test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
+                ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
             cuda.syncthreads()  # the previous block's tiles are consumed
             load_tile(k, b, kh, j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)  # Kᵀ
             # V rows zero-padded to whole thread columns
@@ -141,10 +172,16 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
                 for c in range(SC):
                     j = tc + TC * c
                     s = sreg[a * SC + c]
-                    if j >= nj or (is_causal and j0 + j > i):
+                    if j >= nj:
                         s = neg_inf
-                    elif HAS_MASK and i < L:
-                        s = masked(s, mask, b, h, i, j0 + j, BOOL_MASK, neg_inf)
+                    elif i < L:
+                        # the score seam: soft cap, ALiBi, score_mod; the attention mask;
+                        # window, causality and mask_mod
+                        if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
+                            s = CT(modified_score(rc, s, b, h, i, j0 + j))
+                        s = masked(s, mask, b, h, i, j0 + j, neg_inf)
+                        if test and not keeps(rc, b, h, i, j0 + j):
+                            s = neg_inf
                     sm[ss_at + (r0 + a) * SP + j] = s
             cuda.syncthreads()
 
@@ -177,26 +214,38 @@ def _make_kernel(dtype, mask_kind, blocks, dc):
                     acc[a * DC + c] = alpha * acc[a * DC + c] + pv[a * DC + c]
 
         cuda.syncthreads()  # the last block's m and l are written
+        sink = sink_of(rc, h)  # -inf without sinks
         for a in range(RM):
             i = i0 + r0 + a
             if i < L:
                 l = sm[l_at + r0 + a]
+                alpha = one
+                if HAS_SINKS:  # the sink joins the denominator
+                    _, l, alpha = fold_sink(sm[m_at + r0 + a], l, sink)
+                    l, alpha = CT(l), CT(alpha)
                 for c in range(DC):
                     d = tc + TC * c
                     if d < Ev:
                         if l == 0:  # every key masked (or S == 0): zeros, as torch
                             out[b, h, i, d] = store(zero, out)
+                        elif HAS_SINKS:
+                            out[b, h, i, d] = store(alpha * acc[a * DC + c] / l, out)
                         else:
                             out[b, h, i, d] = store(acc[a * DC + c] / l, out)
-        for r in range(tid, BM, NT):
-            if i0 + r < L:
-                lse[b, h, i0 + r] = online_softmax_lse(sm[m_at + r], sm[l_at + r])
+        for t in range(tid, BM, NT):
+            if i0 + t < L:
+                m = sm[m_at + t]
+                l = sm[l_at + t]
+                if HAS_SINKS:
+                    m, l, _ = fold_sink(m, l, sink)
+                    m, l = CT(m), CT(l)
+                lse[b, h, i0 + t] = online_softmax_lse(m, l)
 
     return kernel
 
 
-def _kernel(dtype, mask_kind, blocks, dc):
-    key = (np.dtype(dtype), mask_kind, blocks, dc)
+def _kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
+    key = (np.dtype(dtype), mask_kind, blocks, dc, parts)
     if key not in _kernels:
         _kernels[key] = _make_kernel(*key)
     return _kernels[key]
@@ -252,7 +301,8 @@ def mask_kind_of(mask):
     return "bool" if np.dtype(mask.dtype) == np.bool_ else "additive"
 
 
-def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dropout=None):
+def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dropout=None,
+            recipe=None, block_sizes=(1, 1)):
     """Launch the batched attention forward on 4-D device arrays.
 
     Parameters
@@ -266,14 +316,16 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
         bool (True takes part) or of the inputs' dtype (added to the scores). Broadcast views
         with zero strides are read in place.
     is_causal : bool
-        Query ``i`` sees keys ``j <= i`` (top-left aligned).
+        Query ``i`` sees keys ``j <= i`` (in the recipe's aligned frame: top-left without a
+        recipe).
     scale : float
         Multiplies ``q · k``.
     out : device array, shape (B, Hq, L, Ev)
         Written.
     lse : device array, shape (B, Hq, L)
         Written; its dtype is the compute dtype: float32 for 16-bit and float32 inputs,
-        float64 for float64. With dropout, that of the softmax before dropout.
+        float64 for float64. With dropout, that of the softmax before dropout; with sinks, it
+        includes them.
     blocks : Blocks, optional
         Tiling; default :data:`~.options.BLOCKS`, else the largest that fits the device.
     stream : cuda stream, optional
@@ -282,24 +334,47 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
         drops probability ``(b, h, i, j)`` (``b``: ``batch_offset`` plus the index into this
         launch's batch dim) as the CPU kernels do, bit for bit (:mod:`.dropout`), and scales
         the kept ones by ``inv_keep``. None: no dropout.
+    recipe : Recipe, optional
+        The score's variants (:func:`sdpa_numba.score.recipe.recipe`: window, alignment, soft
+        cap, ALiBi, sinks, score_mod, mask_mod and their mod_args, block mask), its
+        ``batch_offset`` that of this launch; arrays in the compute dtype, NumPy (copied) or
+        device arrays. None: from ``is_causal`` alone. ``is_causal`` applies on top of it
+        (right side of the window at most 0).
+    block_sizes : (int, int), optional
+        Query rows and keys per block of the recipe's block mask.
 
     Notes
     -----
     Inputs are float16, bfloat16 (``ml_dtypes.bfloat16``; computed in float32, read and
-    written as int16 bit patterns, see :mod:`.storage`), float32 or float64 Numba device arrays with any non-negative strides
-    (:func:`sdpa_numba.gpu.arrays.adopt` wraps CuPy arrays and torch tensors as such).
-    Arguments are trusted: :func:`sdpa_numba.scaled_dot_product_attention` validates them. The
-    launch is asynchronous, on ``stream``.
+    written as int16 bit patterns, see :mod:`.storage`), float32 or float64 Numba device
+    arrays with any non-negative strides (:func:`sdpa_numba.gpu.arrays.adopt` wraps CuPy
+    arrays and torch tensors as such). Arguments are trusted:
+    :func:`sdpa_numba.scaled_dot_product_attention` validates them. The launch is
+    asynchronous, on ``stream``. One compiled kernel per (dtype, mask kind, tiling, optional
+    recipe parts and user functions); the window, alignment and soft cap are run-time values.
     """
     q, k, v, mask, out = (storage_view(a) for a in (q, k, v, mask, out))
     n_bh, L, e = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
     ev = v.shape[3]
     if n_bh == 0 or L == 0:
         return
+    rc = resolve_recipe(recipe, is_causal)
     blocks, shared = launch_blocks(blocks, np.dtype(lse.dtype).itemsize, e, ev)
-    kernel = _kernel(q.dtype, mask_kind_of(mask), blocks, blocks.out_cols(ev))
+    parts = compile_key(rc)
+    kernel = _kernel(q.dtype, mask_kind_of(mask), blocks, blocks.out_cols(ev), parts)
     n_qblocks = (L + blocks.block_m - 1) // blocks.block_m
     seed, threshold, inv_keep, b_off = NO_DROPOUT if dropout is None else dropout
     kernel[n_bh * n_qblocks, blocks.threads, stream, shared](
-        q, k, v, q if mask is None else mask, bool(is_causal), float(scale), out, lse,
-        np.uint64(seed), np.uint64(threshold), float(inv_keep), int(b_off))
+        q, k, v, NO_MASK if mask is None else (mask,), float(scale), out, lse,
+        np.uint64(seed), np.uint64(threshold), float(inv_keep), int(b_off),
+        *kernel_args(rc, block_sizes))
+
+
+def resolve_recipe(recipe, is_causal):
+    """The recipe a launch runs: ``recipe`` (None: plain attention) with ``is_causal`` folded
+    into its window's right side."""
+    if recipe is None:
+        return CAUSAL if is_causal else DENSE
+    if is_causal and recipe.right > 0:
+        recipe = recipe._replace(right=np.int64(0))
+    return recipe

@@ -8,10 +8,18 @@ broadcast shapes in the compute dtype; :func:`.reduce.sum_to` sums them over eac
 broadcast dims and casts them to the input's dtype, on the device.
 """
 
+from ..block_mask import K_BLOCK, Q_BLOCK
+from ..dropout import NO_DROPOUT
 from ..problem import for_each_launch, operand_views, row_view
+from ..score.recipe import with_batch_offset
 from .arrays import as_strided, device_array
 from .backward import backward
+from .launch import device_recipe
 from .reduce import sum_to
+
+#: This launcher passes plans' recipes to its kernels (see sdpa_numba.api). The gradient of
+#: sinks is the public layer's (:func:`sdpa_numba.problem.variants.sinks_grad`).
+TAKES_RECIPE = True
 
 
 def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, mask_grad):
@@ -32,12 +40,16 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
     dv = device_array((*p.batch, p.h, p.S, p.Ev), ct)
     dmask = device_array((*full, p.L, p.S), ct) if mask_grad else None
 
+    rc = device_recipe(p.recipe)
+
     def launch(arrays, drop):
         bq, bk, bv, bm, bdo, bo, bl, bdq, bdk, bdv, bdm = arrays
-        backward(bq, bk, bv, bm, p.is_causal, p.scale, bdo, bo, bl, bdq, bdk, bdv, drop, bdm)
+        backward(bq, bk, bv, bm, p.is_causal, p.scale, bdo, bo, bl, bdq, bdk, bdv, drop, bdm,
+                 recipe=with_batch_offset(rc, drop[3]), block_sizes=(Q_BLOCK, K_BLOCK))
 
-    for_each_launch(p.batch, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask], dropout, launch,
-                    as_strided)
+    # NO_DROPOUT rather than None: each launch gets its batch offset (see .launch).
+    for_each_launch(p.batch, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask],
+                    NO_DROPOUT if dropout is None else dropout, launch, as_strided)
     return (sum_to(dq, query.shape, p.dtype), sum_to(dk, key.shape, p.dtype),
             sum_to(dv, value.shape, p.dtype),
             None if dmask is None else sum_to(dmask, attn_mask.shape, attn_mask.dtype))

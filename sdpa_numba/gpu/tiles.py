@@ -1,7 +1,8 @@
 """Device functions shared by the CUDA forward and backward kernels.
 
-They stage tiles of the operands in shared memory, compute one thread's register tile of a
-product of two shared tiles, and apply the attention mask to a score. All are inlined into the
+They stage tiles of the operands in shared memory and compute one thread's register tile of a
+product of two shared tiles. (Scores are masked and modified by the score seam only:
+:mod:`sdpa_numba.score.recipe`, with :mod:`.variants` for the attention mask.) All are inlined into the
 kernels (``inline="always"``), which pass them their compile-time constants (tile sizes, thread
 counts): after inlining, the compiler sees constants again, unrolls the loops over them and
 keeps the register tiles in registers.
@@ -112,20 +113,3 @@ def clear(acc, n):
     """``acc[:n] = 0`` (a local array)."""
     for t in range(n):
         acc[t] = 0
-
-
-@cuda.jit(device=True, inline="always")
-def keys_seen(S, i_end, is_causal):
-    """How many keys rows before ``i_end`` see: all ``S``, or under ``is_causal`` (top-left
-    aligned) those before ``i_end``; key blocks past it are never loaded."""
-    return min(S, i_end) if is_causal else S
-
-
-@cuda.jit(device=True, inline="always")
-def masked(s, mask, b, h, i, j, bool_mask, neg_inf):
-    """Score ``s`` of query ``i`` and key ``j`` under the attention mask (read in place):
-    ``neg_inf`` where a bool mask is False (even for a NaN score, as torch's masked fill),
-    else ``s``; for a float mask, ``s`` plus the mask's value."""
-    if bool_mask:
-        return s if mask[b, h, i, j] else neg_inf
-    return s + load(mask[b, h, i, j])

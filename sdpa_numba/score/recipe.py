@@ -22,7 +22,7 @@ index, ``h`` the query head), with ``i' = i + offset`` the row in the aligned fr
 
 Sinks do not change scores: each head's sink logit joins every row's softmax denominator
 (:func:`fold_sink`). Work lists come from the window alone (:func:`key_range`,
-:func:`window_covers`) and, when given, a block mask.
+:func:`query_range`, :func:`window_covers`) and, when given, a block mask.
 
 All functions are ``@njit`` (inlined); numba-cuda compiles them as device functions, and the
 type dispatch (``None`` or not) uses ``@overload(target="generic")``, which both targets see.
@@ -110,6 +110,19 @@ def key_range(r, i_first, i_last, s_len):
 
 
 @njit(**INLINE)
+def query_range(r, j_first, j_last, l_len):
+    """``(i_begin, i_end)``: the query rows that see any of keys ``j_first..j_last``
+    (inclusive) under the window, within ``[0, l_len)``; ``i_begin == i_end`` when none. The
+    inverse of :func:`key_range`, for work lists that go key block first (the backward):
+    row ``i`` sees key ``j`` iff ``j - offset - right <= i <= j - offset + left``."""
+    i_begin = max(j_first - r.offset - r.right, 0)
+    i_end = min(j_last - r.offset + r.left + 1, l_len)
+    if i_end < i_begin:
+        i_end = i_begin
+    return i_begin, i_end
+
+
+@njit(**INLINE)
 def window_covers(r, i_first, i_last, j_first, j_last):
     """Whether every row ``i_first..i_last`` sees every key ``j_first..j_last`` under the
     window (the tile needs no per-element window test)."""
@@ -150,8 +163,10 @@ def alibi_bias(r, s, b, h, i, j):
 def _alibi_bias(r, s, b, h, i, j):
     if _absent(r, "alibi"):
         return lambda r, s, b, h, i, j: s
+    # The distance cast first: a float32 slope times an int64 is float64 arithmetic in Numba.
     return lambda r, s, b, h, i, j: s - cast(
-        r.alibi[min(b + r.batch_offset, r.alibi.shape[0] - 1), h] * abs(i + r.offset - j), s)
+        r.alibi[min(b + r.batch_offset, r.alibi.shape[0] - 1), h], s) * cast(
+            abs(i + r.offset - j), s)
 
 
 def user_score(r, s, b, h, i, j):
@@ -212,7 +227,7 @@ def score_slope(r, s, b, h, i, j):
     if r.softcap > 0:
         c = cast(r.softcap, s)
         t = math.tanh(s / c)
-        g = 1 - t * t
+        g = cast(1.0, s) - t * t  # not 1 - t * t: int64 - float32 is float64 in Numba
         s = c * t
     s = alibi_bias(r, s, b, h, i, j)
     return g * user_score_grad(r, s, b, h, i, j)

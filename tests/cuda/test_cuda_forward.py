@@ -249,17 +249,23 @@ def test_choose_blocks_fits_limits(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 def test_kernel_arguments_are_launchable(dtype, mask_kind):
-    """Numba launches only arrays, numbers and booleans (not None, which the simulator takes):
-    the kernels' signatures must hold nothing else."""
+    """Numba launches only arrays, numbers, booleans and tuples of them (not None, which the
+    simulator takes): the kernels' signatures must hold nothing else."""
     import numba
 
     forward = importlib.import_module("sdpa_numba.gpu.forward")
     backward = importlib.import_module("sdpa_numba.gpu.backward")
     scalars = (numba.boolean, numba.float64, numba.uint64, numba.int64)
+
+    def launchable(t):
+        if isinstance(t, numba.types.BaseTuple):
+            return all(launchable(x) for x in t.types)
+        return isinstance(t, numba.types.Array) or t in scalars
+
     for signature in (forward._signature, backward.dq_signature, backward.dkv_signature):
         sig, _ = signature(np.dtype(dtype), mask_kind)
         for t in sig.args:
-            assert isinstance(t, numba.types.Array) or t in scalars, t
+            assert launchable(t), t
 
 
 def test_blocks_validation():
