@@ -269,7 +269,9 @@ def test_output_attentions_warns_and_gives_none():
 
 def test_attention_forward_matches_torch_directly():
     """The function on its own, against torch's SDPA: GQA with a boolean mask; causal from
-    the module when no mask is given; a query shorter than the keys (decode step)."""
+    the module when no mask is given; decode steps (one query token: the query heads of a
+    group packed as rows), without a mask, with one shared by the heads and with one per
+    head."""
     F = torch.nn.functional
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 6, 5, 8, generator=g, dtype=torch.float64),
@@ -280,12 +282,19 @@ def test_attention_forward_matches_torch_directly():
     module = torch.nn.Module()
     module.is_causal = True
     k5, v5, q1 = k[:, :, :5], v[:, :, :5], q[:, :, -1:]
+    head_mask = torch.rand(2, 6, 1, 7, generator=g) > 0.5
+    head_mask[..., 3] = True
     cases = [  # (arguments, scaling, torch's result)
         ((q, k, v, mask), None, F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)),
         ((q, k5, v5, None), 0.4, F.scaled_dot_product_attention(q, k5, v5, is_causal=True,
                                                                 scale=0.4, enable_gqa=True)),
         ((q1, k, v, None), 0.4, F.scaled_dot_product_attention(q1, k, v, scale=0.4,
-                                                               enable_gqa=True))]
+                                                               enable_gqa=True)),
+        # decode steps with a mask shared by the heads, and with one mask per query head
+        ((q1, k, v, mask[:, :, -1:]), None,
+         F.scaled_dot_product_attention(q1, k, v, mask[:, :, -1:], enable_gqa=True)),
+        ((q1, k, v, head_mask), None,
+         F.scaled_dot_product_attention(q1, k, v, head_mask, enable_gqa=True))]
     for args, scaling, want in cases:
         out, weights = hf.attention_forward(module, *args, scaling=scaling)
         assert weights is None

@@ -13,8 +13,9 @@ function, :func:`attention_forward`) and ``AttentionMaskInterface`` (the mask th
 for it, :func:`attention_mask`: without a registered mask function transformers silently gives a
 custom attention no mask at all, and padding would be ignored). Prefill, ``generate`` with the
 model's KV cache, left and right padding, grouped-query attention, sliding-window layers and
-training (gradients through the PyTorch operator of :mod:`sdpa_numba.torch`) work, in float16,
-bfloat16, float32 and float64, on CPU and CUDA tensors.
+training (gradients through the PyTorch operator of :mod:`sdpa_numba.torch`) work; tested in
+float32 and float64 on CPU tensors (float16, bfloat16 and CUDA tensors go to the same operator,
+which takes them, but no model runs them in the tests).
 
 What reaches the kernels, and where later work plugs in:
 
@@ -187,11 +188,28 @@ def _dense(query, key, value, mask, dropout, scale, is_causal, gqa, variants):
 def _decode(query, key, value, mask, dropout, scale, gqa, variants):
     """A decode step: one query token per sequence against the whole cache.
 
+    With grouped-query attention the query heads that share a key/value head become rows of
+    one problem, ``(batch, kv_heads, group, dim)`` (FlashAttention's "pack GQA"): each cached
+    key and value is then read once per key/value head instead of once per query head, and a
+    decode step is bound by reading the cache. A mask shared by the heads,
+    ``(batch, 1, 1, kv_length)``, applies to every row as it is; a per-head one is packed
+    likewise.
+
     Goes through the dense operator for now. This is where the KV-cache decode path
     (``attention_with_kvcache``, split over the cache's length) goes once it exists; the dense
     operator stays the path when gradients are wanted, as the decode path has no backward.
     """
-    return _dense(query, key, value, mask, dropout, scale, False, gqa, variants)
+    batch, q_heads, _, _ = query.shape
+    kv_heads = key.shape[1]
+    if not gqa or (mask is not None and mask.dim() != 4):
+        return _dense(query, key, value, mask, dropout, scale, False, gqa, variants)
+    group = q_heads // kv_heads
+    packed_query = query.reshape(batch, kv_heads, group, query.shape[-1])
+    if mask is not None and mask.shape[1] != 1:
+        mask = mask.expand(mask.shape[0], q_heads, 1, mask.shape[-1]).reshape(
+            mask.shape[0], kv_heads, group, mask.shape[-1])
+    out = _dense(packed_query, key, value, mask, dropout, scale, False, False, variants)
+    return out.reshape(out.shape[0], q_heads, 1, out.shape[-1])
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
