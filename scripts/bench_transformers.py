@@ -124,6 +124,7 @@ def main(argv=None):
                               max_new_tokens=args.new, min_new_tokens=args.new,
                               do_sample=False, pad_token_id=0, streamer=stamps[model])
 
+    load = os.getloadavg()[0]
     tasks = [("prefill", prefill)] + ([] if args.skip_generate else [("generate", generate)])
     best = {}  # (task, impl) -> (seconds, attention seconds)
     results = {}
@@ -154,8 +155,8 @@ def main(argv=None):
           f"{args.hidden}, {args.heads} heads, {args.kv_heads} KV heads), float32, torch "
           f"{torch.__version__} with {torch.get_num_threads()} threads, Numba "
           f"{numba.__version__} with {numba.get_num_threads()} threads; minimum of "
-          f"{args.rounds} runs. Prefill logits max |diff| {diff:.2e}; generated tokens "
-          f"identical: {same}.\n")
+          f"{args.rounds} runs; load average before {load:.1f}. Prefill logits max |diff| "
+          f"{diff:.2e}; generated tokens identical: {same}.\n")
     print("| | sdpa (torch) | sdpa_numba | sdpa_numba speed-up |")
     print("|---|---|---|---|")
     (tp, ap), (np_, anp) = best["prefill", "sdpa"], best["prefill", "sdpa_numba"]
