@@ -92,12 +92,19 @@ def compile_time():
             + "\n")
 
 
+def transformers():
+    """End to end: a ~100M-parameter Llama-style model on sdpa_numba against torch's SDPA."""
+    args = ["scripts/bench_transformers.py", "--threads", "2", "--rounds", "2"]
+    out = _run(args, {"NUMBA_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)})
+    return f"```bash\nNUMBA_NUM_THREADS=2 {PY} {' '.join(args)}\n```\n\n{out}"
+
+
 def check():
     return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
 
 
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
-              "compile": compile_time, "check": check}
+              "compile": compile_time, "check": check, "transformers": transformers}
 
 
 def _stamp():

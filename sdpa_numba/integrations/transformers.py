@@ -1,0 +1,269 @@
+"""Hugging Face transformers models on sdpa_numba: one call, then ``attn_implementation=``.
+
+::
+
+    import sdpa_numba.integrations.transformers as sdpa_numba_hf
+    from transformers import AutoModelForCausalLM
+
+    sdpa_numba_hf.register()   # once per process
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa_numba")
+
+:func:`register` adds ``"sdpa_numba"`` to transformers' ``AttentionInterface`` (the attention
+function, :func:`attention_forward`) and ``AttentionMaskInterface`` (the mask the model builds
+for it, :func:`attention_mask`: without a registered mask function transformers silently gives a
+custom attention no mask at all, and padding would be ignored). Prefill, ``generate`` with the
+model's KV cache, left and right padding, grouped-query attention, sliding-window layers and
+training (gradients through the PyTorch operator of :mod:`sdpa_numba.torch`) work; tested in
+float32 and float64 on CPU tensors (float16, bfloat16 and CUDA tensors go to the same operator,
+which takes them, but no model runs them in the tests).
+
+What reaches the kernels, and where later work plugs in:
+
+* The mask: the boolean mask transformers builds for torch's SDPA (True = takes part), or None
+  where a plain causal (or no) mask suffices, which becomes ``is_causal``. Sliding windows
+  (Mistral, the local layers of Gemma-2, ...) arrive inside that dense mask: correct, but the
+  kernels visit every key block. :func:`_variants` is where ``sliding_window`` becomes the
+  ``window=(sliding_window - 1, 0)`` variant once the dense operator takes it, together with
+  :func:`attention_mask` returning the padding part only.
+* Soft-capped scores (Gemma-2's ``attn_logit_softcapping``) raise NotImplementedError, naming
+  the setting, until the operator takes ``softcap=``; :func:`_variants` is the place.
+* Decode steps (one query token against the cache) go through :func:`_decode`, which calls the
+  dense operator for now; it is where the KV-cache decode path (``attention_with_kvcache``)
+  goes.
+* Attention sinks (gpt-oss's ``s_aux``) and additive position biases (``position_bias``) raise
+  NotImplementedError, saying which implementation to use instead.
+
+transformers >= 5.0 (its ``AttentionMaskInterface``) is needed; this module imports it (and
+torch) only when :func:`register` or the attention function runs. transformers decides whether
+a model "supports SDPA" by looking for ``"sdpa"`` in the implementation's name, so models that
+declare no torch-SDPA support (Gemma-2, gpt-oss, ...) refuse the name ``"sdpa_numba"`` when
+loaded; ``register("numba_attention")`` registers the same functions under a name without it.
+"""
+
+import re
+import warnings
+
+__all__ = ["register", "attention_forward", "attention_mask", "NAME", "MIN_TRANSFORMERS"]
+
+#: The name :func:`register` registers by default: ``attn_implementation="sdpa_numba"``.
+NAME = "sdpa_numba"
+
+#: The oldest transformers release this integration takes (its attention and mask interfaces).
+MIN_TRANSFORMERS = (5, 0)
+
+_INSTALL = "pip install 'sdpa_numba[transformers]'"
+
+
+def _version_tuple(version):
+    """``(major, minor)`` of a version string such as ``"5.24.0"`` or ``"5.0.0.dev0"``."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def _import_transformers():
+    """The transformers module, or ImportError saying what to install."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "sdpa_numba.integrations.transformers needs Hugging Face transformers >= "
+            f"{'.'.join(map(str, MIN_TRANSFORMERS))} (and torch): {_INSTALL}") from e
+    version = getattr(transformers, "__version__", "0")
+    if _version_tuple(version) < MIN_TRANSFORMERS:
+        raise ImportError(
+            f"sdpa_numba.integrations.transformers needs transformers >= "
+            f"{'.'.join(map(str, MIN_TRANSFORMERS))} (its AttentionInterface and "
+            f"AttentionMaskInterface), found {version}: {_INSTALL}")
+    return transformers
+
+
+def register(name=NAME):
+    """Register sdpa_numba with transformers as the attention implementation ``name``.
+
+    After it, ``AutoModelForCausalLM.from_config(config, attn_implementation=name)`` and
+    ``from_pretrained(..., attn_implementation=name)`` run the model's attention on
+    sdpa_numba (models already loaded switch with ``model.set_attn_implementation(name)``).
+    Registers both the attention function (:func:`attention_forward`, with
+    ``AttentionInterface``) and the mask it wants (:func:`attention_mask`, with
+    ``AttentionMaskInterface``). Calling it again is harmless.
+
+    Parameters
+    ----------
+    name : str, optional
+        The implementation's name, ``"sdpa_numba"`` by default. transformers refuses any name
+        containing ``"sdpa"`` for models that declare no torch-SDPA support (Gemma-2, gpt-oss,
+        ...): register such models' implementation under a name without it, e.g.
+        ``"numba_attention"``.
+
+    Returns
+    -------
+    str
+        ``name``, to pass as ``attn_implementation``.
+
+    Raises
+    ------
+    ImportError
+        transformers is missing or older than :data:`MIN_TRANSFORMERS`.
+    TypeError, ValueError
+        ``name`` is not a non-empty str, or names one of transformers' own implementations.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not name or name in ("eager", "sdpa", "flex_attention", "paged|eager") \
+            or name.startswith(("flash_attention", "paged|")):
+        raise ValueError(f"name must be a new implementation name, not {name!r} (one of "
+                         "transformers' own, or empty)")
+    _import_transformers()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+def attention_mask(*args, **kwargs):
+    """The mask a model builds for sdpa_numba (``AttentionMaskInterface``'s signature).
+
+    transformers' own SDPA mask: a boolean ``(batch, 1, q_length, kv_length)`` tensor, True
+    where a key takes part (causality, padding, sliding window and packed sequences folded in),
+    or None where ``is_causal`` (or nothing) expresses it. Once the dense operator has the
+    window and alignment variants, this is where the mask shrinks to its padding part
+    (``(batch, 1, 1, kv_length)``) and the rest becomes variants (see :func:`_variants`).
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def _variants(sliding_window, softcap):
+    """The operator's variant keywords for a layer's ``sliding_window`` and ``softcap``.
+
+    Today: the window is already in the mask transformers built (:func:`attention_mask`), so
+    nothing is added; soft-capping raises NotImplementedError. When the dense operator takes
+    ``window=``, ``alignment=`` and ``softcap=``, this becomes::
+
+        variants = {"alignment": "bottom_right"}
+        if sliding_window is not None:
+            variants["window"] = (sliding_window - 1, 0)   # q sees its sliding_window last keys
+        if softcap is not None:
+            variants["softcap"] = softcap
+    """
+    if softcap is not None:
+        raise NotImplementedError(
+            f"sdpa_numba: this model soft-caps its attention scores (softcap={softcap}, the "
+            "config's attn_logit_softcapping), which the sdpa_numba integration does not "
+            "support yet: load the model with attn_implementation=\"eager\"")
+    return {}
+
+
+def _refuse_unsupported(kwargs):
+    """NotImplementedError for what a model may pass that sdpa_numba does not compute yet."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            "sdpa_numba: this model's attention has sinks (s_aux, e.g. gpt-oss), which the "
+            "sdpa_numba integration does not support yet: load the model with "
+            "attn_implementation=\"eager\"")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            "sdpa_numba: this model adds a position bias to its attention scores "
+            "(position_bias, e.g. T5-style relative positions), which the sdpa_numba "
+            "integration does not support yet: load the model with attn_implementation=\"sdpa\" "
+            "or \"eager\"")
+    if kwargs.get("output_attentions", False):
+        warnings.warn("sdpa_numba never forms the attention probabilities, so it returns None "
+                      "for them (output_attentions=True): use attn_implementation=\"eager\" to "
+                      "get them", stacklevel=3)
+
+
+def _dense(query, key, value, mask, dropout, scale, is_causal, gqa, variants):
+    """One launch of the dense operator on ``(batch, heads, length, dim)`` tensors."""
+    from .. import torch as sdpa_torch
+
+    return sdpa_torch.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+        scale=scale, enable_gqa=gqa, **variants)
+
+
+def _decode(query, key, value, mask, dropout, scale, gqa, variants):
+    """A decode step: one query token per sequence against the whole cache.
+
+    With grouped-query attention the query heads that share a key/value head become rows of
+    one problem, ``(batch, kv_heads, group, dim)`` (FlashAttention's "pack GQA"): each cached
+    key and value is then read once per key/value head instead of once per query head, and a
+    decode step is bound by reading the cache. A mask shared by the heads,
+    ``(batch, 1, 1, kv_length)``, applies to every row as it is; a per-head one is packed
+    likewise.
+
+    Goes through the dense operator for now. This is where the KV-cache decode path
+    (``attention_with_kvcache``, split over the cache's length) goes once it exists; the dense
+    operator stays the path when gradients are wanted, as the decode path has no backward.
+    """
+    batch, q_heads, _, _ = query.shape
+    kv_heads = key.shape[1]
+    if not gqa or (mask is not None and mask.dim() != 4):
+        return _dense(query, key, value, mask, dropout, scale, False, gqa, variants)
+    group = q_heads // kv_heads
+    packed_query = query.reshape(batch, kv_heads, group, query.shape[-1])
+    if mask is not None and mask.shape[1] != 1:
+        mask = mask.expand(mask.shape[0], q_heads, 1, mask.shape[-1]).reshape(
+            mask.shape[0], kv_heads, group, mask.shape[-1])
+    out = _dense(packed_query, key, value, mask, dropout, scale, False, False, variants)
+    return out.reshape(out.shape[0], q_heads, 1, out.shape[-1])
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention function (``AttentionInterface``) on sdpa_numba.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model's attention layer (read for ``is_causal``).
+    query : torch.Tensor
+        ``(batch, q_heads, q_length, head_dim)``.
+    key, value : torch.Tensor
+        ``(batch, kv_heads, kv_length, head_dim)`` (the cache's contents in generation);
+        ``q_heads`` a multiple of ``kv_heads`` (grouped-query attention, without copies).
+    attention_mask : torch.Tensor or None
+        From :func:`attention_mask`: boolean (True takes part) or additive float,
+        broadcastable to ``(batch, q_heads, q_length, kv_length)``; None: causal (when the
+        layer is and ``q_length > 1``) or full attention.
+    dropout : float
+        Dropout probability on the attention weights (transformers passes 0 in evaluation).
+    scaling : float or None
+        The scores' scale; None: ``1/sqrt(head_dim)``.
+    is_causal : bool or None
+        Overrides ``module.is_causal`` when given.
+    sliding_window : int or None
+        The layer's window; already in ``attention_mask`` (see :func:`_variants`).
+    softcap : float or None
+        Soft-capping of the scores: not supported yet (NotImplementedError).
+    **kwargs
+        Whatever else the model passes; ``s_aux`` and ``position_bias`` are refused
+        (NotImplementedError), ``output_attentions`` warns, the rest is ignored.
+
+    Returns
+    -------
+    tuple
+        ``(out, None)``: ``out`` of shape ``(batch, q_length, q_heads, head_dim)``
+        (contiguous), and None for the attention weights, which are never formed.
+    """
+    variants = _variants(sliding_window, softcap)
+    _refuse_unsupported(kwargs)
+    q_length = query.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # As transformers' SDPA integration: causality comes from is_causal only when the mask
+    # builder left it out (None), and never for one query token (it sees the whole cache).
+    is_causal = bool(is_causal and attention_mask is None and q_length > 1)
+    if is_causal and key.shape[2] > q_length:
+        # a first chunk into a static cache: the slots after the prompt are empty
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    if q_length == 1:
+        out = _decode(query, key, value, attention_mask, dropout, scaling, gqa, variants)
+    else:
+        out = _dense(query, key, value, attention_mask, dropout, scaling, is_causal, gqa,
+                     variants)
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,335 @@
+"""Hugging Face transformers models on sdpa_numba (sdpa_numba.integrations.transformers).
+
+Tiny models from configs with random weights (no downloads): each model is built twice with
+the same weights, once on sdpa_numba and once on the reference implementation (torch's SDPA,
+or "eager" where the model does not take SDPA), and their logits, greedy generations (tokens
+and every step's scores) and parameter gradients are compared, in float32 and float64, with
+left and right padding. Only the positions that are real tokens are compared: padded query
+rows are undefined in every implementation.
+
+Weights are drawn with a large initializer_range so that attention is far from uniform (with
+the default 0.02 every key gets nearly the same weight, and a wrong mask hardly shows).
+"""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import sdpa_numba.integrations.transformers as hf  # noqa: E402
+from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig,  # noqa: E402
+                          MistralConfig)
+
+#: Relative Frobenius error allowed against the reference, per dtype (logits pass through a
+#: few layers and the LM head, so float32 gets some room above the kernels' 1e-5).
+RTOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+#: The name under which models that declare no torch-SDPA support are loaded (see
+#: test_sdpa_in_the_name_is_refused_by_models_without_sdpa).
+ALIAS = "numba_attention"
+#: transformers' own torch-SDPA functions under a name without "sdpa": the float64 reference
+#: for Gemma-2, which refuses "sdpa" (it declares no SDPA support because of soft-capping).
+TORCH_SDPA = "torch_reference"
+VOCAB = 97
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert hf.register() == "sdpa_numba"
+    assert hf.register(ALIAS) == ALIAS
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(TORCH_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(TORCH_SDPA, sdpa_mask)
+
+
+def llama_config():
+    # GQA: 8 query heads on 2 key/value heads; head_dim 12 (not a power of two)
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                       max_position_embeddings=64, initializer_range=0.3, pad_token_id=0)
+
+
+def mistral_config():
+    # a window of 5 keys on sequences of up to 19 tokens: most rows are cut by it
+    return MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, sliding_window=5, initializer_range=0.3,
+                         pad_token_id=0)
+
+
+def gemma2_config(softcap):
+    # layers alternate sliding (window 4) and full attention
+    return Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, max_position_embeddings=64, sliding_window=4,
+                        attn_logit_softcapping=softcap, final_logit_softcapping=None,
+                        initializer_range=0.3, pad_token_id=0)
+
+
+def pair(config, dtype, reference="sdpa", ours="sdpa_numba"):
+    """(ours, reference): the same random weights, in ``dtype``, in evaluation mode. Each model
+    gets its own copy of the config (from_config writes the implementation into the config it
+    is given)."""
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference)
+    mine = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=ours)
+    mine.load_state_dict(ref.state_dict())
+    ref, mine = ref.to(dtype).eval(), mine.to(dtype).eval()
+    assert mine.config._attn_implementation == ours
+    assert ref.config._attn_implementation == reference
+    return mine, ref
+
+
+def batch(side, lengths=(13, 9, 4), seed=1):
+    """Token ids and attention mask of sequences of ``lengths`` padded on ``side``."""
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        cols = slice(L - n, L) if side == "left" else slice(0, n)
+        ids[b, cols] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[b, cols] = 1
+    return ids, mask
+
+
+def rel_err(a, b, keep=None):
+    """||a - b|| / ||b|| over the rows where ``keep`` (batch, length) is set."""
+    if keep is not None:
+        a, b = a[keep.bool()], b[keep.bool()]
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------- prefill logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_llama_gqa_logits(dtype, side):
+    mine, ref = pair(llama_config(), dtype)
+    ids, mask = batch(side)
+    with torch.no_grad():
+        got = mine(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+        # and unpadded, where the mask builder leaves the causal mask to is_causal
+        got_full, want_full = mine(ids[:1]).logits, ref(ids[:1]).logits
+    assert got.dtype == dtype
+    assert rel_err(got, want, mask) <= RTOL[dtype]
+    assert rel_err(got_full, want_full) <= RTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mistral_sliding_window_logits(dtype):
+    mine, ref = pair(mistral_config(), dtype)
+    ids, mask = batch("right", lengths=(19, 11, 6))
+    with torch.no_grad():
+        got = mine(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+        # the window matters here: without it the reference's logits are far from these
+        unwindowed = copy.deepcopy(ref.config)
+        unwindowed.sliding_window = None
+        wide = AutoModelForCausalLM.from_config(unwindowed, attn_implementation="sdpa")
+        wide.load_state_dict(ref.state_dict())
+        wide = wide.to(dtype).eval()(ids, attention_mask=mask).logits
+    assert rel_err(got, want, mask) <= RTOL[dtype]
+    assert rel_err(wide, want, mask) > 1e-3
+
+
+@pytest.mark.parametrize("dtype, side, reference", [(torch.float32, "left", "eager"),
+                                                     (torch.float32, "right", "eager"),
+                                                     (torch.float64, "right", TORCH_SDPA)])
+def test_gemma2_hybrid_layers_logits(dtype, side, reference):
+    """Gemma-2 without soft-capping (alternating sliding and full layers, query_pre_attn
+    scaling) against eager, which transformers runs Gemma-2 with, and in float64 against
+    torch's SDPA (eager computes its softmax in float32, and its float64 additive mask,
+    finfo.min, overflows to -inf: padded rows become NaN and reach the real rows)."""
+    mine, ref = pair(gemma2_config(softcap=None), dtype, reference=reference, ours=ALIAS)
+    ids, mask = batch(side, lengths=(11, 7, 3))
+    with torch.no_grad():
+        got = mine(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+    assert rel_err(got, want, mask) <= RTOL[dtype]
+
+
+# ---------------------------------------------------------------- generate with the KV cache
+
+
+def generate(model, ids, mask, n):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    return out.sequences, torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("config, dtype", [(llama_config, torch.float32),
+                                           (llama_config, torch.float64),
+                                           (mistral_config, torch.float32)],
+                         ids=["llama-float32", "llama-float64", "mistral-float32"])
+def test_greedy_generation(config, dtype):
+    """Left-padded prompts, 8 new tokens through the KV cache (Mistral's window of 5 is
+    passed by the prompt and then by the generated tokens): the same tokens, and every step's
+    scores within the tolerance."""
+    mine, ref = pair(config(), dtype)
+    ids, mask = batch("left", lengths=(9, 6, 2))
+    decode_calls = []
+    spied = hf._decode
+
+    def spy(query, *args):
+        decode_calls.append(tuple(query.shape))
+        return spied(query, *args)
+
+    hf._decode = spy
+    try:
+        got_ids, got_scores = generate(mine, ids, mask, 8)
+    finally:
+        hf._decode = spied
+    want_ids, want_scores = generate(ref, ids, mask, 8)
+    assert torch.equal(got_ids, want_ids)
+    # the logits processors set some scores to -inf (min_new_tokens: the end token)
+    finite = torch.isfinite(want_scores)
+    assert torch.equal(torch.isfinite(got_scores), finite) and finite.float().mean() > 0.9
+    assert rel_err(got_scores[finite], want_scores[finite]) <= RTOL[dtype]
+    # 7 decode steps after the prefill, each layer once per step, one query token each
+    assert len(decode_calls) == 7 * mine.config.num_hidden_layers
+    assert all(shape[2] == 1 for shape in decode_calls)
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_llama_parameter_gradients(dtype):
+    """A training step's loss and every parameter's gradient, right padding, padded labels
+    ignored (-100)."""
+    mine, ref = pair(llama_config(), dtype)
+    mine.train(), ref.train()  # attention_dropout is 0: training is deterministic
+    ids, mask = batch("right", lengths=(11, 8, 5))
+    labels = ids.masked_fill(mask == 0, -100)
+    losses = []
+    for model in (mine, ref):
+        model.zero_grad()
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert rel_err(losses[0], losses[1]) <= RTOL[dtype]
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in mine.named_parameters():
+        q = ref_params[name]
+        assert p.grad is not None and q.grad is not None, name
+        if q.grad.norm() > 0:
+            assert rel_err(p.grad, q.grad) <= 10 * RTOL[dtype], name
+            checked += 1
+    assert checked >= 10  # the attention projections of both layers among them
+
+
+# ---------------------------------------------------------------- what is not supported
+
+
+def test_gemma2_softcap_is_refused_clearly():
+    mine, _ = pair(gemma2_config(softcap=50.0), torch.float32, reference="eager", ours=ALIAS)
+    ids, mask = batch("right")
+    with pytest.raises(NotImplementedError,
+                       match=r"softcap=50\.0.*attn_logit_softcapping.*attn_implementation=\"eager\""):
+        with torch.no_grad():
+            mine(ids, attention_mask=mask)
+
+
+def test_sdpa_in_the_name_is_refused_by_models_without_sdpa():
+    """transformers runs its torch-SDPA support check on any name that contains "sdpa":
+    Gemma-2 (no SDPA support declared) refuses "sdpa_numba" and takes the alias. If this test
+    fails, transformers changed that rule, and the docs' advice can go."""
+    with pytest.raises(ValueError, match="does not support an attention implementation"):
+        AutoModelForCausalLM.from_config(gemma2_config(softcap=None),
+                                         attn_implementation="sdpa_numba")
+
+
+@pytest.mark.parametrize("kwargs, what", [({"s_aux": torch.zeros(4)}, "s_aux"),
+                                          ({"position_bias": torch.zeros(1, 4, 3, 3)},
+                                           "position_bias")])
+def test_unsupported_attention_features_are_refused(kwargs, what):
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(NotImplementedError, match=what + ".*attn_implementation="):
+        hf.attention_forward(torch.nn.Module(), q, q, q, None, **kwargs)
+
+
+def test_output_attentions_warns_and_gives_none():
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="output_attentions"):
+        out, weights = hf.attention_forward(torch.nn.Module(), q, q, q, None,
+                                            output_attentions=True)
+    assert weights is None and out.shape == (1, 3, 2, 8)
+
+
+def test_attention_forward_matches_torch_directly():
+    """The function on its own, against torch's SDPA: GQA with a boolean mask; causal from
+    the module when no mask is given; decode steps (one query token: the query heads of a
+    group packed as rows), without a mask, with one shared by the heads and with one per
+    head."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 6, 5, 8, generator=g, dtype=torch.float64),
+               torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64),
+               torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64))
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    module = torch.nn.Module()
+    module.is_causal = True
+    k5, v5, q1 = k[:, :, :5], v[:, :, :5], q[:, :, -1:]
+    head_mask = torch.rand(2, 6, 1, 7, generator=g) > 0.5
+    head_mask[..., 3] = True
+    cases = [  # (arguments, scaling, torch's result)
+        ((q, k, v, mask), None, F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)),
+        ((q, k5, v5, None), 0.4, F.scaled_dot_product_attention(q, k5, v5, is_causal=True,
+                                                                scale=0.4, enable_gqa=True)),
+        ((q1, k, v, None), 0.4, F.scaled_dot_product_attention(q1, k, v, scale=0.4,
+                                                               enable_gqa=True)),
+        # decode steps with a mask shared by the heads, and with one mask per query head
+        ((q1, k, v, mask[:, :, -1:]), None,
+         F.scaled_dot_product_attention(q1, k, v, mask[:, :, -1:], enable_gqa=True)),
+        ((q1, k, v, head_mask), None,
+         F.scaled_dot_product_attention(q1, k, v, head_mask, enable_gqa=True))]
+    for args, scaling, want in cases:
+        out, weights = hf.attention_forward(module, *args, scaling=scaling)
+        assert weights is None
+        assert out.shape == want.transpose(1, 2).shape and out.is_contiguous()
+        assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+
+
+# ---------------------------------------------------------------- set-up errors
+
+
+def test_register_refuses_bad_names():
+    with pytest.raises(TypeError, match="name must be a str"):
+        hf.register(3)
+    for name in ("", "sdpa", "eager", "flash_attention_2"):
+        with pytest.raises(ValueError, match="name must be a new implementation name"):
+            hf.register(name)
+
+
+def test_missing_transformers_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(ImportError, match=r"pip install 'sdpa_numba\[transformers\]'"):
+        hf.register()
+
+
+def test_old_transformers_is_refused(monkeypatch):
+    # the module in sys.modules now: transformers replaces its own entry while building models
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.52.3")
+    with pytest.raises(ImportError, match=r"transformers >= 5\.0 .*found 4\.52\.3"):
+        hf.register()
+
+
+def test_importing_the_module_imports_neither_torch_nor_transformers():
+    code = ("import sys, sdpa_numba.integrations.transformers, sdpa_numba.integrations as i; "
+            "assert i.transformers.NAME == 'sdpa_numba'; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
