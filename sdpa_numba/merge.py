@@ -66,7 +66,8 @@ def _entry(kernel, ndims, st, ct):
     return _entries[key]
 
 
-def merge_attention_states(*states: Any) -> tuple[Any, Any]:
+def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any = None,
+                           lse_b: Any = None) -> tuple[Any, Any]:
     """Combine attention over disjoint key sets into attention over their union.
 
     Two forms:
@@ -81,9 +82,11 @@ def merge_attention_states(*states: Any) -> tuple[Any, Any]:
     out_a, out_b : ndarray, shape (..., Ev)
         Normalized attention outputs over two disjoint key sets (e.g. the dense API's output
         over two halves of the keys), of one dtype: float16, bfloat16, float32 or float64.
-        Any leading shape (e.g. ``(B, Hq, L, Ev)``).
+        Any leading shape (e.g. ``(B, Hq, L, Ev)``). In the n-ary form, ``out_a`` is
+        ``outs (n, ..., Ev)`` and ``out_b`` is not given.
     lse_a, lse_b : ndarray, shape (...)
-        Their log-sum-exp of the scores (``return_lse=True``), any float dtype.
+        Their log-sum-exp of the scores (``return_lse=True``), any float dtype. In the n-ary
+        form, ``lse_a`` is ``lses (n, ...)`` and ``lse_b`` is not given.
 
     Returns
     -------
@@ -125,13 +128,14 @@ def merge_attention_states(*states: Any) -> tuple[Any, Any]:
     >>> bool(np.allclose(out, whole) and np.allclose(lse, whole_lse))
     True
     """
-    if len(states) == 4:
-        names = ("out_a", "lse_a", "out_b", "lse_b")
-    elif len(states) == 2:
-        names = ("outs", "lses")
+    if out_b is not None and lse_b is not None:
+        states: tuple = (out_a, lse_a, out_b, lse_b)
+        names: tuple = ("out_a", "lse_a", "out_b", "lse_b")
+    elif out_b is None and lse_b is None:
+        states, names = (out_a, lse_a), ("outs", "lses")
     else:
-        raise TypeError(f"merge_attention_states takes (out_a, lse_a, out_b, lse_b) or "
-                        f"(outs, lses), got {len(states)} arguments")
+        raise TypeError("merge_attention_states takes (out_a, lse_a, out_b, lse_b) or "
+                        "(outs, lses): out_b and lse_b go together")
     if any(_is_device(x) for x in states):
         raise NotImplementedError("merge_attention_states on CUDA arrays is not built yet: "
                                   "copy them to the host, or call sdpa_numba.gpu.merge_row / "
