@@ -41,7 +41,8 @@ class DecodeCase:
 
     @property
     def kv_bytes(self):
-        return 2 * self.batch * self.heads_kv * self.cache * self.dim * np.dtype(self.dtype).itemsize
+        itemsize = np.dtype(self.dtype).itemsize
+        return 2 * self.batch * self.heads_kv * self.cache * self.dim * itemsize
 
 
 #: The decode cases of issue 16's targets.

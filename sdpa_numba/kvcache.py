@@ -51,6 +51,35 @@ def _entry(parallel, dtype):
     return _entries[key]
 
 
+def _host(name, x):
+    """A small integer argument (``cache_seqlens``, ``block_table``) as a NumPy array, copied
+    from the device if it is there."""
+    if _is_device(x):
+        from .gpu.arrays import adopt as adopt_device
+
+        return adopt_device([(name, x)])[0][0].copy_to_host()
+    return as_numpy(name, x)
+
+
+def _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, is_causal, scale, out,
+              out_shape, dtype, return_lse, restore):
+    """The CUDA path, once everything is checked: append on the device, then decode."""
+    from numba import cuda
+
+    from .gpu.arrays import device_array
+    from .gpu.decode import append, decode
+
+    if pages is not None:
+        append(k, v, k_cache, v_cache, pages, slots)
+    result = device_array(out_shape, dtype) if out is None else out
+    B, Lq, Hq, _ = out_shape
+    lse = device_array((B, Hq, Lq), compute_dtype(dtype))
+    decode(q, k_cache, v_cache, cuda.to_device(table), kv_lens, is_causal, scale,
+                   result, lse)
+    result, lse = restore(result), restore(lse)
+    return (result, lse) if return_lse else result
+
+
 def _check_float(name, x, dtype=None):
     dt = np.dtype(x.dtype)
     if dt not in FLOATS and not is_bfloat16(dt):
@@ -79,15 +108,19 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
 
     Parameters
     ----------
-    q : ndarray, shape (B, Lq, Hq, E)
-        The new query tokens of each sequence: float16, bfloat16, float32 or float64.
+    q : ndarray or CUDA array, shape (B, Lq, Hq, E)
+        The new query tokens of each sequence: float16, bfloat16, float32 or float64. NumPy
+        (or other host) arrays run on the CPU kernel, CUDA arrays on the CUDA kernel
+        (:mod:`sdpa_numba.gpu.decode`); q, the caches, ``k``, ``v`` and ``out`` must all be
+        on one side. The result comes back as q's kind of array.
     k_cache : ndarray, shape (B, S_max, H, E) or (num_pages, page_size, H, E)
         A contiguous cache, or with ``block_table`` a paged one (any ``page_size >= 1``).
         ``Hq`` must be a multiple of ``H`` (grouped-query attention: query head ``hq`` reads
         key/value head ``hq // (Hq // H)``). q's dtype; last dim contiguous.
     v_cache : ndarray, shape (B, S_max, H, Ev) or (num_pages, page_size, H, Ev)
-    cache_seqlens : int or ndarray of ints, shape (B,)
-        Keys already in the cache for each sequence.
+    cache_seqlens : int or array of ints, shape (B,)
+        Keys already in the cache for each sequence (host or device array: it is read on the
+        host, to check it and to split the work).
     k, v : ndarray, shape (B, Lq_new, H, E) and (B, Lq_new, H, Ev), keyword-only, optional
         New keys and values, both or neither. They are written into the cache at positions
         ``cache_seqlens[b] .. cache_seqlens[b] + Lq_new - 1`` first (the one documented
@@ -123,7 +156,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     TypeError, ValueError
         For bad input, naming the argument, before anything is read or written.
     NotImplementedError
-        For CUDA arrays and attention variants (not built yet).
+        For the attention variants (not built yet).
 
     Notes
     -----
@@ -135,29 +168,45 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     if variants:
         raise NotImplementedError(f"attention_with_kvcache does not support "
                                   f"{', '.join(sorted(variants))} yet (only is_causal)")
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-             ("cache_seqlens", cache_seqlens), ("k", k), ("v", v), ("block_table", block_table),
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
              ("out", out)]
-    if any(x is not None and _is_device(x) for _, x in named):
-        raise NotImplementedError("attention_with_kvcache on CUDA arrays is not built yet")
     for name in ("q", "k_cache", "v_cache"):
         if dict(named)[name] is None:
             raise TypeError(f"{name} must be an array, got None")
+    on_device = [name for name, x in named if x is not None and _is_device(x)]
+    device = "cuda" if on_device else "host"
+    if on_device and len(on_device) != sum(x is not None for _, x in named):
+        raise TypeError(f"inputs mix host and device arrays ({', '.join(on_device)} on the "
+                        f"device): put q, the caches, k, v and out on one device")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values), or neither")
     is_causal = check_flag("is_causal", is_causal)
     return_lse = check_flag("return_lse", return_lse)
     appending = k is not None
-    # The caches are adopted without a copy: they may be written, and must be read as is.
-    k_cache_in, v_cache_in = k_cache, v_cache
-    k_cache = as_numpy("k_cache", k_cache, writable=appending)
-    v_cache = as_numpy("v_cache", v_cache, writable=appending)
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full(np.shape(q)[:1], int(cache_seqlens), np.int64)
-    arrays, restore = adopt_host([("q", q), ("cache_seqlens", cache_seqlens), ("k", k),
-                                  ("v", v), ("block_table", block_table)], out)
-    q, cache_seqlens, k, v, block_table = arrays[:5]
-    out = arrays[5] if out is not None else None
+    # cache_seqlens and block_table are read on the host (checks, and the split into chunks),
+    # whichever device they are on.
+    cache_seqlens = _host("cache_seqlens", cache_seqlens)
+    block_table = None if block_table is None else _host("block_table", block_table)
+    if device == "cuda":
+        from .gpu.arrays import adopt as adopt_device
+
+        arrays, restore = adopt_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                        ("k", k), ("v", v)], out)
+        q, k_cache, v_cache, k, v = arrays[:5]
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k),
+                        ("v", v)):
+            if x is not None and any(st < 0 for st in x.strides):
+                raise ValueError(f"{name} has negative strides {tuple(x.strides)}, which the "
+                                 f"CUDA path does not support: pass a copy")
+    else:
+        # The caches are adopted without a copy: they may be written, and must be read as is.
+        k_cache = as_numpy("k_cache", k_cache, writable=appending)
+        v_cache = as_numpy("v_cache", v_cache, writable=appending)
+        arrays, restore = adopt_host([("q", q), ("k", k), ("v", v)], out)
+        q, k, v = arrays[:3]
+    out = arrays[-1] if out is not None else None
 
     _check_ndim("q", q, 4, "(B, Lq, Hq, E)")
     _check_float("q", q)
@@ -181,8 +230,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         raise ValueError(f"q's heads ({Hq}) must be a multiple of the cache's heads ({H}): q "
                          f"{shape_str(q)}, k_cache {shape_str(k_cache)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.shape[3] > 1 and c.strides[3] != c.itemsize:
-            raise ValueError(f"{name}'s last dim must be contiguous (stride {c.itemsize} "
+        itemsize = np.dtype(c.dtype).itemsize
+        if c.shape[3] > 1 and c.strides[3] != itemsize:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride {itemsize} "
                              f"bytes), got strides {tuple(c.strides)}")
     if not paged and n_pages != B:
         raise ValueError(f"a contiguous k_cache must have q's batch size {B} as its first dim, "
@@ -260,19 +310,27 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
 
     out_shape = (B, Lq, Hq, Ev)
     if out is not None:
+        if device == "cuda":
+            from .gpu.arrays import address as device_address
+
+            address = device_address
+        else:
+            address = host_address
         if tuple(out.shape) != out_shape or np.dtype(out.dtype) != dtype:
             raise ValueError(f"out must have shape {out_shape} and dtype {dtype}, got "
                              f"{shape_str(out)} {np.dtype(out.dtype)}")
+        itemsize = np.dtype(out.dtype).itemsize
         if out.size and (any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape))
-                         or may_self_overlap(out.shape, out.strides, out.itemsize)):
+                         or may_self_overlap(out.shape, out.strides, itemsize)):
             raise ValueError(f"out's elements overlap each other (strides "
                              f"{tuple(out.strides)}): pass a buffer of its own")
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k),
                         ("v", v)):
-            if x is not None and may_overlap(out, x, host_address):
+            if x is not None and may_overlap(out, x, address):
                 raise ValueError(f"out overlaps {name}: pass a separate buffer")
 
     # Everything is checked: append, then attend.
+    pages = slots = None
     if appending and lq_new and B:
         bidx = np.repeat(np.arange(B), lq_new)
         pos = (seqlens[:, None] + np.arange(lq_new)[None, :]).ravel()
@@ -280,6 +338,10 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
             pages, slots = table[bidx, pos // page_size], pos % page_size
         else:
             pages, slots = bidx, pos
+    if device == "cuda":
+        return _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, is_causal,
+                         scale, out, out_shape, dtype, return_lse, restore)
+    if pages is not None:
         k_cache[pages, slots] = k.reshape(B * lq_new, H, E)
         v_cache[pages, slots] = v.reshape(B * lq_new, H, Ev)
 
@@ -293,6 +355,5 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
             entry = _entry(work >= SERIAL_BYTES, dtype)
             entry(storage_view(q), storage_view(k_cache), storage_view(v_cache), table,
                   kv_lens, is_causal, scale, storage_view(result), lse)
-    del k_cache_in, v_cache_in
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result
