@@ -154,7 +154,10 @@ def build_parser():
                         "causal, B1 H4 L4096 D128 float32; decode: attention_with_kvcache "
                         "B1 H32 S8192 D128 and B1 Hq32 H8 S16384 D128 float32 as GB/s of K+V "
                         "against a NumPy streaming read and torch, and the tiny call B1 H1 "
-                        "S512 D64 as the median after 50 ms idle")
+                        "S512 D64 as the median after 50 ms idle; decode-more: a paged cache "
+                        "(page 16) against decode's contiguous one, a ragged batch B16 "
+                        "(lengths 128..8192, torch: padded with a mask), split-KV B1 H1 S1M "
+                        "D128 on 2 threads against 1")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
                         "(repeatable)")
@@ -466,7 +469,7 @@ def cmd_bench_decode(args, cases, out):
     print(f"sdpa_numba bench (decode): {threads} threads; NumPy streaming read (np.sum of "
           f"256 MiB float32): {bw / 1e9:.1f} GB/s", file=out)
     head = ["case", "timing", "vs torch", "sdpa_numba ms", "GB/s", "% of read", "torch ms",
-            "torch GB/s", "err vs torch"]
+            "torch GB/s", "err vs torch", "vs 1 thread"]
     rows = []
     for r in results:
         t, g = r["time_s"], r["gb_per_s"]
@@ -475,7 +478,8 @@ def cmd_bench_decode(args, cases, out):
                      _fmt(t["sdpa_numba"] * 1e3, ".3f"), _fmt(g["sdpa_numba"], ".1f"),
                      _fmt(100 * r["of_read_bandwidth"], ".0f") + "%",
                      _fmt(t.get("torch", math.nan) * 1e3, ".3f"), _fmt(g.get("torch"), ".1f"),
-                     _fmt(r.get("rel_err_vs_torch"), ".1e")])
+                     _fmt(r.get("rel_err_vs_torch"), ".1e"),
+                     _fmt(r.get("speedup_vs_one_thread"), ".2f")])
     print(_render(head, rows, args.markdown), file=out)
     return EXIT_OK
 
