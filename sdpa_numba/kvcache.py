@@ -235,7 +235,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                          f"{shape_str(q)}, k_cache {shape_str(k_cache)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         itemsize = np.dtype(c.dtype).itemsize
-        if c.shape[3] > 1 and c.strides[3] != itemsize:
+        if c.size and c.shape[3] > 1 and c.strides[3] != itemsize:  # (empty: any strides)
             raise ValueError(f"{name}'s last dim must be contiguous (stride {itemsize} "
                              f"bytes), got strides {tuple(c.strides)}")
     if not paged and n_pages != B:

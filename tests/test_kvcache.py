@@ -205,3 +205,26 @@ def test_bad_input_is_refused_before_anything_is_written(rng):
 def test_an_int_cache_seqlens_applies_to_every_sequence(rng):
     q, kc, vc = make(rng, 2, 1, 2, 2, 4, 4, 8)
     np.testing.assert_array_equal(kvattn(q, kc, vc, 5), kvattn(q, kc, vc, np.array([5, 5])))
+
+
+def test_a_nan_query_row_shows_in_that_row_only(rng):
+    q, kc, vc = make(rng, 2, 2, 4, 2, 6, 5, CHUNK + 20)
+    q[0, 1, 2, 3] = np.nan
+    seqlens = np.array([CHUNK + 20, 9])
+    out, lse = kvattn(q, kc, vc, seqlens, return_lse=True)
+    assert np.all(np.isnan(out[0, 1, 2])) and np.isnan(lse[0, 2, 1])
+    bad = np.zeros(out.shape, bool)
+    bad[0, 1, 2] = True
+    assert np.all(np.isfinite(out[~bad]))
+    q[0, 1, 2, 3] = 0.0  # the other rows are those of the clean problem
+    clean = kvattn(q, kc, vc, seqlens)
+    np.testing.assert_array_equal(out[~bad], clean[~bad])
+
+
+def test_empty_batch_and_no_query_tokens(rng):
+    q, kc, vc = make(rng, 2, 0, 4, 2, 6, 5, 8)
+    out, lse = kvattn(q, kc, vc, np.array([3, 8]), return_lse=True)
+    assert out.shape == (2, 0, 4, 5) and lse.shape == (2, 4, 0)
+    q, kc, vc = make(rng, 0, 1, 4, 2, 6, 5, 8)
+    out = kvattn(q, kc, vc, np.zeros(0, np.int64))
+    assert out.shape == (0, 1, 4, 5)
