@@ -113,7 +113,30 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, j
             # Scores s[r, j] of the rows of head h (r = hg * lq + t) against the block's keys.
             for j in range(n):
                 kp = ptr_add(kbase, koff[j] + h * khs)
-                for r in range(rows):
+                r = 0
+                # Four rows at once (GQA, Lq > 1): each key element is loaded once for them
+                # (CPU time of one thread, B1 Hq32 H8 S256 D128 in cache: 22 -> 25 GFLOP/s).
+                while r + 4 <= rows:
+                    q0 = ptr_add(qp, (h * rows + r) * e_len)
+                    q1 = ptr_add(q0, e_len)
+                    q2 = ptr_add(q1, e_len)
+                    q3 = ptr_add(q2, e_len)
+                    x0 = zero
+                    x1 = zero
+                    x2 = zero
+                    x3 = zero
+                    for e in range(e_len):
+                        kv = load(kp[e])
+                        x0 += q0[e] * kv
+                        x1 += q1[e] * kv
+                        x2 += q2[e] * kv
+                        x3 += q3[e] * kv
+                    s[r * BN + j] = x0
+                    s[(r + 1) * BN + j] = x1
+                    s[(r + 2) * BN + j] = x2
+                    s[(r + 3) * BN + j] = x3
+                    r += 4
+                for r in range(r, rows):
                     qr = ptr_add(qp, (h * rows + r) * e_len)
                     x = zero
                     for e in range(e_len):
