@@ -22,7 +22,7 @@ import traceback
 
 import numpy as np
 
-from . import bench
+from . import bench, bench_decode
 from .problem import flops as count_flops
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
@@ -148,9 +148,16 @@ def build_parser():
                     "a grid (--batch --heads --seq --dim --dtype --causal) unless --preset or "
                     "--case is given.",
 )
-    p.add_argument("--preset", choices=sorted(bench.PRESETS), action="append", default=[],
+    p.add_argument("--preset", choices=sorted({*bench.PRESETS, *bench_decode.PRESETS}),
+                   action="append", default=[],
                    help="a named case list; headline: B1 H8 L2048 D64 float32 non-causal and "
-                        "causal, B1 H4 L4096 D128 float32")
+                        "causal, B1 H4 L4096 D128 float32; decode: attention_with_kvcache "
+                        "B1 H32 S8192 D128 and B1 Hq32 H8 S16384 D128 float32 as GB/s of K+V "
+                        "against a NumPy streaming read and torch, and the tiny call B1 H1 "
+                        "S512 D64 as the median after 50 ms idle; decode-more: a paged cache "
+                        "(page 16) against decode's contiguous one, a ragged batch B16 "
+                        "(lengths 128..8192, torch: padded with a mask), split-KV B1 H1 S1M "
+                        "D128 on 2 threads against 1")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
                         "(repeatable)")
@@ -427,8 +434,9 @@ def plot_results(results, path, sgemm=None, title=None, sgemm_size=4096):
 
 
 def _bench_cases(args):
-    cases = [c for name in args.preset for c in bench.PRESETS[name]] + list(args.case)
-    if cases:
+    cases = [c for name in args.preset if name in bench.PRESETS
+             for c in bench.PRESETS[name]] + list(args.case)
+    if cases or _decode_cases(args):
         return cases
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     return bench.grid(args.batch, args.heads, args.seq, args.dim, args.dtype, causals)
@@ -446,9 +454,44 @@ def _progress_bar(total, disable):
     return tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False)
 
 
+def _decode_cases(args):
+    return [c for name in args.preset if name in bench_decode.PRESETS
+            for c in bench_decode.PRESETS[name]]
+
+
+def cmd_bench_decode(args, cases, out):
+    """The decode presets: GB/s of K+V against a NumPy read and torch, in the same run."""
+    threads = _set_threads(args, torch_too=True)
+    bw, results = bench_decode.run(cases, args.repeats, args.pause)
+    if args.json:
+        _dump_json({"threads": threads, "read_bytes_per_s": bw, "decode": results}, out)
+        return EXIT_OK
+    print(f"sdpa_numba bench (decode): {threads} threads; NumPy streaming read (the faster of "
+          f"np.sum and np.max of 256 MiB float32): {bw / 1e9:.1f} GB/s", file=out)
+    head = ["case", "timing", "vs torch", "sdpa_numba ms", "GB/s", "% of read", "torch ms",
+            "torch GB/s", "err vs torch", "vs 1 thread"]
+    rows = []
+    for r in results:
+        t, g = r["time_s"], r["gb_per_s"]
+        rows.append([r["case"], r["timing"],
+                     _fmt(r.get("speed_vs_torch"), ".2f") + ("x" if "speed_vs_torch" in r else ""),
+                     _fmt(t["sdpa_numba"] * 1e3, ".3f"), _fmt(g["sdpa_numba"], ".1f"),
+                     _fmt(100 * r["of_read_bandwidth"], ".0f") + "%",
+                     _fmt(t.get("torch", math.nan) * 1e3, ".3f"), _fmt(g.get("torch"), ".1f"),
+                     _fmt(r.get("rel_err_vs_torch"), ".1e"),
+                     _fmt(r.get("speedup_vs_one_thread"), ".2f")])
+    print(_render(head, rows, args.markdown), file=out)
+    return EXIT_OK
+
+
 def cmd_bench(args, out=None):
     out = out or sys.stdout
     parser = args.subparser
+    decode_cases = _decode_cases(args)
+    if decode_cases:
+        code = cmd_bench_decode(args, decode_cases, out)
+        if not _bench_cases(args):
+            return code
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -1,0 +1,185 @@
+"""Decode benchmarks, for ``python -m sdpa_numba bench --preset decode``.
+
+Decoding is memory-bound, so its figure is bandwidth: bytes of K and V read per second,
+against a NumPy streaming read (the faster of ``np.sum`` and ``np.max`` of a 256 MiB float32
+array, one thread) measured in the same run, and against torch's SDPA on the same cache (laid
+out ``(B, H, S, D)``, torch's preferred layout; ``enable_gqa`` for GQA), with a pause before
+each timed call (see
+:data:`sdpa_numba.bench.PAUSE`). ``attention_with_kvcache`` reads the cache in FlashAttention's
+``(B, S, H, D)`` layout. Latency of a tiny call is the median after an idle pause of 50 ms,
+since that is what a serving loop sees (a parallel launch after an idle pause pays for waking
+the thread pool).
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .bench import time_interleaved, torch_available
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    """One decode step: ``B`` sequences of one new token, ``Hq`` query heads, ``H`` key/value
+    heads, ``S`` cached keys of dim ``D``. ``tiny``: timed as the median after an idle pause."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    cache: int
+    dim: int
+    dtype: str = "float32"
+    tiny: bool = False
+    #: A paged cache of this page size (shuffled pages) for sdpa_numba; 0: contiguous.
+    page_size: int = 0
+    #: Ragged batch: cache lengths spaced evenly from 128 to ``cache`` (torch: the padded
+    #: batch with a mask).
+    ragged: bool = False
+    #: Also time sdpa_numba on one thread (the split-KV speedup).
+    one_thread: bool = False
+
+    def lengths(self):
+        if self.ragged and self.batch > 1:
+            return np.linspace(128, self.cache, self.batch).astype(np.int64)
+        return np.full(self.batch, self.cache, np.int64)
+
+    @property
+    def label(self):
+        heads = (f"H{self.heads_q}" if self.heads_q == self.heads_kv
+                 else f"Hq{self.heads_q} H{self.heads_kv}")
+        cache = f"S128..{self.cache}" if self.ragged else f"S{self.cache}"
+        return (f"{'tiny' if self.tiny else 'decode'} B{self.batch} {heads} L1 {cache} "
+                f"D{self.dim} {self.dtype}"
+                + (f" paged {self.page_size}" if self.page_size else ""))
+
+    @property
+    def kv_bytes(self):
+        itemsize = np.dtype(self.dtype).itemsize
+        return 2 * int(self.lengths().sum()) * self.heads_kv * self.dim * itemsize
+
+
+#: The decode cases of issue 16's targets.
+DECODE = [DecodeCase(1, 32, 32, 8192, 128), DecodeCase(1, 32, 8, 16384, 128),
+          DecodeCase(1, 1, 1, 512, 64, tiny=True)]
+#: Paged against contiguous, a ragged batch, and split-KV on one long sequence.
+DECODE_MORE = [DecodeCase(1, 32, 32, 8192, 128, page_size=16),
+               DecodeCase(16, 8, 2, 8192, 128, ragged=True),
+               DecodeCase(1, 1, 1, 1 << 20, 128, one_thread=True)]
+PRESETS = {"decode": DECODE, "decode-more": DECODE_MORE}
+
+#: Idle pause before each call of a tiny case, and the number of calls (the median is kept).
+IDLE = 0.05
+TINY_CALLS = 41
+
+
+def read_bandwidth(nbytes=256 << 20, repeats=5):
+    """Bytes per second of NumPy's streaming read of a float32 array of ``nbytes``: the faster
+    of ``np.sum`` and ``np.max`` (best of ``repeats``). ``np.sum``'s pairwise summation is
+    compute-bound on some CPUs (9 GB/s of CPU time against 17 for ``np.max`` here), which would
+    flatter every ratio to it."""
+    a = np.ones(nbytes // 4, np.float32)
+    a.sum()
+    a.max()
+    best = time_interleaved({"sum": a.sum, "max": a.max}, repeats, pause=0.05)
+    return nbytes / min(best.values())
+
+
+def prepare(case, seed=0):
+    """``{impl: zero-argument callable returning the output as (B, Hq, D)}``."""
+    from . import attention_with_kvcache
+
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(case.dtype)
+    q = rng.standard_normal((case.batch, 1, case.heads_q, case.dim)).astype(dt)
+    k = rng.standard_normal((case.batch, case.cache, case.heads_kv, case.dim)).astype(dt)
+    v = rng.standard_normal((case.batch, case.cache, case.heads_kv, case.dim)).astype(dt)
+    seqlens = case.lengths()
+    k_cache, v_cache, table = k, v, None
+    if case.page_size:  # the same keys in shuffled pages
+        ps = case.page_size
+        per = -(-case.cache // ps)
+        order = rng.permutation(case.batch * per)
+        table = order.reshape(case.batch, per).astype(np.int32)
+        k_cache = np.empty((case.batch * per, ps, case.heads_kv, case.dim), dt)
+        v_cache = np.empty_like(k_cache)
+        pad = per * ps - case.cache
+        kp = np.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(case.batch * per, ps,
+                                                                  case.heads_kv, case.dim)
+        vp = np.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(case.batch * per, ps,
+                                                                  case.heads_kv, case.dim)
+        k_cache[order] = kp
+        v_cache[order] = vp
+    fns = {"sdpa_numba": lambda: attention_with_kvcache(q, k_cache, v_cache, seqlens,
+                                                        block_table=table)[:, 0]}
+    if case.one_thread:
+        import numba
+
+        def one_thread():
+            n = numba.get_num_threads()
+            numba.set_num_threads(1)
+            try:
+                return attention_with_kvcache(q, k_cache, v_cache, seqlens)[:, 0]
+            finally:
+                numba.set_num_threads(n)
+
+        fns["sdpa_numba 1 thread"] = one_thread
+    if torch_available():
+        import torch
+
+        tq = torch.from_numpy(q).transpose(1, 2)  # (B, Hq, 1, D)
+        tk = torch.from_numpy(k).permute(0, 2, 1, 3).contiguous()  # (B, H, S, D)
+        tv = torch.from_numpy(v).permute(0, 2, 1, 3).contiguous()
+        gqa = case.heads_q != case.heads_kv
+        mask = None
+        if case.ragged:  # the padded batch: keys past each length masked out
+            mask = torch.from_numpy(np.arange(case.cache)[None, :] < seqlens[:, None])
+            mask = mask[:, None, None, :]
+        f = torch.nn.functional.scaled_dot_product_attention
+
+        def run_torch():
+            with torch.inference_mode():
+                return f(tq, tk, tv, attn_mask=mask, enable_gqa=gqa)[:, :, 0].numpy()
+
+        fns["torch"] = run_torch
+    return fns
+
+
+def median_after_idle(fns, calls=TINY_CALLS, idle=IDLE):
+    """Median time of each callable, each call after ``idle`` seconds of rest (interleaved)."""
+    times = {name: [] for name in fns}
+    for _ in range(calls):
+        for name, fn in fns.items():
+            time.sleep(idle)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run(cases=DECODE, repeats=7, pause=None):
+    """Time every case; return ``(read_bytes_per_s, results)``."""
+    bw = read_bandwidth()
+    results = []
+    for case in cases:
+        fns = prepare(case)
+        outs = {name: np.asarray(fn(), np.float64) for name, fn in fns.items()}  # warm-up
+        if case.tiny:
+            best = median_after_idle(fns)
+        else:
+            best = time_interleaved(fns, repeats, pause)
+        r = {"case": case.label, "kv_bytes": case.kv_bytes, "time_s": best,
+             "gb_per_s": {n: case.kv_bytes / t / 1e9 for n, t in best.items()},
+             "of_read_bandwidth": best and case.kv_bytes / best["sdpa_numba"] / bw,
+             "timing": f"median after {IDLE * 1e3:.0f} ms idle" if case.tiny
+                       else f"min of {repeats}"}
+        if "sdpa_numba 1 thread" in best:
+            r["speedup_vs_one_thread"] = best["sdpa_numba 1 thread"] / best["sdpa_numba"]
+        if "torch" in best:
+            r["speed_vs_torch"] = best["torch"] / best["sdpa_numba"]
+            ref = outs["torch"]
+            r["rel_err_vs_torch"] = float(np.linalg.norm(outs["sdpa_numba"] - ref)
+                                          / max(np.linalg.norm(ref), 1e-300))
+        results.append(r)
+    return bw, results

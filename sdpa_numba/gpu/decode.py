@@ -1,0 +1,274 @@
+"""Decode against a key/value cache on the GPU: the CUDA twin of :mod:`sdpa_numba.cpu.decode`.
+
+The same work and addressing as on the CPU: each sequence's keys are cut into chunks (split-KV),
+key row ``j`` of sequence ``b`` is slot ``j % page_size`` of page ``block_table[b, j //
+page_size]`` (a contiguous cache is the paged one with ``page_size = S_max`` and
+``block_table[b] = [b]``), and causal is bottom-right aligned. A thread block computes one chunk
+of one sequence for one key/value head and a tile of up to :data:`ROWS` of that head's query
+rows (its GQA group's heads times the ``Lq`` tokens), so each key/value row is read once per
+row tile (once per call for ``Hq / H * Lq <= ROWS``):
+
+1. the block's queries, scaled, go to shared memory; per block of :data:`BN` keys, the threads
+   look the keys' pages up once, then form the ``rows x BN`` scores (one dot product each);
+2. one thread per row runs the online softmax on its row of scores;
+3. the threads, one output column each, add ``P V`` into the rows' accumulators, reading each
+   value row once, coalesced.
+
+A chunk's rows end normalized as a partial ``(out, lse)``; a second kernel merges each row's
+chunks by lse in chunk order (:func:`sdpa_numba.gpu.merge_rows`), so the result does not depend
+on how the blocks are scheduled. Kernels trust their arguments.
+"""
+
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from .arrays import device_array, is_simulated_mode
+from .merge import merge_rows
+from .options import FASTMATH
+from .storage import load, store, storage_view
+
+#: Query rows per thread block, at most; keys per key block; threads per block.
+ROWS = 8
+BN = 32
+THREADS = 128
+#: Keys per chunk (one partial result), as on the CPU.
+CHUNK = 512
+
+_kernels = {}
+
+
+def _make_kernels(ct, rows, bn):
+    CT = ct
+    RB, NB = rows, bn
+
+    @cuda.jit(fastmath=FASTMATH)
+    def chunk_kernel(q, k_cache, v_cache, block_table, kv_lens, task_b, task_c, chunk,
+                     is_causal, scale, part_out, part_lse):
+        task = cuda.blockIdx.x
+        b = task_b[task]
+        c = task_c[task]
+        tid = cuda.threadIdx.x
+        NT = cuda.blockDim.x
+        lq, hq, e_len = q.shape[1], q.shape[2], q.shape[3]
+        h_len = k_cache.shape[2]
+        ev = v_cache.shape[3]
+        g = hq // h_len
+        rows = g * lq
+        n_tiles = (rows + RB - 1) // RB
+        h = cuda.blockIdx.y // n_tiles
+        r0 = (cuda.blockIdx.y % n_tiles) * RB
+        nr = min(RB, rows - r0)
+        page_size = k_cache.shape[1]
+        kv_len = kv_lens[b]
+        j0 = c * chunk
+        j1 = min(kv_len, j0 + chunk)
+
+        sm = cuda.shared.array(0, CT)
+        q_at = 0
+        a_at = q_at + RB * e_len
+        s_at = a_at + RB * ev
+        m_at = s_at + RB * NB
+        l_at = m_at + RB
+        al_at = l_at + RB
+        page = cuda.shared.array(NB, numba.int64)
+        slot = cuda.shared.array(NB, numba.int64)
+        zero = CT(0)
+        neg_inf = CT(-math.inf)
+
+        for x in range(tid, nr * e_len, NT):
+            r, e = x // e_len, x % e_len
+            rr = r0 + r
+            sm[q_at + r * e_len + e] = CT(load(q[b, rr % lq, h * g + rr // lq, e])) * CT(scale)
+        for x in range(tid, nr * ev, NT):
+            sm[a_at + x] = zero
+        for r in range(tid, nr, NT):
+            sm[m_at + r] = neg_inf
+            sm[l_at + r] = zero
+        cuda.syncthreads()
+
+        for kb in range(j0, j1, NB):
+            n = min(NB, j1 - kb)
+            for j in range(tid, n, NT):  # the addressing, once per key
+                page[j] = block_table[b, (kb + j) // page_size]
+                slot[j] = (kb + j) % page_size
+            cuda.syncthreads()
+            for x in range(tid, nr * NB, NT):
+                r, j = x // NB, x % NB
+                if j < n:
+                    s = zero
+                    for e in range(e_len):
+                        s += sm[q_at + r * e_len + e] * CT(load(k_cache[page[j], slot[j], h, e]))
+                    if is_causal and kb + j > kv_len - lq + (r0 + r) % lq:
+                        s = neg_inf
+                    sm[s_at + r * NB + j] = s
+            cuda.syncthreads()
+            for r in range(tid, nr, NT):  # the online softmax, one thread per row
+                m_old = sm[m_at + r]
+                m_new = m_old
+                for j in range(n):
+                    m_new = max(m_new, sm[s_at + r * NB + j])
+                # All masked so far: exponentiate against 0 (p = alpha = 0, not NaN).
+                m_use = m_new if m_new != neg_inf else zero
+                total = zero
+                for j in range(n):
+                    p = math.exp(sm[s_at + r * NB + j] - m_use)
+                    sm[s_at + r * NB + j] = p
+                    total += p
+                alpha = math.exp(m_old - m_use)
+                sm[al_at + r] = alpha
+                sm[l_at + r] = alpha * sm[l_at + r] + total
+                sm[m_at + r] = m_new
+            cuda.syncthreads()
+            for d in range(tid, ev, NT):  # P V, one output column per thread
+                for r in range(nr):
+                    sm[a_at + r * ev + d] *= sm[al_at + r]
+                for j in range(n):
+                    vj = CT(load(v_cache[page[j], slot[j], h, d]))
+                    for r in range(nr):
+                        sm[a_at + r * ev + d] += sm[s_at + r * NB + j] * vj
+            cuda.syncthreads()
+
+        for x in range(tid, nr * ev, NT):
+            r, d = x // ev, x % ev
+            i = h * rows + r0 + r
+            l = sm[l_at + r]
+            part_out[task, i, d] = sm[a_at + r * ev + d] / l if l != zero else zero
+        for r in range(tid, nr, NT):
+            i = h * rows + r0 + r
+            l = sm[l_at + r]
+            part_lse[task, i] = sm[m_at + r] + math.log(l) if l != zero else neg_inf
+
+    @cuda.jit(fastmath=FASTMATH)
+    def merge_kernel(first, part_out, part_lse, out, lse):
+        x = cuda.grid(1)
+        lq, hq, ev = out.shape[1], out.shape[2], out.shape[3]
+        rows = hq * lq
+        if x >= (first.shape[0] - 1) * rows:
+            return
+        b, i = x // rows, x % rows
+        c0, c1 = first[b], first[b + 1]
+        # Merged in place into the first chunk's row (merge_rows allows that), then stored.
+        x_lse = merge_rows(part_out[c0:c1, i], part_lse[c0:c1, i], part_out[c0, i])
+        h, t = i // lq, i % lq
+        for d in range(ev):
+            out[b, t, h, d] = store(part_out[c0, i, d], out)
+        lse[b, h, t] = x_lse
+
+    return chunk_kernel, merge_kernel
+
+
+def _kernels_for(ct):
+    key = (np.dtype(ct), ROWS, BN)
+    if key not in _kernels:
+        _kernels[key] = _make_kernels(numba.from_dtype(key[0]), ROWS, BN)
+    return _kernels[key]
+
+
+def plan_chunks(kv_lens, chunk=CHUNK):
+    """``(first, task_b, task_c)`` on the host: the first task of each sequence (and the
+    total), and each task's sequence and chunk. A sequence with no keys still has one task."""
+    n = np.maximum(1, -(-np.asarray(kv_lens, np.int64) // chunk))
+    first = np.zeros(len(n) + 1, np.int64)
+    np.cumsum(n, out=first[1:])
+    task_b = np.repeat(np.arange(len(n)), n)
+    task_c = np.arange(first[-1]) - first[task_b]
+    return first, task_b, task_c
+
+
+def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, stream=0,
+           chunk=None, threads=None):
+    """Launch attention of ``Lq`` new tokens against a paged key/value cache (device arrays).
+
+    Parameters
+    ----------
+    q : device array, shape (B, Lq, Hq, E)
+    k_cache, v_cache : device arrays, shapes (num_pages, page_size, H, E) and (.., H, Ev)
+    block_table : device array of int32, shape (B, max_pages)
+    kv_lens : host array of int64, shape (B,)
+        Keys of each sequence (read on the host, to cut the work into chunks).
+    is_causal : bool
+        Bottom-right aligned: token ``t`` sees keys ``j <= kv_lens[b] - Lq + t``.
+    scale : float
+    out : device array, shape (B, Lq, Hq, Ev)
+        Written.
+    lse : device array, shape (B, Hq, Lq), of the compute dtype
+        Written.
+    stream : cuda stream, optional
+    chunk : int, optional
+        Keys per chunk (one partial result; default :data:`CHUNK`): results depend on it, not
+        on scheduling.
+    threads : int, optional
+        Threads per block of the chunk kernel (default :data:`THREADS`); any count works.
+
+    Notes
+    -----
+    As :func:`sdpa_numba.cpu.decode` (see there); the same arguments except ``kv_lens`` on the
+    host. E and Ev are limited by shared memory: ``ROWS * (E + Ev + BN + 3)`` compute-dtype
+    numbers per block. Asynchronous on ``stream``.
+    """
+    q, k_cache, v_cache, out = (storage_view(a) for a in (q, k_cache, v_cache, out))
+    B, lq, hq, e = q.shape
+    h, ev = k_cache.shape[2], v_cache.shape[3]
+    if B == 0 or lq == 0 or hq == 0:
+        return
+    ct = np.dtype(lse.dtype)
+    chunk = CHUNK if chunk is None else chunk
+    first, task_b, task_c = plan_chunks(kv_lens, chunk)
+    n_tasks = int(first[-1])
+    rows = hq // h * lq
+    n_tiles = -(-rows // ROWS)
+    part_out = device_array((n_tasks, hq * lq, ev), ct)
+    part_lse = device_array((n_tasks, hq * lq), ct)
+    chunk_kernel, merge_kernel = _kernels_for(ct)
+    shared = ROWS * (e + ev + BN + 3) * ct.itemsize
+    kv = cuda.to_device(np.asarray(kv_lens, np.int64), stream=stream)
+    tb = cuda.to_device(task_b.astype(np.int64), stream=stream)
+    tc = cuda.to_device(task_c.astype(np.int64), stream=stream)
+    chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](
+        q, k_cache, v_cache, block_table, kv, tb, tc, int(chunk), bool(is_causal),
+        float(scale), part_out, part_lse)
+    n = B * hq * lq
+    mt = 32 if is_simulated_mode() else 128
+    merge_kernel[-(-n // mt), mt, stream](
+        cuda.to_device(first, stream=stream), part_out, part_lse, out, lse)
+
+
+@cuda.jit
+def _append_kernel(k, v, k_cache, v_cache, pages, slots):
+    """Row ``n`` of the new keys/values (``k`` as ``(N, H, E)``) into ``(pages[n], slots[n])``."""
+    x = cuda.grid(1)
+    h_len = k.shape[1]
+    if x >= k.shape[0] * h_len:
+        return
+    n, h = x // h_len, x % h_len
+    for e in range(k.shape[2]):
+        k_cache[pages[n], slots[n], h, e] = k[n, h, e]
+    for e in range(v.shape[2]):
+        v_cache[pages[n], slots[n], h, e] = v[n, h, e]
+
+
+def append(k, v, k_cache, v_cache, pages, slots, stream=0):
+    """Write new keys and values ``k (B, Lq_new, H, E)``, ``v (.., Ev)`` (device arrays, read as
+    ``B * Lq_new`` rows in order) into the cache slots ``(pages[n], slots[n])`` (host ints)."""
+    k, v, k_cache, v_cache = (storage_view(a) for a in (k, v, k_cache, v_cache))
+    B, n_new, h = k.shape[:3]
+    n = B * n_new * h
+    if n == 0:
+        return
+    from .arrays import as_strided
+
+    k3 = as_strided(k, (B * n_new, h, k.shape[3]), (k.strides[1], k.strides[2], k.strides[3]))
+    v3 = as_strided(v, (B * n_new, h, v.shape[3]), (v.strides[1], v.strides[2], v.strides[3]))
+    if B > 1 and (k.strides[0] != n_new * k.strides[1] or v.strides[0] != n_new * v.strides[1]):
+        # the (B, Lq_new) dims do not merge into one: one launch per sequence
+        for b in range(B):
+            append(k[b:b + 1], v[b:b + 1], k_cache, v_cache, pages[b * n_new:(b + 1) * n_new],
+                   slots[b * n_new:(b + 1) * n_new], stream)
+        return
+    mt = 32 if is_simulated_mode() else 128
+    _append_kernel[-(-n // mt), mt, stream](
+        k3, v3, k_cache, v_cache, cuda.to_device(np.asarray(pages, np.int64), stream=stream),
+        cuda.to_device(np.asarray(slots, np.int64), stream=stream))

@@ -1,0 +1,81 @@
+"""attention_with_kvcache on CUDA arrays (the CUDA twin of the decode kernel), under the
+simulator: against the CPU path and the per-sequence float64 reference."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import sdpa_numba.gpu.decode as gpu_decode
+from sdpa_numba import attention_with_kvcache as kvattn
+from sdpa_cuda_testing import dev, rel_err
+from kvcache_checks import check_against_reference
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    # Few simulated threads, chunks of a few keys and tiles of a few rows, so that tiny
+    # problems still split into several chunks and row tiles.
+    monkeypatch.setattr(gpu_decode, "THREADS", 8)
+    monkeypatch.setattr(gpu_decode, "CHUNK", 8)
+    monkeypatch.setattr(gpu_decode, "ROWS", 4)
+    monkeypatch.setattr(gpu_decode, "BN", 4)
+
+
+def test_contiguous_cache_gqa_causal_and_empty_sequences(rng):
+    B, Lq, Hq, H, E, Ev, S = 3, 2, 6, 2, 5, 3, 30
+    q = rng.standard_normal((B, Lq, Hq, E))
+    kc = rng.standard_normal((B, S, H, E))
+    vc = rng.standard_normal((B, S, H, Ev))
+    seqlens = np.array([0, 1, 27])  # empty, fewer keys than tokens, several chunks
+    out = cuda.to_device(np.full((B, Lq, Hq, Ev), np.nan))
+    res, lse = kvattn(dev(q), dev(kc), dev(vc), seqlens, out=out, return_lse=True)
+    assert res is out
+    res, lse = res.copy_to_host(), lse.copy_to_host()
+    check_against_reference(q, kc, vc, seqlens, res, lse, True)
+    ref, ref_lse = kvattn(q, kc, vc, seqlens, return_lse=True)  # the CPU path
+    assert rel_err(res, ref) < 1e-13
+    np.testing.assert_allclose(lse[np.isfinite(ref_lse)], ref_lse[np.isfinite(ref_lse)],
+                               rtol=1e-13)
+
+
+def test_paged_append_across_pages_not_causal(rng):
+    B, Lq, Hq, H, E, Ev, ps = 2, 1, 4, 1, 4, 5, 3
+    n_pages = 16
+    pk = rng.standard_normal((n_pages, ps, H, E))
+    pv = rng.standard_normal((n_pages, ps, H, Ev))
+    table = rng.permutation(n_pages)[:2 * 6].reshape(2, 6).astype(np.int32)
+    seqlens = np.array([ps + 1, 2 * ps - 1])
+    q = rng.standard_normal((B, Lq, Hq, E))
+    kn = rng.standard_normal((B, 4, H, E))
+    vn = rng.standard_normal((B, 4, H, Ev))
+    dk, dv = dev(pk), dev(pv)
+    res, lse = kvattn(dev(q), dk, dv, dev(seqlens), k=dev(kn), v=dev(vn),
+                      block_table=dev(table), is_causal=False, return_lse=True)
+    # The same on the CPU, on copies of the caches: the same caches and results.
+    hk, hv = pk.copy(), pv.copy()
+    ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, block_table=table, is_causal=False,
+                          return_lse=True)
+    np.testing.assert_array_equal(dk.copy_to_host(), hk)
+    np.testing.assert_array_equal(dv.copy_to_host(), hv)
+    assert rel_err(res.copy_to_host(), ref) < 1e-13
+    np.testing.assert_allclose(lse.copy_to_host(), ref_lse, rtol=1e-13)
+    check_against_reference(q, hk, hv, seqlens + 4, res.copy_to_host(), lse.copy_to_host(),
+                            False, table=table)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_narrow_dtypes(rng, dtype):
+    q = rng.standard_normal((1, 1, 2, 8)).astype(dtype)
+    kc = rng.standard_normal((1, 12, 2, 8)).astype(dtype)
+    vc = rng.standard_normal((1, 12, 2, 8)).astype(dtype)
+    res, lse = kvattn(dev(q), dev(kc), dev(vc), np.array([11]), return_lse=True)
+    assert res.dtype == dtype and lse.dtype == np.float32
+    check_against_reference(q, kc, vc, [11], res.copy_to_host(), lse.copy_to_host(), True,
+                            tol=1e-3 if dtype == np.float16 else 1e-5)
+
+
+def test_mixing_host_and_device_arrays_is_refused(rng):
+    q = rng.standard_normal((1, 1, 2, 4))
+    kc = rng.standard_normal((1, 5, 2, 4))
+    with pytest.raises(TypeError, match="mix host and device"):
+        kvattn(dev(q), kc, dev(kc), np.array([3]))

@@ -1,0 +1,44 @@
+"""The decode presets of ``python -m sdpa_numba bench`` (tiny cases: the command runs, its
+figures are consistent; speed itself is never a pass/fail test)."""
+
+import json
+
+from sdpa_numba import bench_decode, cli
+from sdpa_numba.bench_decode import DecodeCase
+
+SMALL = [DecodeCase(1, 4, 2, 40, 8), DecodeCase(1, 1, 1, 16, 8, tiny=True),
+         DecodeCase(2, 2, 1, 37, 8, page_size=5), DecodeCase(3, 2, 2, 300, 8, ragged=True),
+         DecodeCase(1, 1, 1, 70, 8, one_thread=True)]
+
+
+def test_decode_preset_runs_and_reports_bandwidth(capsys, monkeypatch):
+    monkeypatch.setitem(bench_decode.PRESETS, "decode", SMALL)
+    monkeypatch.setattr(bench_decode, "TINY_CALLS", 3)
+    monkeypatch.setattr(bench_decode, "IDLE", 0.001)
+    real_read = bench_decode.read_bandwidth
+    monkeypatch.setattr(bench_decode, "read_bandwidth", lambda: real_read(1 << 20, 2))
+    code = cli.main(["bench", "--preset", "decode", "--repeats", "1", "--pause", "0", "--json"])
+    assert code == cli.EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["read_bytes_per_s"] > 0
+    assert [r["case"] for r in doc["decode"]] == [c.label for c in SMALL]
+    for r, c in zip(doc["decode"], SMALL):
+        assert r["kv_bytes"] == 2 * c.heads_kv * int(c.lengths().sum()) * c.dim * 4
+        t = r["time_s"]["sdpa_numba"]
+        assert abs(r["gb_per_s"]["sdpa_numba"] - c.kv_bytes / t / 1e9) < 1e-9
+        if "torch" in r["time_s"]:
+            assert r["rel_err_vs_torch"] < 1e-5  # paged, ragged (torch: masked) agree too
+        assert ("speedup_vs_one_thread" in r) == c.one_thread
+    code = cli.main(["bench", "--preset", "decode", "--repeats", "1", "--pause", "0"])
+    text = capsys.readouterr().out
+    assert code == cli.EXIT_OK and "NumPy streaming read" in text and "tiny B1 H1" in text
+
+
+def test_decode_preset_is_a_choice():
+    args = cli.build_parser().parse_args(["bench", "--preset", "decode"])
+    assert cli._decode_cases(args) == bench_decode.DECODE
+    assert cli._bench_cases(args) == []
+    args = cli.build_parser().parse_args(["bench", "--preset", "decode-more"])
+    assert cli._decode_cases(args) == bench_decode.DECODE_MORE
+    assert [int(n) for n in DecodeCase(4, 1, 1, 8192, 8, ragged=True).lengths()] == [
+        128, 2816, 5504, 8192]

@@ -1,0 +1,230 @@
+"""attention_with_kvcache: contiguous and paged caches, in-place append, bottom-right causal,
+GQA, split-KV, against per-sequence float64 references."""
+
+import numba
+import numpy as np
+import pytest
+
+import sdpa_numba.kvcache as kvcache_module
+from checks import TOL, rel_err
+from kvcache_checks import check_against_reference, logical
+from sdpa_numba import attention_with_kvcache as kvattn
+from sdpa_numba.cpu.decode import CHUNK
+
+
+def paged_copy(rng, cache, page_size, extra_pages=3):
+    """A paged copy of a contiguous cache (B, S_max, ...): shuffled pages, unused pages of
+    garbage (NaN), and its block table."""
+    B, S = cache.shape[:2]
+    per = -(-S // page_size)
+    n_pages = B * per + extra_pages
+    paged = np.full((n_pages, page_size, *cache.shape[2:]), np.nan, cache.dtype)
+    order = rng.permutation(n_pages)[:B * per].reshape(B, per).astype(np.int32)
+    for b in range(B):
+        for p in range(per):
+            rows = cache[b, p * page_size:(p + 1) * page_size]
+            paged[order[b, p], :len(rows)] = rows
+    return paged, order
+
+
+def make(rng, B, Lq, Hq, H, E, Ev, S, dtype=np.float64):
+    q = rng.standard_normal((B, Lq, Hq, E)).astype(dtype)
+    kc = rng.standard_normal((B, S, H, E)).astype(dtype)
+    vc = rng.standard_normal((B, S, H, Ev)).astype(dtype)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_contiguous_cache_gqa_split_and_empty_sequences(rng, causal):
+    # Sequence lengths: empty, one key, fewer keys than query tokens, and one split into
+    # several chunks (merged by lse).
+    q, kc, vc = make(rng, 4, 3, 6, 2, 9, 7, CHUNK + 300)
+    seqlens = np.array([0, 1, 2, CHUNK + 251], np.int32)
+    copies = [x.copy() for x in (q, kc, vc, seqlens)]
+    out = np.full((4, 3, 6, 7), np.nan)
+    res, lse = kvattn(q, kc, vc, seqlens, is_causal=causal, return_lse=True, out=out)
+    assert res is out and lse.shape == (4, 6, 3) and lse.dtype == np.float64
+    for x, c in zip((q, kc, vc, seqlens), copies):
+        np.testing.assert_array_equal(x, c)  # nothing appended: nothing written
+    check_against_reference(q, kc, vc, seqlens, out, lse, causal)
+    np.testing.assert_array_equal(out[0], 0)
+    assert np.all(lse[0] == -np.inf)
+
+
+def test_append_then_attend_contiguous(rng):
+    q, kc, vc = make(rng, 3, 4, 4, 4, 8, 5, 40)
+    kn = rng.standard_normal((3, 4, 4, 8))
+    vn = rng.standard_normal((3, 4, 4, 5))
+    seqlens = np.array([0, 17, 36])
+    before_k, before_v = kc.copy(), vc.copy()
+    out, lse = kvattn(q, kc, vc, seqlens, k=kn, v=vn, return_lse=True, scale=0.3)
+    expect_k, expect_v = before_k.copy(), before_v.copy()
+    for b, n in enumerate(seqlens):
+        expect_k[b, n:n + 4] = kn[b]
+        expect_v[b, n:n + 4] = vn[b]
+    np.testing.assert_array_equal(kc, expect_k)  # exactly the named slots changed
+    np.testing.assert_array_equal(vc, expect_v)
+    check_against_reference(q, kc, vc, seqlens + 4, out, lse, True, scale=0.3)
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_paged_cache_matches_reference_and_contiguous(rng, page_size):
+    q, kc, vc = make(rng, 3, 2, 4, 2, 6, 5, CHUNK + 40)
+    seqlens = np.array([CHUNK + 33, 0, 23])
+    pk, table = paged_copy(rng, kc, page_size)
+    pv = paged_copy(np.random.default_rng(0), vc, page_size)[0]
+    pv = np.full_like(pv, np.nan)  # the same page order as pk
+    for b in range(3):
+        for p in range(table.shape[1]):
+            rows = vc[b, p * page_size:(p + 1) * page_size]
+            pv[table[b, p], :len(rows)] = rows
+    out, lse = kvattn(q, pk, pv, seqlens, block_table=table, return_lse=True)
+    check_against_reference(q, kc, vc, seqlens, out, lse, True)
+    out_c, lse_c = kvattn(q, kc, vc, seqlens, return_lse=True)
+    np.testing.assert_array_equal(out, out_c)  # the same keys in the same order: bitwise
+    np.testing.assert_array_equal(lse, lse_c)
+
+
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_paged_append_crosses_page_boundaries(rng, page_size):
+    B, H, E, Ev, new = 2, 2, 4, 3, 5
+    n_pages = 20
+    pk = rng.standard_normal((n_pages, page_size, H, E))
+    pv = rng.standard_normal((n_pages, page_size, H, Ev))
+    table = rng.permutation(n_pages)[:2 * 8].reshape(2, 8).astype(np.int32)
+    table[1, 7:] = -1  # unused entries are not read
+    seqlens = np.array([2 * page_size - 1, page_size + 1])  # appends start mid-page
+    q = rng.standard_normal((B, 3, 4, E))
+    kn = rng.standard_normal((B, new, H, E))
+    vn = rng.standard_normal((B, new, H, Ev))
+    before_k, before_v = pk.copy(), pv.copy()
+    out, lse = kvattn(q, pk, pv, seqlens, k=kn, v=vn, block_table=table, return_lse=True)
+    expect_k, expect_v = before_k.copy(), before_v.copy()
+    for b in range(B):
+        for t in range(new):
+            j = seqlens[b] + t
+            expect_k[table[b, j // page_size], j % page_size] = kn[b, t]
+            expect_v[table[b, j // page_size], j % page_size] = vn[b, t]
+    np.testing.assert_array_equal(pk, expect_k)
+    np.testing.assert_array_equal(pv, expect_v)
+    check_against_reference(q, pk, pv, seqlens + new, out, lse, True, table=table)
+
+
+def test_shared_prefix_pages_are_read(rng):
+    # Two sequences read the same prefix pages (a shared prompt), then pages of their own.
+    ps, H, E = 4, 1, 5
+    pk = rng.standard_normal((6, ps, H, E))
+    pv = rng.standard_normal((6, ps, H, E))
+    table = np.array([[0, 1, 2], [0, 1, 3]], np.int32)
+    seqlens = np.array([10, 9])
+    q = rng.standard_normal((2, 1, 2, E))
+    out, lse = kvattn(q, pk, pv, seqlens, block_table=table, return_lse=True)
+    check_against_reference(q, pk, pv, seqlens, out, lse, True, table=table)
+    # Appending into a sequence's own page is allowed; into a shared one is not.
+    kn = rng.standard_normal((2, 1, H, E))
+    kvattn(q, pk, pv, seqlens, k=kn, v=kn, block_table=table)
+    before = pk.copy()
+    with pytest.raises(ValueError, match="page 1, which block_table lists more than once"):
+        kvattn(q, pk, pv, np.array([7, 9]), k=kn, v=kn, block_table=table)
+    np.testing.assert_array_equal(pk, before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_narrow_dtypes(rng, dtype):
+    q, kc, vc = make(rng, 2, 2, 4, 1, 16, 8, 70, dtype)
+    seqlens = np.array([70, 31])
+    out, lse = kvattn(q, kc, vc, seqlens, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    check_against_reference(q, kc, vc, seqlens, out, lse, True, tol=TOL[dtype])
+
+
+def test_result_does_not_depend_on_threads_or_the_serial_threshold(rng, monkeypatch):
+    q, kc, vc = make(rng, 2, 2, 4, 2, 8, 8, 3 * CHUNK + 10)
+    seqlens = np.array([3 * CHUNK + 10, CHUNK - 1])
+    serial = kvattn(q, kc, vc, seqlens, return_lse=True)
+    monkeypatch.setattr(kvcache_module, "SERIAL_BYTES", 0)
+    n = numba.get_num_threads()
+    try:
+        results = []
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            results.append(kvattn(q, kc, vc, seqlens, return_lse=True))
+    finally:
+        numba.set_num_threads(n)
+    for out, lse in results:
+        np.testing.assert_array_equal(out, serial[0])
+        np.testing.assert_array_equal(lse, serial[1])
+
+
+def test_bad_input_is_refused_before_anything_is_written(rng):
+    q, kc, vc = make(rng, 2, 1, 4, 2, 4, 4, 8)
+    kn = rng.standard_normal((2, 3, 2, 4))
+    before = kc.copy(), vc.copy()
+    sl = np.array([5, 4])
+
+    def refused(exc, match, *args, **kw):
+        with pytest.raises(exc, match=match):
+            kvattn(*args, **kw)
+        np.testing.assert_array_equal(kc, before[0])
+        np.testing.assert_array_equal(vc, before[1])
+
+    refused(ValueError, r"cache_seqlens\[0\] \+ Lq_new = 6 \+ 3 is beyond the cache's 8",
+            q, kc, vc, np.array([6, 0]), k=kn, v=kn)
+    refused(ValueError, r"cache_seqlens\[1\] = 9 is beyond", q, kc, vc, np.array([1, 9]))
+    refused(ValueError, "cache_seqlens must be >= 0", q, kc, vc, np.array([-1, 0]))
+    refused(TypeError, "cache_seqlens must be an integer array", q, kc, vc, sl * 1.0)
+    refused(ValueError, r"cache_seqlens must have shape \(2,\)", q, kc, vc, np.array([1]))
+    refused(ValueError, "k and v must be given together", q, kc, vc, sl, k=kn)
+    refused(ValueError, "k and v must have shapes", q, kc, vc, sl, k=kn, v=kn[:, :2])
+    refused(TypeError, "k dtype float32 differs", q, kc, vc, sl, k=kn.astype(np.float32),
+            v=kn)
+    refused(TypeError, "v_cache dtype float32 differs", q, kc, vc.astype(np.float32), sl)
+    refused(ValueError, "multiple of the cache's heads", q[:, :, :3], kc, vc, sl)
+    refused(ValueError, "k_cache's last dim must equal q's", q[..., :3], kc, vc, sl)
+    refused(ValueError, "q must have 4 dims", q[0], kc, vc, sl)
+    refused(ValueError, "contiguous k_cache must have q's batch size", q[:1], kc, vc,
+            sl[:1])
+    refused(ValueError, "k_cache's last dim must be contiguous", q[..., :2], kc[..., ::2],
+            vc, sl)
+    table = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    pk = rng.standard_normal((6, 3, 2, 4))
+    refused(ValueError, "block_table has entry 6", q, pk, pk, sl,
+            block_table=np.array([[0, 6, 2], [3, 4, 5]], np.int32))
+    refused(ValueError, "block_table has entry -1", q, pk, pk, sl,
+            block_table=np.array([[0, 1, 2], [-1, 4, 5]], np.int32))
+    refused(TypeError, "block_table must be an integer array", q, pk, pk, sl,
+            block_table=table * 1.0)
+    refused(ValueError, r"beyond the cache's 9 slots per sequence \(max_pages \* page_size\)",
+            q, pk, pk, np.array([7, 0]), k=kn, v=kn, block_table=table)
+    refused(NotImplementedError, "softcap", q, kc, vc, sl, softcap=30.0)
+    refused(ValueError, "scale must be finite", q, kc, vc, sl, scale=np.inf)
+    refused(ValueError, "out must have shape", q, kc, vc, sl, out=np.empty((2, 1, 4, 3)))
+    refused(ValueError, "out overlaps q", q, kc, vc, sl, out=q)
+
+
+def test_an_int_cache_seqlens_applies_to_every_sequence(rng):
+    q, kc, vc = make(rng, 2, 1, 2, 2, 4, 4, 8)
+    np.testing.assert_array_equal(kvattn(q, kc, vc, 5), kvattn(q, kc, vc, np.array([5, 5])))
+
+
+def test_a_nan_query_row_shows_in_that_row_only(rng):
+    q, kc, vc = make(rng, 2, 2, 4, 2, 6, 5, CHUNK + 20)
+    q[0, 1, 2, 3] = np.nan
+    seqlens = np.array([CHUNK + 20, 9])
+    out, lse = kvattn(q, kc, vc, seqlens, return_lse=True)
+    assert np.all(np.isnan(out[0, 1, 2])) and np.isnan(lse[0, 2, 1])
+    bad = np.zeros(out.shape, bool)
+    bad[0, 1, 2] = True
+    assert np.all(np.isfinite(out[~bad]))
+    q[0, 1, 2, 3] = 0.0  # the other rows are those of the clean problem
+    clean = kvattn(q, kc, vc, seqlens)
+    np.testing.assert_array_equal(out[~bad], clean[~bad])
+
+
+def test_empty_batch_and_no_query_tokens(rng):
+    q, kc, vc = make(rng, 2, 0, 4, 2, 6, 5, 8)
+    out, lse = kvattn(q, kc, vc, np.array([3, 8]), return_lse=True)
+    assert out.shape == (2, 0, 4, 5) and lse.shape == (2, 4, 0)
+    q, kc, vc = make(rng, 0, 1, 4, 2, 6, 5, 8)
+    out = kvattn(q, kc, vc, np.zeros(0, np.int64))
+    assert out.shape == (0, 1, 4, 5)
