@@ -35,7 +35,8 @@ from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add
 from .online_softmax import LOG2E, softmax_row
 from .options import CALLED, INLINE, KERNEL
 from .scratch import aligned_empty
-from .storage import cast, load, store
+from ..score.numbers import cast
+from .storage import load, store
 from .tasks import next_task, task_queue
 
 #: Keys per chunk (a task, and a partial result merged by lse). Large enough that a chunk's

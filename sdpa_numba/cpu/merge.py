@@ -18,7 +18,8 @@ from numba import njit, prange
 
 from ..score.merge import merge_finish, merge_max, merge_weight, merge_weights
 from .options import INLINE, KERNEL
-from .storage import cast, load, store
+from ..score.numbers import cast
+from .storage import load, store
 
 #: Rows per parallel task.
 ROWS = 64
