@@ -1,7 +1,8 @@
 """sdpa_numba: scaled dot-product attention kernels written with Numba.
 
 ``scaled_dot_product_attention`` takes NumPy arrays (CPU kernels) or CUDA arrays (CUDA
-kernels); ``scaled_dot_product_attention_backward`` gives its gradients. The jitted kernels
+kernels); ``scaled_dot_product_attention_backward`` gives its gradients; ``merge_attention_states`` combines attention over disjoint key sets by
+their log-sum-exp. The jitted kernels
 themselves are in :mod:`sdpa_numba.cpu` and :mod:`sdpa_numba.gpu` (the CUDA kernels, imported
 lazily: no GPU or CUDA toolkit needed to import this package). :mod:`sdpa_numba.dropout`
 describes the dropout mask's random stream; :mod:`sdpa_numba.torch` (needs torch, not imported
@@ -11,10 +12,11 @@ here) is the PyTorch operator.
 from . import _runtime, dropout, reference
 from .api import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
+from .merge import merge_attention_states
 
 _runtime.choose_threading_layer()  # before the first parallel launch
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward", "dropout",
-           "reference", "__version__"]
+__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+           "merge_attention_states", "dropout", "reference", "__version__"]

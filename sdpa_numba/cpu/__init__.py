@@ -4,17 +4,20 @@
 * :func:`forward_head`: serial single-head 2-D forward;
 * :func:`online_softmax_update`, :func:`online_softmax_finalize`: the online softmax step;
 * :func:`backward`: batched 4-D backward (gradients of :func:`forward`), parallel over batch x
-  key/value head x group of key blocks, deterministic.
+  key/value head x group of key blocks, deterministic;
+* :func:`merge_row`, :func:`merge_rows`, :func:`merge_weights`: the merge of attention states by
+  their lse (:mod:`sdpa_numba.score.merge`, target-neutral).
 """
 
 from .backward import backward
 from .forward import forward, forward_head
 from .from_python import explain_float16
 from .online_softmax import online_softmax_finalize, online_softmax_update
+from ..score.merge import merge_row, merge_rows, merge_weights
 
 for _kernel in (forward, forward_head, backward, online_softmax_update, online_softmax_finalize):
     explain_float16(_kernel)
 del _kernel
 
 __all__ = ["forward", "forward_head", "backward", "online_softmax_update",
-           "online_softmax_finalize"]
+           "online_softmax_finalize", "merge_row", "merge_rows", "merge_weights"]

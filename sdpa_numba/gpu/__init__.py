@@ -9,7 +9,9 @@
 * device functions for users' kernels: :func:`attend_row` (one query row against a key/value
   block), :func:`online_softmax_update` (the online-softmax step), :func:`online_softmax_lse`
   and :func:`online_softmax_finalize`; :func:`row_key` and :func:`dropout_factor`, the dropout
-  stream (the same bits as the CPU kernels, :mod:`sdpa_numba.gpu.dropout`).
+  stream (the same bits as the CPU kernels, :mod:`sdpa_numba.gpu.dropout`); :func:`merge_row`,
+  :func:`merge_rows` and :func:`merge_weights`, the merge of attention states by their lse
+  (:mod:`sdpa_numba.gpu.merge`).
 
 Importing this module imports ``numba.cuda`` (the numba-cuda package); importing
 ``sdpa_numba`` does not. Set ``NUMBA_ENABLE_CUDASIM=1`` before that import to run everything on
@@ -25,6 +27,7 @@ except ImportError as exc:
 from .backward import backward  # noqa: E402
 from .dropout import dropout_factor, row_key  # noqa: E402
 from .forward import forward  # noqa: E402
+from .merge import merge_row, merge_rows, merge_weights  # noqa: E402
 from .online_softmax import (  # noqa: E402
     attend_row,
     online_softmax_finalize,
@@ -34,4 +37,5 @@ from .online_softmax import (  # noqa: E402
 from .options import Blocks  # noqa: E402
 
 __all__ = ["forward", "backward", "Blocks", "attend_row", "online_softmax_update",
-           "online_softmax_lse", "online_softmax_finalize", "row_key", "dropout_factor"]
+           "online_softmax_lse", "online_softmax_finalize", "row_key", "dropout_factor",
+           "merge_row", "merge_rows", "merge_weights"]
