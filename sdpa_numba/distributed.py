@@ -46,6 +46,7 @@ import numpy as np
 
 from .api import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
+from .merge import merge_attention_states
 from .problem import compute_dtype
 from .problem.arguments import check_flag
 
@@ -65,21 +66,6 @@ _VARIANTS = {"window": None, "alignment": "top_left", "softcap": None, "alibi_sl
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV, _TAG_GATHER = 11, 12, 13, 14, 15
 
 
-# ------------------------------------------------------------------------------------------
-# The merge of partial results.
-# STAND-IN (remove when sdpa_numba.merge_attention_states lands from the serving branch): the
-# exact combination of attention over two disjoint key sets, with that function's signature.
-def merge_attention_states(out_a, lse_a, out_b, lse_b):
-    lse = np.logaddexp(lse_a, lse_b)
-    empty = np.isneginf(lse)  # both parts empty: out 0, lse -inf (no 0/0)
-    safe = np.where(empty, 0, lse)
-    wa = np.where(empty, 0, np.exp(lse_a - safe))[..., None]
-    wb = np.where(empty, 0, np.exp(lse_b - safe))[..., None]
-    ct = lse.dtype
-    out = wa * out_a.astype(ct, copy=False) + wb * out_b.astype(ct, copy=False)
-    return out.astype(out_a.dtype, copy=False), lse
-# END STAND-IN
-# ------------------------------------------------------------------------------------------
 
 
 def _mpi():
