@@ -49,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--D", type=int, default=64, help="head dim (default 64)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--ranks", type=int, default=2, help="P (default 2)")
+    ap.add_argument("--threads", type=int, help="threads of the single process (default: "
+                    "--ranks; fewer when the ranks oversubscribe the cores)")
     ap.add_argument("--rounds", type=int, default=2, help="alternations (default 2)")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-single", action="store_true", help="only the ranks")
@@ -175,10 +177,12 @@ def main(argv=None):
         return worker(args)
     import sdpa_numba  # noqa: F401 - compile or load the kernels once before timing
 
+    threads = args.threads or args.ranks
+    load_before = os.getloadavg()[0]
     best_single, best_ring = {}, {}
     for r in range(args.rounds):
         if not args.no_single:
-            for key, t in single(args, args.ranks).items():
+            for key, t in single(args, threads).items():
                 best_single[key] = min(best_single.get(key, float("inf")), t)
             time.sleep(1)
         for key, t in ranks(args, argv).items():
@@ -189,7 +193,8 @@ def main(argv=None):
 
     rows = []
     print(f"L {args.L}, H {args.heads}, D {args.D}, {args.dtype}: {args.ranks} ranks x 1 thread"
-          f" vs 1 process x {args.ranks} threads (min of {args.rounds})")
+          f" vs 1 process x {threads} threads (min of {args.rounds}); {os.cpu_count()} cores, "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'config':<20}{'dir':<10}{'1 proc s':>10}{'GFLOP/s':>9}{'ranks s':>10}{'GFLOP/s':>9}"
           f"{'efficiency':>12}")
     for name, causal, _ in configs(args):
@@ -212,6 +217,11 @@ def main(argv=None):
     nbytes, tt = best_ring["kv_shard_bytes"], best_ring["kv_shard_transfer_s"]
     print(f"one K/V shard ({nbytes / 1e6:.1f} MB) to the next rank: {tt * 1e3:.2f} ms "
           f"({nbytes / tt / 1e9:.1f} GB/s)")
+    for r in rows:
+        if r["direction"] == "forward" and r["config"] == "non-causal":
+            step = r["ranks_s"] / args.ranks
+            print(f"non-causal forward: one ring step computes in {step * 1e3:.0f} ms, "
+                  f"{step / tt:.0f}x one shard's transfer")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
             {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows,

@@ -461,13 +461,12 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     any thread count.
     """
     comm = _comm(comm)
-    return_lse = check_flag("return_lse", return_lse)
     coll = _Collective(comm)
     try:
-        p, is_causal, enable_gqa = _prepare(coll, [q, k, v], ["query", "key", "value"],
-                                            is_causal, scale, enable_gqa, layout, attn_mask,
-                                            dropout_p, variants)
-        return _forward(coll, q, k, v, p, is_causal, enable_gqa, layout, return_lse)
+        p, is_causal, enable_gqa = _prepare(
+            coll, [q, k, v], ["query", "key", "value"], is_causal, scale, enable_gqa, layout,
+            attn_mask, dropout_p, variants, extra=lambda: check_flag("return_lse", return_lse))
+        return _forward(coll, q, k, v, p, is_causal, enable_gqa, layout, bool(return_lse))
     finally:
         coll.free()
 

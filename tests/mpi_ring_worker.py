@@ -125,6 +125,8 @@ def error_cases():
         lambda: ring_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag"))
     errors["bad_on_one_rank"] = expect_error(
         lambda: ring_attention(q if rank else q.astype(np.float32), k, v))
+    errors["bad_flag_on_one_rank"] = expect_error(
+        lambda: ring_attention(q, k, v, return_lse="yes" if rank == 0 else True))
     errors["causal_lengths"] = expect_error(
         lambda: ring_attention(q, k[:, :4], v[:, :4], is_causal=True))
     errors["attn_mask"] = expect_error(

@@ -126,6 +126,7 @@ ERRORS = {
     "bad_layout": ("ValueError", "layout must be one of"),
     "bad_lse_backward": ("ValueError", "lse must have shape"),
     "bad_on_one_rank": ("TypeError", "key dtype float64 differs from query dtype float32"),
+    "bad_flag_on_one_rank": ("TypeError", "return_lse must be a bool"),
     "midway_forward": ("RuntimeError", "injected failure"),
     "midway_backward": ("RuntimeError", "injected failure"),
 }
@@ -144,7 +145,8 @@ def test_every_rank_raises(reports, n, name):
 
 @pytest.mark.parametrize("n", SIZES[1:])
 def test_other_ranks_name_the_failing_rank(reports, n):
-    for name, failing in (("bad_on_one_rank", 0), ("midway_forward", n - 1),
+    for name, failing in (("bad_on_one_rank", 0), ("bad_flag_on_one_rank", 0),
+                          ("midway_forward", n - 1),
                           ("midway_backward", n - 1)):
         for rank, (_, message) in enumerate(reports[n]["errors"][name]):
             if rank != failing:
