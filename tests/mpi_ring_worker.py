@@ -32,6 +32,7 @@ CASES = [
     ("f32-causal-zigzag", "float32", True, "zigzag", (2, 2), 2, (2,), 6, 6, 8),
     ("f32-noncausal-zigzag-gqa", "float32", False, "zigzag", (1, 6), 2, (1,), 10, 6, 8),
     ("f32-causal-contiguous-gqa", "float32", True, "contiguous", (1, 4), 1, (1,), 7, 7, 8),
+    ("f16-causal-zigzag", "float16", True, "zigzag", (1, 2), 2, (1,), 10, 10, 8),
 ]
 E = 8
 
