@@ -211,9 +211,11 @@ def main(argv=None):
     for d in ("forward", "backward"):
         rate = {r["config"]: r["ranks_gflops"] for r in rows if r["direction"] == d}
         if "non-causal" in rate and "causal zigzag" in rate:
-            print(f"{d}: causal zigzag per FLOP = {rate['causal zigzag'] / rate['non-causal']:.0%}"
-                  f" of non-causal" + (f"; causal contiguous {rate['causal contiguous'] / rate['non-causal']:.0%}"
-                                       if "causal contiguous" in rate else ""))
+            line = (f"{d}: causal zigzag per FLOP = "
+                    f"{rate['causal zigzag'] / rate['non-causal']:.0%} of non-causal")
+            if "causal contiguous" in rate:
+                line += f"; causal contiguous {rate['causal contiguous'] / rate['non-causal']:.0%}"
+            print(line)
     nbytes, tt = best_ring["kv_shard_bytes"], best_ring["kv_shard_transfer_s"]
     print(f"one K/V shard ({nbytes / 1e6:.1f} MB) to the next rank: {tt * 1e3:.2f} ms "
           f"({nbytes / tt / 1e9:.1f} GB/s)")

@@ -39,7 +39,7 @@ mpi4py is imported when a function here is called, not when this module is impor
 
 from __future__ import annotations
 
-import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -63,9 +63,7 @@ _VARIANTS = {"window": None, "alignment": "top_left", "softcap": None, "alibi_sl
              "score_mod_grad": None}
 
 # Message tags (on a private duplicate of the caller's communicator).
-_TAG_K, _TAG_V, _TAG_DK, _TAG_DV, _TAG_GATHER = 11, 12, 13, 14, 15
-
-
+_TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 11, 12, 13, 14
 
 
 def _mpi():
@@ -265,7 +263,7 @@ def _check_variants(attn_mask, dropout_p, variants):
         raise ValueError("ring attention takes no dense attn_mask: an (L, S) mask cannot be "
                          "sharded along with the keys; use is_causal (windows, ALiBi, softcap "
                          "and sinks will come as keyword arguments)")
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float)) \
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real) \
             or dropout_p != 0:
         raise NotImplementedError(f"ring attention has no dropout yet (dropout_p={dropout_p!r}):"
                                   f" pass dropout_p=0")
@@ -290,9 +288,9 @@ def _check_arrays(named):
                                       f"buffers; see docs/distributed.md)")
         if not _is_host_array(x):
             raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
-        if x.ndim < (1 if name == "lse" else 2):
-            raise ValueError(f"{name} must have at least {1 if name == 'lse' else 2} dims, got shape "
-                             f"{x.shape}")
+        least = 1 if name == "lse" else 2
+        if x.ndim < least:
+            raise ValueError(f"{name} must have at least {least} dims, got shape {x.shape}")
 
 
 def _check_local(q, k, is_causal, layout):
@@ -537,9 +535,9 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
 
     Notes
     -----
-    FlashAttention-2's backward per ring step (:func:`~sdpa_numba.scaled_dot_product_attention_backward`
-    with the global ``out`` and ``lse``, so that each key/value shard's contribution is
-    exact). dQ stays on its rank; the keys and values travel ``P - 1`` hops and their
+    FlashAttention-2's backward per ring step
+    (:func:`~sdpa_numba.scaled_dot_product_attention_backward` with the global ``out`` and
+    ``lse``, so that each key/value shard's contribution is exact). dQ stays on its rank; the keys and values travel ``P - 1`` hops and their
     gradients ``P`` hops, accumulated in the compute dtype along the way and so arriving at
     their owners. The next key/value shard is sent before the current step is computed, and
     a dK/dV shard travels while the next step is computed. Bitwise reproducible for a given
