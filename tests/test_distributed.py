@@ -63,14 +63,14 @@ def _warm():
         sdpa_numba.merge_attention_states(o, lse, o, lse)
 
 
-def run_ranks(n, tmp_path, timeout=240):
-    path = tmp_path / f"ring{n}.json"
+def run_ranks(n, tmp_path, timeout=240, threads=1):
+    path = tmp_path / f"ring{n}-{threads}.json"
     cmd = [mpiexec()]
     # One machine: MPICH's launcher forks (no ssh); Open MPI must be told that more ranks
     # than cores is fine.
     cmd += ["-launcher", "fork"] if _is_mpich() else ["--oversubscribe"]
     cmd += ["-n", str(n), sys.executable, str(WORKER), str(path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=ROOT)
@@ -91,6 +91,7 @@ def reports(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ring")
     for n in SIZES:
         out[n] = run_ranks(n, tmp)
+    out["2 ranks x 2 threads"] = run_ranks(2, tmp, threads=2)
     return out
 
 
@@ -99,6 +100,13 @@ def test_one_thread_per_rank_and_all_cases_ran(reports, n):
     r = reports[n]
     assert r["size"] == n and r["threads"] == 1
     assert set(r["cases"]) == set(CASES)
+
+
+def test_bitwise_the_same_for_any_thread_count(reports):
+    two = reports["2 ranks x 2 threads"]
+    assert two["threads"] == 2
+    for case in CASES:
+        assert two["cases"][case]["sha256"] == reports[2]["cases"][case]["sha256"], case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
