@@ -96,16 +96,16 @@ def single(args, threads):
         if causal in seen:  # the layout does not matter in one process
             out[(name, "forward")], out[(name, "backward")] = seen[causal]
             continue
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         o, lse = sdpa_numba.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                          return_lse=True)
-        tf = time.perf_counter() - t0
-        tb = float("nan")
+        tf = (time.perf_counter() - t0, time.process_time() - c0)
+        tb = (float("nan"), float("nan"))
         if not args.no_backward:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             sdpa_numba.scaled_dot_product_attention_backward(g, q, k, v, o, lse,
                                                              is_causal=causal)
-            tb = time.perf_counter() - t0
+            tb = (time.perf_counter() - t0, time.process_time() - c0)
         out[(name, "forward")], out[(name, "backward")] = seen[causal] = (tf, tb)
     return out
 
@@ -127,16 +127,20 @@ def worker(args):
     report = {}
     for name, causal, layout in configs(args):
         ql, kl, vl, gl = (np.ascontiguousarray(shard(x, comm, layout)) for x in (q, k, v, g))
+        # (wall time of the slowest rank, CPU time of all ranks together)
         comm.Barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         o, lse = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, return_lse=True)
-        tf = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        report[f"{name}|forward"] = tf
+        report[f"{name}|forward"] = (
+            comm.allreduce(time.perf_counter() - t0, op=MPI.MAX),
+            comm.allreduce(time.process_time() - c0, op=MPI.SUM))
         if not args.no_backward:
             comm.Barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ring_attention_backward(gl, ql, kl, vl, o, lse, is_causal=causal, layout=layout)
-            report[f"{name}|backward"] = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            report[f"{name}|backward"] = (
+                comm.allreduce(time.perf_counter() - t0, op=MPI.MAX),
+                comm.allreduce(time.process_time() - c0, op=MPI.SUM))
     # One ring step's transfer: this rank's K and V shards to rank + 1, from rank - 1.
     kl = np.ascontiguousarray(shard(k, comm))
     buf = np.empty_like(kl)
@@ -180,14 +184,19 @@ def main(argv=None):
     threads = args.threads or args.ranks
     load_before = os.getloadavg()[0]
     best_single, best_ring = {}, {}
+    inf = (float("inf"), float("inf"))
     for r in range(args.rounds):
         if not args.no_single:
             for key, t in single(args, threads).items():
-                best_single[key] = min(best_single.get(key, float("inf")), t)
+                best_single[key] = tuple(map(min, best_single.get(key, inf), t))
             time.sleep(1)
         for key, t in ranks(args, argv).items():
-            best_ring[key] = min(best_ring.get(key, float("inf")), t) if isinstance(t, float) \
-                else t
+            if isinstance(key, tuple):
+                best_ring[key] = tuple(map(min, best_ring.get(key, inf), t))
+            elif key == "kv_shard_transfer_s":
+                best_ring[key] = min(best_ring.get(key, float("inf")), t)
+            else:
+                best_ring[key] = t
         time.sleep(1)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
@@ -196,18 +205,20 @@ def main(argv=None):
           f" vs 1 process x {threads} threads (min of {args.rounds}); {os.cpu_count()} cores, "
           f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'config':<20}{'dir':<10}{'1 proc s':>10}{'GFLOP/s':>9}{'ranks s':>10}{'GFLOP/s':>9}"
-          f"{'efficiency':>12}")
+          f"{'efficiency':>12}{'1 proc CPU s':>14}{'ranks CPU s':>13}{'CPU-time eff.':>15}")
     for name, causal, _ in configs(args):
         for d in ("forward", "backward"):
             if (name, d) not in best_ring:
                 continue
             f = flops(args, causal, d == "backward") / 1e9
-            ts, tr = best_single.get((name, d), float("nan")), best_ring[(name, d)]
+            nan = (float("nan"), float("nan"))
+            (ts, cs), (tr, cr) = best_single.get((name, d), nan), best_ring[(name, d)]
             rows.append({"config": name, "direction": d, "single_s": ts, "ranks_s": tr,
                          "single_gflops": f / ts, "ranks_gflops": f / tr,
-                         "efficiency": ts / tr})
+                         "efficiency": ts / tr, "single_cpu_s": cs, "ranks_cpu_s": cr,
+                         "cpu_efficiency": cs / cr})
             print(f"{name:<20}{d:<10}{ts:>10.2f}{f / ts:>9.1f}{tr:>10.2f}{f / tr:>9.1f}"
-                  f"{ts / tr:>11.0%}")
+                  f"{ts / tr:>11.0%}{cs:>14.2f}{cr:>13.2f}{cs / cr:>14.0%}")
     for d in ("forward", "backward"):
         rate = {r["config"]: r["ranks_gflops"] for r in rows if r["direction"] == d}
         if "non-causal" in rate and "causal zigzag" in rate:
