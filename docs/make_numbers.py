@@ -99,12 +99,28 @@ def transformers():
     return f"```bash\nNUMBA_NUM_THREADS=2 {PY} {' '.join(args)}\n```\n\n{out}"
 
 
+def _ring(args):
+    """scripts/ring_bench.py (ring attention under mpiexec against one process)."""
+    args = ["scripts/ring_bench.py", *args]
+    out = _run(args, {"PYTHONPATH": str(ROOT)})
+    return _code(f"{PY} {' '.join(args)}", out)
+
+
+def ring():
+    return _ring(["--L", "32768", "--ranks", "2", "--rounds", "2"])
+
+
+def ring4():
+    return _ring(["--L", "16384", "--ranks", "4", "--threads", "2", "--rounds", "2"])
+
+
 def check():
     return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
 
 
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
-              "compile": compile_time, "check": check, "transformers": transformers}
+              "compile": compile_time, "check": check, "transformers": transformers,
+              "ring": ring, "ring4": ring4}
 
 
 def _stamp():

@@ -1,0 +1,217 @@
+"""Run under ``mpiexec -n P`` by tests/test_distributed.py (not collected by pytest).
+
+Every rank builds the same full inputs, shards them, runs ring attention forward and backward,
+and gathers the results; rank 0 compares them with the single-process dense functions on the
+full arrays and writes a JSON report (relative Frobenius errors, bitwise checks, and what each
+rank raised in the error cases) to the path given as the first argument.
+"""
+
+import hashlib
+import json
+import sys
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+import sdpa_numba
+from sdpa_numba import distributed
+from sdpa_numba.distributed import (ring_attention, ring_attention_backward, shard,
+                                    unshard)
+
+comm = MPI.COMM_WORLD
+P, rank = comm.Get_size(), comm.Get_rank()
+
+#: (name, dtype, is_causal, layout, q shape without L, kv heads, batch of k/v, n_q, n_k, Ev):
+#: shard lengths are odd where the layout allows (zigzag shards are two chunks: 2 x odd).
+CASES = [
+    ("f64-causal-contiguous", "float64", True, "contiguous", (2, 3), 3, (2,), 5, 5, 6),
+    ("f64-noncausal-contiguous-S7", "float64", False, "contiguous", (1, 2), 2, (1,), 5, 7, 5),
+    ("f64-causal-zigzag-gqa", "float64", True, "zigzag", (1, 4), 2, (1,), 6, 6, 6),
+    ("f64-causal-zigzag-2d", "float64", True, "zigzag", (), None, (), 6, 6, 3),
+    ("f64-noncausal-zigzag-bcast", "float64", False, "zigzag", (2, 2), 2, (1,), 6, 10, 4),
+    ("f32-causal-zigzag", "float32", True, "zigzag", (2, 2), 2, (2,), 6, 6, 8),
+    ("f32-noncausal-zigzag-gqa", "float32", False, "zigzag", (1, 6), 2, (1,), 10, 6, 8),
+    ("f32-causal-contiguous-gqa", "float32", True, "contiguous", (1, 4), 1, (1,), 7, 7, 8),
+    ("f16-causal-zigzag", "float16", True, "zigzag", (1, 2), 2, (1,), 10, 10, 8),
+]
+E = 8
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    den = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
+
+
+def inputs(case):
+    name, dt, causal, layout, qlead, h, kvbatch, n_q, n_k, ev = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same on every rank
+    L, S = P * n_q, P * n_k
+    if h is None:  # 2-D inputs (L, E)
+        qs, ks, vs = (L, E), (S, E), (S, ev)
+    else:
+        qs = (*qlead, L, E)
+        ks, vs = (*kvbatch, h, S, E), (*kvbatch, h, S, ev)
+    q = rng.standard_normal(qs).astype(dt)
+    k = rng.standard_normal(ks).astype(dt)
+    v = rng.standard_normal(vs).astype(dt)
+    return q, k, v, rng
+
+
+def run_case(case):
+    name, dt, causal, layout, qlead, h, kvbatch, n_q, n_k, ev = case
+    q, k, v, rng = inputs(case)
+    gqa = h is not None and qlead[-1] != h
+    ref_out, ref_lse = sdpa_numba.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=gqa, return_lse=True)
+    g = rng.standard_normal(ref_out.shape).astype(dt)
+    ref_grads = sdpa_numba.scaled_dot_product_attention_backward(
+        g, q, k, v, ref_out, ref_lse, is_causal=causal, enable_gqa=gqa)
+
+    ql, kl, vl, gl = (shard(x, comm, layout) for x in (q, k, v, g))
+    kl_before = kl.copy()
+    out, lse = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa,
+                              return_lse=True)
+    # Run twice: bitwise the same (fixed merge and accumulation orders).
+    again = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa)
+    grads = ring_attention_backward(gl, ql, kl, vl, out, lse, is_causal=causal,
+                                    layout=layout, enable_gqa=gqa)
+    grads_again = ring_attention_backward(gl, ql, kl, vl, out, lse, is_causal=causal,
+                                          layout=layout, enable_gqa=gqa)
+    full = {"out": unshard(out, comm, layout), "lse": unshard(lse, comm, layout, axis=-1),
+            "dq": unshard(grads[0], comm, layout), "dk": unshard(grads[1], comm, layout),
+            "dv": unshard(grads[2], comm, layout)}
+    ref = {"out": ref_out, "lse": ref_lse, "dq": ref_grads[0], "dk": ref_grads[1],
+           "dv": ref_grads[2]}
+    local_ok = {
+        "bitwise_repeat_forward": bool(np.array_equal(out, again)),
+        "bitwise_repeat_backward": all(np.array_equal(a, b) for a, b in zip(grads, grads_again)),
+        "inputs_unchanged": bool(np.array_equal(kl, kl_before)),
+        "dtypes": [str(out.dtype), str(lse.dtype), *(str(x.dtype) for x in grads)],
+        "finite": bool(all(np.isfinite(x).all() for x in (out, lse, *grads))),
+    }
+    oks = comm.gather(local_ok, root=0)
+    if rank:
+        return None
+    report = {key: rel(full[key], ref[key]) for key in full}
+    # The bits of every gathered result, to compare runs with other thread counts.
+    report["sha256"] = hashlib.sha256(b"".join(full[key].tobytes() for key in sorted(full)))\
+        .hexdigest()
+    report["shapes_match"] = all(full[key].shape == ref[key].shape for key in full)
+    report["ranks"] = oks
+    report["ref_dtypes"] = [str(ref_out.dtype), str(ref_lse.dtype),
+                            *(str(x.dtype) for x in ref_grads)]
+    return report
+
+
+def expect_error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - recorded and compared by the test
+        result = [type(e).__name__, str(e)]
+    else:
+        result = None
+    return comm.gather(result, root=0)
+
+
+def error_cases():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 6, 8))
+    k = rng.standard_normal((2, 6, 8))
+    v = rng.standard_normal((2, 6, 8))
+    errors = {}
+    # Shapes differ across ranks (the last rank's shard is shorter).
+    qb = q[:, :4] if rank == P - 1 else q
+    kb = k[:, :4] if rank == P - 1 else k
+    errors["shapes_differ"] = expect_error(
+        lambda: ring_attention(qb, kb, v if rank != P - 1 else v[:, :4], is_causal=True))
+    errors["odd_zigzag"] = expect_error(
+        lambda: ring_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag"))
+    errors["bad_on_one_rank"] = expect_error(
+        lambda: ring_attention(q if rank else q.astype(np.float32), k, v))
+    errors["bad_flag_on_one_rank"] = expect_error(
+        lambda: ring_attention(q, k, v, return_lse="yes" if rank == 0 else True))
+    errors["causal_lengths"] = expect_error(
+        lambda: ring_attention(q, k[:, :4], v[:, :4], is_causal=True))
+    errors["attn_mask"] = expect_error(
+        lambda: ring_attention(q, k, v, attn_mask=np.ones((6, 6), bool)))
+    errors["window"] = expect_error(lambda: ring_attention(q, k, v, window=(2, 0)))
+    errors["dropout"] = expect_error(lambda: ring_attention(q, k, v, dropout_p=0.1))
+    errors["unknown_kwarg"] = expect_error(lambda: ring_attention(q, k, v, windw=(2, 0)))
+    errors["bad_layout"] = expect_error(lambda: ring_attention(q, k, v, layout="striped"))
+    errors["bad_lse_backward"] = expect_error(
+        lambda: ring_attention_backward(q, q, k, v, q, np.zeros((2, 6), np.float32)))
+    # The variants at their "off" values are accepted (and give the plain result).
+    plain = ring_attention(q, k, v, is_causal=True)
+    off = ring_attention(q, k, v, is_causal=True, window=None, alignment="top_left",
+                         softcap=None, attn_mask=None, dropout_p=0.0)
+    errors["variants_off_ok"] = comm.gather(bool(np.array_equal(plain, off)), root=0)
+
+    before = ring_attention(q, k, v)
+    # A rank failing midway (its second kernel call: ring step 1 when P > 1) stops everyone.
+    real = distributed.scaled_dot_product_attention
+    real_bwd = distributed.scaled_dot_product_attention_backward
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if rank == P - 1 and calls[0] == min(2, P):
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    def failing_bwd(*args, **kwargs):
+        calls[0] += 1
+        if rank == P - 1 and calls[0] == min(2, P):
+            raise RuntimeError("injected failure")
+        return real_bwd(*args, **kwargs)
+
+    distributed.scaled_dot_product_attention = failing
+    try:
+        errors["midway_forward"] = expect_error(lambda: ring_attention(q, k, v))
+    finally:
+        distributed.scaled_dot_product_attention = real
+    out, lse = ring_attention(q, k, v, return_lse=True)
+    calls[0] = 0
+    distributed.scaled_dot_product_attention_backward = failing_bwd
+    try:
+        errors["midway_backward"] = expect_error(
+            lambda: ring_attention_backward(q, q, k, v, out, lse))
+    finally:
+        distributed.scaled_dot_product_attention_backward = real_bwd
+    # The communicator still works after all of that.
+    after = ring_attention(q, k, v)
+    errors["usable_after"] = comm.gather(bool(np.array_equal(after, before)), root=0)
+    return errors
+
+
+def shard_roundtrip():
+    x = np.arange(2 * P * 2 * 3 * 4, dtype=np.float32).reshape(2, P * 2 * 3, 4)
+    result = {}
+    for layout in distributed.LAYOUTS:
+        local = shard(x, comm, layout)
+        rows = distributed.shard_rows(x.shape[1], P, rank, layout)
+        ok = bool(np.array_equal(local, x[:, rows]) and np.array_equal(unshard(local, comm,
+                                                                               layout), x))
+        result[layout] = comm.gather(ok, root=0)
+    return result
+
+
+def main():
+    path = sys.argv[1]
+    import numba
+
+    report = {"size": P, "cases": {}, "threads": numba.get_num_threads()}
+    for case in CASES:
+        r = run_case(case)
+        if rank == 0:
+            report["cases"][case[0]] = r
+    report["errors"] = error_cases()
+    report["shard_roundtrip"] = shard_roundtrip()
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

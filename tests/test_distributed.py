@@ -1,0 +1,247 @@
+"""Ring attention over MPI: ``mpiexec -n 1/2/3/4`` runs of tests/mpi_ring_worker.py.
+
+The worker shards the same full inputs on every rank, runs ``ring_attention`` and
+``ring_attention_backward``, gathers the shards and compares them (rank 0) with the
+single-process dense functions on the full arrays; it also records what every rank raised in
+the error cases. One mpiexec run per communicator size (oversubscribed on small machines, one
+thread per rank), whose JSON report the tests below read. The kernels are compiled (or loaded
+from Numba's cache) once here first, so that the ranks load them from the same on-disk cache.
+
+Skipped, saying why, only when mpi4py is not installed (the ``mpi`` and ``test`` extras bring
+it and the MPICH wheel, whose ``mpiexec`` lies next to the interpreter).
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mpi4py", reason="ring attention needs mpi4py: pip install -e '.[mpi]'")
+
+import sdpa_numba  # noqa: E402
+from sdpa_numba import distributed  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "mpi_ring_worker.py"
+SIZES = (1, 2, 3, 4)
+#: float16: partial outputs and gradients are rounded to float16 before they are combined
+#: (measured here: 3e-4 against the single process, which is 2e-4 from the float64 reference).
+TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-3}
+#: The worker's cases (name -> dtype), checked against its report so none goes missing.
+CASES = {
+    "f64-causal-contiguous": "float64", "f64-noncausal-contiguous-S7": "float64",
+    "f64-causal-zigzag-gqa": "float64", "f64-causal-zigzag-2d": "float64",
+    "f64-noncausal-zigzag-bcast": "float64", "f32-causal-zigzag": "float32",
+    "f32-noncausal-zigzag-gqa": "float32", "f32-causal-contiguous-gqa": "float32",
+    "f16-causal-zigzag": "float16",
+}
+
+
+def mpiexec():
+    """The venv's mpiexec (the MPICH wheel installs it next to the interpreter), else PATH's."""
+    here = pathlib.Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("mpi4py is installed but no mpiexec was found next to the interpreter "
+                    f"({here}) or on PATH: install the MPICH wheel (pip install mpich)")
+    return found
+
+
+def _warm():
+    """Compile or load every kernel specialization the ranks use, once, in this process."""
+    for dt in (np.float16, np.float32, np.float64):
+        q = np.ones((1, 1, 3, 4), dt)
+        o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
+        sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
+        sdpa_numba.merge_attention_states(o, lse, o, lse)
+
+
+def run_ranks(n, tmp_path, timeout=240, threads=1):
+    path = tmp_path / f"ring{n}-{threads}.json"
+    cmd = [mpiexec()]
+    # One machine: MPICH's launcher forks (no ssh); Open MPI must be told that more ranks
+    # than cores is fine.
+    cmd += ["-launcher", "fork"] if _is_mpich() else ["--oversubscribe"]
+    cmd += ["-n", str(n), sys.executable, str(WORKER), str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(path.read_text())
+
+
+def _is_mpich():
+    from mpi4py import MPI
+
+    return "MPICH" in MPI.Get_library_version()
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    _warm()
+    out = {}
+    tmp = tmp_path_factory.mktemp("ring")
+    for n in SIZES:
+        out[n] = run_ranks(n, tmp)
+    out["2 ranks x 2 threads"] = run_ranks(2, tmp, threads=2)
+    return out
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_one_thread_per_rank_and_all_cases_ran(reports, n):
+    r = reports[n]
+    assert r["size"] == n and r["threads"] == 1
+    assert set(r["cases"]) == set(CASES)
+
+
+def test_bitwise_the_same_for_any_thread_count(reports):
+    two = reports["2 ranks x 2 threads"]
+    assert two["threads"] == 2
+    for case in CASES:
+        assert two["cases"][case]["sha256"] == reports[2]["cases"][case]["sha256"], case
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("n", SIZES)
+def test_gathered_results_equal_single_process(reports, n, case):
+    r = reports[n]["cases"][case]
+    tol = TOL[CASES[case]]
+    errors = {key: r[key] for key in ("out", "lse", "dq", "dk", "dv")}
+    assert r["shapes_match"]
+    assert all(e <= tol for e in errors.values()), errors
+    if n == 1:  # a communicator of size 1 is plain attention: bitwise
+        assert all(e == 0 for e in errors.values()), errors
+    for rank, ok in enumerate(r["ranks"]):
+        assert ok["finite"], rank
+        assert ok["inputs_unchanged"], rank
+        assert ok["bitwise_repeat_forward"] and ok["bitwise_repeat_backward"], rank
+        assert ok["dtypes"] == r["ref_dtypes"], rank
+
+
+# The error cases: (kind every rank raises, a phrase of the message).
+ERRORS = {
+    "odd_zigzag": ("ValueError", "zigzag layout needs shards of even length"),
+    "causal_lengths": ("ValueError", "same length"),
+    "attn_mask": ("ValueError", "no dense attn_mask"),
+    "window": ("NotImplementedError", "variant(s) window"),
+    "dropout": ("NotImplementedError", "no dropout"),
+    "unknown_kwarg": ("TypeError", "windw"),
+    "bad_layout": ("ValueError", "layout must be one of"),
+    "bad_lse_backward": ("ValueError", "lse must have shape"),
+    "bad_on_one_rank": ("TypeError", "key dtype float64 differs from query dtype float32"),
+    "bad_flag_on_one_rank": ("TypeError", "return_lse must be a bool"),
+    "midway_forward": ("RuntimeError", "injected failure"),
+    "midway_backward": ("RuntimeError", "injected failure"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ERRORS))
+@pytest.mark.parametrize("n", SIZES)
+def test_every_rank_raises(reports, n, name):
+    kind, phrase = ERRORS[name]
+    got = reports[n]["errors"][name]
+    assert len(got) == n
+    for rank, e in enumerate(got):
+        assert e is not None, f"rank {rank} did not raise"
+        assert e[0] == kind and phrase in e[1], (rank, e)
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+def test_other_ranks_name_the_failing_rank(reports, n):
+    for name, failing in (("bad_on_one_rank", 0), ("bad_flag_on_one_rank", 0),
+                          ("midway_forward", n - 1),
+                          ("midway_backward", n - 1)):
+        for rank, (_, message) in enumerate(reports[n]["errors"][name]):
+            if rank != failing:
+                assert f"rank {failing} raised" in message, (name, rank, message)
+            else:
+                assert "rank" not in message, (name, rank, message)  # its own exception
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+def test_shapes_differing_across_ranks_are_refused_everywhere(reports, n):
+    got = reports[n]["errors"]["shapes_differ"]
+    for e in got:
+        assert e is not None and e[0] == "ValueError"
+        assert "same shapes" in e[1] and f"rank {n - 1} has query (2, 4, 8)" in e[1]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_variants_off_and_communicator_usable_after_errors(reports, n):
+    errors = reports[n]["errors"]
+    assert errors["variants_off_ok"] == [True] * n
+    assert errors["usable_after"] == [True] * n
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_shard_unshard_round_trip(reports, n):
+    assert reports[n]["shard_roundtrip"] == {"contiguous": [True] * n, "zigzag": [True] * n}
+
+
+# In-process checks (a communicator of size 1 is enough for these).
+
+@pytest.mark.parametrize("layout", distributed.LAYOUTS)
+def test_shard_rows_cover_the_sequence_once(layout):
+    for P in (1, 2, 3, 5):
+        n = 2 * P * 3
+        rows = np.concatenate([distributed.shard_rows(n, P, r, layout) for r in range(P)])
+        assert sorted(rows.tolist()) == list(range(n))
+    assert distributed.shard_rows(8, 2, 0, "zigzag").tolist() == [0, 1, 6, 7]
+    assert distributed.shard_rows(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
+
+
+def test_shard_rows_refuse_uneven_splits():
+    with pytest.raises(ValueError, match="does not split into 4 equal parts"):
+        distributed.shard_rows(6, 2, 0, "zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        distributed.shard_rows(6, 2, 0, "striped")
+
+
+def test_blocks_do_the_causal_work_once():
+    """Over all ring steps, the (query, key) pairs visited are exactly the causal ones, each
+    once, in both layouts; zigzag gives every rank the same work at every step."""
+    for layout in distributed.LAYOUTS:
+        for P in (1, 2, 3, 4):
+            n = 6
+            L = P * n
+            seen = np.zeros((L, L), int)
+            work = np.zeros((P, P))
+            for rank in range(P):
+                qrows = distributed.shard_rows(L, P, rank, layout)
+                for t in range(P):
+                    src = (rank - t) % P
+                    krows = distributed.shard_rows(L, P, src, layout)
+                    for qs, ks, causal in distributed._blocks(layout, True, n, n, rank, src):
+                        qi, kj = qrows[qs], krows[ks]
+                        vis = np.ones((len(qi), len(kj)), bool)
+                        if causal:
+                            vis = np.tril(vis)
+                        seen[np.ix_(qi, kj)] += vis
+                        work[rank, t] += vis.size / (2 if causal else 1)
+            assert np.array_equal(seen, np.tril(np.ones((L, L), int))), (layout, P)
+            if layout == "zigzag":
+                assert np.all(work == work[0, 0]), work
+
+
+def test_cuda_arrays_are_refused():
+    class FakeDevice:
+        __cuda_array_interface__ = {}
+        shape, ndim, dtype = (2, 4, 8), 3, np.dtype(np.float32)
+
+    q = np.zeros((2, 4, 8), np.float32)
+    with pytest.raises(NotImplementedError, match="key is a CUDA array"):
+        distributed.ring_attention(q, FakeDevice(), q)
+
+
+def test_comm_must_be_a_communicator():
+    q = np.zeros((2, 4, 8))
+    with pytest.raises(TypeError, match="comm must be an mpi4py intracommunicator"):
+        distributed.ring_attention(q, q, q, comm="world")
