@@ -226,7 +226,7 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
     prefer_512_bit()
     if r.softcap > 0:
         c = cast(r.softcap, st[0])
-        inv_c = 1 / c
+        inv_c = cast(1.0, c) / c  # in the compute dtype: 1 / c would be float64
         for t in range(n_keys * BM):
             st[t] = c * tanh(st[t] * inv_c)
     if _mods_scores(r):
