@@ -150,7 +150,9 @@ def build_parser():
 )
     p.add_argument("--preset", choices=sorted(bench.PRESETS), action="append", default=[],
                    help="a named case list; headline: B1 H8 L2048 D64 float32 non-causal and "
-                        "causal, B1 H4 L4096 D128 float32")
+                        "causal, B1 H4 L4096 D128 float32; variants: soft cap, a user's "
+                        "score_mod and a causal sliding window of 256 at B1 H8 L2048 D64 "
+                        "float32 against torch's flex_attention and SDPA (a table of its own)")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
                         "(repeatable)")
@@ -446,9 +448,29 @@ def _progress_bar(total, disable):
     return tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False)
 
 
+def cmd_bench_variants(args, out):
+    """The ``variants`` preset: its own table (:func:`sdpa_numba.bench.run_variants`)."""
+    threads = _set_threads(args, torch_too=True)
+    load = bench.load_average()
+    if load is not None and load > 1.0:
+        print(f"warning: load average {load:.1f} before the run: other processes are using the "
+              f"CPUs, timings will be noisy", file=sys.stderr)
+    res = bench.run_variants(args.repeats, args.pause)
+    res["load_average_1min_before"] = load
+    if args.json:
+        _dump_json({"info": bench.collect_info(), "threads": threads, "variants": res}, out)
+    else:
+        print(bench.format_variants(res), file=out)
+    return EXIT_OK
+
+
 def cmd_bench(args, out=None):
     out = out or sys.stdout
     parser = args.subparser
+    if "variants" in args.preset:
+        if len(args.preset) > 1 or args.case or args.plot:
+            parser.error("--preset variants runs alone (no other preset, --case or --plot)")
+        return cmd_bench_variants(args, out)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
