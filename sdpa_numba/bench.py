@@ -428,13 +428,21 @@ def visited_fraction(L, S, left, right, offset=0):
     return total / (L * S)
 
 
-def _new_softcap_mod(c):
-    """A fresh ``@njit`` soft-cap score_mod (a new function: compiled from scratch)."""
+def _new_softcap_mod(c, vectorized=True):
+    """A fresh ``@njit`` soft-cap score_mod (a new function: compiled from scratch), with
+    :func:`sdpa_numba.cpu.tanh.tanh` (vectorizes) or ``math.tanh`` (a scalar libm call)."""
     import numba
 
-    @numba.njit
-    def softcap_mod(score, b, h, i, j):
-        return c * math.tanh(score / c)
+    from .cpu.tanh import tanh
+
+    if vectorized:
+        @numba.njit
+        def softcap_mod(score, b, h, i, j):
+            return c * tanh(score / c)
+    else:
+        @numba.njit
+        def softcap_mod(score, b, h, i, j):
+            return c * math.tanh(score / c)
 
     return softcap_mod
 
@@ -446,8 +454,9 @@ def run_variants(repeats=5, pause=None, progress=None, case=VARIANTS_CASE,
     Rows (each the minimum of ``repeats`` interleaved rounds within its group, after warm-up):
 
     * soft cap: our dense forward, our built-in ``softcap``, our forward with a user's
-      ``score_mod`` doing the same, torch's SDPA (dense), and torch's ``flex_attention``
-      under ``torch.compile`` with the same score_mod;
+      ``score_mod`` doing the same (with :func:`sdpa_numba.cpu.tanh.tanh`, and with
+      ``math.tanh``), torch's SDPA (dense), and torch's ``flex_attention`` under
+      ``torch.compile`` with the same score_mod;
     * sliding window ``window`` with causal: ours, flex_attention with a block mask of the
       same mask_mod, torch's SDPA given the equivalent bool mask; and the ideal time, the
       visited work (:func:`visited_fraction`) at our dense rate.
@@ -473,10 +482,11 @@ def run_variants(repeats=5, pause=None, progress=None, case=VARIANTS_CASE,
     sdpa(q[:, :, :8], k[:, :, :8], v[:, :, :8], score_mod=mod)
     compile_s["score_mod, first call (compiles the forward with it)"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    mod2 = _new_softcap_mod(c)
-    sdpa(q[:, :, :8], k[:, :, :8], v[:, :, :8], score_mod=mod2)
+    mod_math = _new_softcap_mod(c, vectorized=False)
+    sdpa(q[:, :, :8], k[:, :, :8], v[:, :, :8], score_mod=mod_math)
     compile_s["another new score_mod in the same process"] = time.perf_counter() - t0
     fns["sdpa_numba score_mod softcap"] = lambda: sdpa(q, k, v, score_mod=mod)
+    fns["sdpa_numba score_mod softcap, math.tanh"] = lambda: sdpa(q, k, v, score_mod=mod_math)
     win = {"sdpa_numba window": lambda: sdpa(q, k, v, is_causal=True, window=(window, 0))}
     have_torch = torch_available()
     if have_torch:

@@ -238,11 +238,14 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
 
 
 @njit(**CALLED)
-def _softmax_tile(st, n_keys, m, l, alpha):
+def _softmax_tile(st, n_keys, m, l, alpha, cap):
     """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
 
     Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
-    updates ``m``, ``l``, ``alpha`` (pointers to BM lanes).
+    updates ``m``, ``l``, ``alpha`` (pointers to BM lanes). ``cap > 0`` soft-caps the scores
+    first (``cap · tanh(s / cap)``), in the pass that finds their maximum: the caller passes
+    it only for tiles that nothing else modifies or masks (soft cap comes first in the
+    score's order, masks after it); 0 leaves the scores as they are.
 
     Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
     converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
@@ -265,10 +268,21 @@ def _softmax_tile(st, n_keys, m, l, alpha):
         m_old[i] = m[i]
     for i in range(BM):
         m_new[i] = m_old[i]
-    for j in range(n_keys):
-        row = ptr_add(st, j * BM)
-        for i in range(BM):
-            m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
+    if cap > 0:
+        # Fused into the max pass: a pass of its own over the tile (which the tile products'
+        # operands push out of L1) cost twice as much.
+        inv_cap = cast(1.0, cap) / cap
+        for j in range(n_keys):
+            row = ptr_add(st, j * BM)
+            for i in range(BM):
+                s = cap * tanh(row[i] * inv_cap)
+                row[i] = s
+                m_new[i] = s if s > m_new[i] else m_new[i]
+    else:
+        for j in range(n_keys):
+            row = ptr_add(st, j * BM)
+            for i in range(BM):
+                m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
     c = cast(LOG2E, m_old[0])
     for i in range(BM):
         # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
@@ -452,6 +466,8 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     j_begin, kv_end = key_range(r, i0, i1 - 1, s_len)
     element = has_element_mask(r)
     blocked = r.block_mask is not None
+    zero = cast(0.0, lse)
+    softcap = cast(r.softcap, lse)
     for j0 in range(j_begin // BN * BN, kv_end, BN):
         nj = min(BN, kv_end - j0)
         k_in_place = ldk > 0 and nj == BN
@@ -477,15 +493,20 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
                 continue
             n_real = min(BM, n - r0)
             _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
-            if modifies_scores(r):
-                _modify_tile(p_st, n_keys, n_real, r, b, h, i_first, j0)
             in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)
             per_element = element and (not blocked or state == BLOCK_PARTIAL)
-            if mask is not None or not in_window or per_element:
+            masked = mask is not None or not in_window or per_element
+            # A soft cap alone on an unmasked tile is done by the softmax's first pass.
+            cap = zero
+            if r.softcap > 0 and not masked and not _mods_scores(r):
+                cap = softcap
+            elif modifies_scores(r):
+                _modify_tile(p_st, n_keys, n_real, r, b, h, i_first, j0)
+            if masked:
                 _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, not in_window,
                            per_element)
             _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
-                          ptr_add(p_alpha, r0))
+                          ptr_add(p_alpha, r0), cap)
             # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),
