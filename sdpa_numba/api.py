@@ -261,6 +261,11 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     softmax. A row whose every key is masked gives zeros (and ``lse = -inf``); ``S = 0`` too.
     float16 and bfloat16 compute with float32 accumulators; a bfloat16 output is rounded to
     nearest even. Results do not depend on the thread count.
+
+    The score of ``(b, h, i, j)`` is formed in this order: ``scale * q_i . k_j``, soft cap,
+    ALiBi, ``score_mod``, float ``attn_mask`` added; then the window (and causality), a bool
+    ``attn_mask`` and ``mask_mod`` mask it (see the documentation's variants page). With
+    ``sinks``, a row whose every key is masked gives zeros and ``lse`` = its head's sink.
     """
     device = _device_of([("query", query), ("key", key), ("value", value),
                          ("attn_mask", attn_mask), ("out", out)], ("query", "key", "value"))

@@ -157,7 +157,9 @@ def build_parser():
                         "S512 D64 as the median after 50 ms idle; decode-more: a paged cache "
                         "(page 16) against decode's contiguous one, a ragged batch B16 "
                         "(lengths 128..8192, torch: padded with a mask), split-KV B1 H1 S1M "
-                        "D128 on 2 threads against 1")
+                        "D128 on 2 threads against 1; variants: soft cap, a user's "
+                        "score_mod and a causal sliding window of 256 at B1 H8 L2048 D64 "
+                        "float32 against torch's flex_attention and SDPA (a table of its own)")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
                         "(repeatable)")
@@ -481,12 +483,31 @@ def cmd_bench_decode(args, cases, out):
                      _fmt(r.get("rel_err_vs_torch"), ".1e"),
                      _fmt(r.get("speedup_vs_one_thread"), ".2f")])
     print(_render(head, rows, args.markdown), file=out)
+
+
+def cmd_bench_variants(args, out):
+    """The ``variants`` preset: its own table (:func:`sdpa_numba.bench.run_variants`)."""
+    threads = _set_threads(args, torch_too=True)
+    load = bench.load_average()
+    if load is not None and load > 1.0:
+        print(f"warning: load average {load:.1f} before the run: other processes are using the "
+              f"CPUs, timings will be noisy", file=sys.stderr)
+    res = bench.run_variants(args.repeats, args.pause)
+    res["load_average_1min_before"] = load
+    if args.json:
+        _dump_json({"info": bench.collect_info(), "threads": threads, "variants": res}, out)
+    else:
+        print(bench.format_variants(res), file=out)
     return EXIT_OK
 
 
 def cmd_bench(args, out=None):
     out = out or sys.stdout
     parser = args.subparser
+    if "variants" in args.preset:
+        if len(args.preset) > 1 or args.case or args.plot:
+            parser.error("--preset variants runs alone (no other preset, --case or --plot)")
+        return cmd_bench_variants(args, out)
     decode_cases = _decode_cases(args)
     if decode_cases:
         code = cmd_bench_decode(args, decode_cases, out)

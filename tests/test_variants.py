@@ -307,3 +307,189 @@ def test_create_block_mask_errors_and_states():
     want = [[P, E, E, E], [F, P, E, E], [F, F, P, E]]
     np.testing.assert_array_equal(bm.states[0, 0], want)
     assert bm.states.dtype == np.int8 and bm.states.shape == (1, 1, 3, 4)
+
+
+# --- the CPU forward against the reference --------------------------------------------------
+# Few compiled specializations: windows, alignment, causality and the soft cap are run-time
+# numbers of the plain recipe (the kernels every other test compiles); ALiBi with sinks, one
+# score_mod, the bias table, one mask_mod and its block mask are one specialization each.
+
+from checks import TOL, check, rel_err  # noqa: E402
+
+
+@njit
+def cap_alibi_mod(s, b, h, i, j, c, slopes, offset):
+    """The built-in soft cap then ALiBi, written by a user."""
+    s = c * math.tanh(s / c)
+    return s - slopes[b, h] * abs(i + offset - j)
+
+
+@njit
+def doc_prefix(b, h, i, j, doc_q, doc_k, prefix):
+    """Document masking and prefix-LM in one function: keys of the query's document that are
+    in the prefix or not after the query."""
+    return doc_q[b, i] == doc_k[b, j] and (j < prefix or j <= i)
+
+
+WINDOWS = [(None, False), ((70, 3), False), ((None, 0), False), ((5, None), True),
+           ((0, 0), False), ((200, 10), True), (None, True), ((64, 64), False)]
+SIZES = [(150, 301), (300, 129), (37, 37), (1, 65)]
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("window,causal", WINDOWS)
+@pytest.mark.parametrize("L,S", SIZES)
+def test_window_alignment_causal(rng, L, S, window, causal, alignment):
+    """Every window x alignment x causality on odd sizes that span several blocks and two task
+    chunks; GQA and batch dims; rows that see no key (bottom-right with L > S) give 0, -inf."""
+    q, k, v = qkv(rng, (2, 4, L, 24), (2, 2, S, 24), ev=20, dtype=np.float32)
+    out, lse = check(q, k, v, window=window, is_causal=causal, alignment=alignment,
+                     enable_gqa=True)
+    if alignment == "bottom_right" and (causal or (window and window[1] == 0)) and L > S:
+        assert np.all(lse[..., : L - S] == -np.inf) and np.all(out[..., : L - S, :] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("softcap,scale", [(0.7, None), (30.0, None), (5.0, 10.0)])
+def test_softcap(rng, dtype, softcap, scale):
+    """The soft cap (float32: the vectorized tanh) alone, saturated (scale 10), with windows."""
+    q, k, v = qkv(rng, (3, 77, 40), (3, 130, 40), dtype=dtype)
+    check(q, k, v, softcap=softcap, scale=scale)
+    check(q, k, v, softcap=softcap, scale=scale, window=(40, 2), is_causal=True,
+          alignment="bottom_right")
+
+
+def test_softcap_tanh_accuracy():
+    """The float32 tanh of the soft cap: within 4e-7 of tanh relative, on a dense grid (the
+    bound of its docstring, 3.2e-7, measured on this grid), odd, NaN in NaN out."""
+    from sdpa_numba.cpu.tanh import tanh
+
+    @njit(fastmath={"nsz", "arcp", "contract", "afn", "reassoc"}, error_model="numpy")
+    def apply(x, y):
+        for n in range(x.size):
+            y[n] = tanh(x[n])
+
+    x = np.concatenate([np.linspace(-50, 50, 400_001), np.geomspace(1e-30, 20, 50_001),
+                        -np.geomspace(1e-30, 20, 50_001)]).astype(np.float32)
+    y = np.empty_like(x)
+    apply(x, y)
+    ref = np.tanh(x.astype(np.float64))
+    nz = ref != 0
+    assert (np.abs(y[nz] - ref[nz]) / np.abs(ref[nz])).max() < 4e-7
+    assert y[x == 0].max() == 0
+    special = np.array([np.nan, np.inf, -np.inf], np.float32)
+    ys = np.empty_like(special)
+    apply(special, ys)
+    assert np.isnan(ys[0]) and abs(ys[1] - 1) < 3e-7 and abs(ys[2] + 1) < 3e-7
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_with_windows(rng, kind):
+    """attn_mask (bool and float, broadcast) with a window, bottom-right causal and a soft cap:
+    the order of the score (soft cap, then the mask added, then the window)."""
+    q, k, v = qkv(rng, (2, 3, 90, 16), (2, 3, 140, 16), dtype=np.float32)
+    mask = rng.random((3, 1, 140)) > 0.3
+    if kind == "additive":
+        mask = np.where(mask, rng.standard_normal((3, 1, 140)), -np.inf).astype(np.float32)
+    check(q, k, v, attn_mask=mask, window=(50, 7), alignment="bottom_right", softcap=3.0)
+    check(q, k, v, attn_mask=mask, window=(20, None), is_causal=True)
+
+
+def test_dropout_with_window(rng):
+    q, k, v = qkv(rng, (2, 2, 70, 16), (2, 2, 150, 16), dtype=np.float32)
+    kw = dict(window=(30, 0), alignment="bottom_right", softcap=4.0)
+    out = np.full((2, 2, 70, 16), np.nan, np.float32)
+    got, lse = sdpa(q, k, v, dropout_p=0.3, seed=11, out=out, return_lse=True, **kw)
+    want, want_lse = reference.attention_dropout(q, k, v, dropout_p=0.3, seed=11, **kw)
+    assert rel_err(got, want) <= TOL[np.float32]
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("slopes_shape", ["heads", "batch"])
+def test_alibi_and_sinks(rng, slopes_shape):
+    """ALiBi slopes ((Hq,) or per batch entry) with sinks (one head without: -inf), windows,
+    bottom-right, GQA; rows that see no key get 0 and lse = their head's sink."""
+    L, S = 150, 70
+    q, k, v = qkv(rng, (2, 4, L, 16), (2, 2, S, 16), dtype=np.float32)
+    slopes = (rng.random(4) if slopes_shape == "heads" else rng.random((2, 4))).astype(
+        np.float32)
+    sinks = np.array([0.5, -np.inf, 2.0, -1.0], np.float32)
+    out, lse = check(q, k, v, alibi_slopes=slopes, sinks=sinks, enable_gqa=True,
+                     alignment="bottom_right", window=(20, 0))
+    dark = slice(0, L - S)  # bottom-right causal: these rows see no key
+    assert np.all(out[:, :, dark] == 0)
+    np.testing.assert_array_equal(lse[:, :, dark], np.broadcast_to(sinks[:, None], (2, 4, L - S)))
+    check(q, k, v, alibi_slopes=slopes, sinks=sinks.astype(np.float64), enable_gqa=True,
+          softcap=2.0)
+
+
+def test_score_mod_agrees_with_the_built_ins(rng):
+    """A user's score_mod doing the soft cap and ALiBi gives the built-ins' result; b is the
+    flat batch index (the slopes differ per batch entry of a 2-D batch)."""
+    q, k, v = qkv(rng, (2, 3, 2, 67, 16), (2, 3, 2, 99, 16), dtype=np.float32)
+    slopes = rng.random((6, 2)).astype(np.float32)
+    built_in = check(q, k, v, softcap=2.5, alibi_slopes=slopes.reshape(2, 3, 2),
+                     window=(30, 5), alignment="bottom_right")[0]
+    mod_args = (np.float32(2.5), slopes, 99 - 67)
+    user = check(q, k, v, score_mod=cap_alibi_mod, mod_args=mod_args, window=(30, 5),
+                 alignment="bottom_right")[0]
+    assert rel_err(user, built_in.astype(np.float64)) < 2e-6
+    # mod_args are run-time values: other contents, no recompilation, other results.
+    from sdpa_numba.cpu import launch
+
+    n = len(launch._entries)
+    check(q, k, v, score_mod=cap_alibi_mod, mod_args=(np.float32(1.0), 2 * slopes, 0))
+    assert len(launch._entries) == n
+
+
+def test_relative_position_bias_table(rng):
+    q, k, v = qkv(rng, (3, 80, 8), (3, 80, 8), dtype=np.float32)
+    table = rng.standard_normal((3, 2 * 80 + 1))
+    check(q, k, v, score_mod=rel_bias, mod_args=(table,), is_causal=True)
+
+
+def _doc_ids(rng, n_batch, n, n_docs):
+    return np.sort(rng.integers(0, n_docs, (n_batch, n)), axis=1)
+
+
+@pytest.mark.parametrize("case", ["documents", "prefix-lm", "empty-rows"])
+def test_mask_mod(rng, case):
+    """Document masking and prefix-LM through mask_mod (mod_args per batch entry)."""
+    L = S = 150
+    q, k, v = qkv(rng, (2, 2, L, 16), (2, 2, S, 16), dtype=np.float32)
+    doc = _doc_ids(rng, 2, L, 4)
+    if case == "documents":
+        args = (doc, doc, 10**6)
+    elif case == "prefix-lm":
+        zero = np.zeros((2, L), np.int64)
+        args = (zero, zero, 40)
+    else:  # batch entry 0: the keys' documents are none of the queries': rows fully masked
+        doc_k = doc.copy()
+        doc_k[0] += 10
+        args = (doc, doc_k, 10**6)
+    out, lse = check(q, k, v, mask_mod=doc_prefix, mod_args=args)
+    if case == "empty-rows":
+        assert np.all(np.isneginf(lse[0])) and np.all(out[0] == 0)
+        assert np.isfinite(lse[1]).all()
+
+
+def test_block_mask_skips_blocks_with_the_same_bits(rng):
+    """A block mask (per batch entry, heads broadcast) gives bitwise the mask_mod's result
+    without one (an empty block adds exactly nothing, a full one needs no per-element test),
+    is reused across calls, and can carry the mask_mod alone."""
+    L, S = 200, 260
+    doc_q, doc_k = _doc_ids(rng, 2, L, 3), _doc_ids(rng, 2, S, 3)
+    args = (doc_q, doc_k, 10**6)
+    bm = sdpa_numba.create_block_mask(doc_prefix, 2, None, L, S, mod_args=args)
+    states = bm.states
+    assert states.shape == (2, 1, 4, 5)
+    assert (states == sdpa_numba.BLOCK_EMPTY).any() and (states == sdpa_numba.BLOCK_FULL).any()
+    for trial in range(2):
+        q, k, v = qkv(rng, (2, 3, L, 16), (2, 3, S, 16), dtype=np.float32)
+        want, want_lse = sdpa(q, k, v, mask_mod=doc_prefix, mod_args=args, return_lse=True)
+        out = np.full_like(want, np.nan)
+        got, lse = sdpa(q, k, v, block_mask=bm, mod_args=args, out=out, return_lse=True)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(lse, want_lse)
+        ref, _ = reference.attention(q, k, v, mask_mod=doc_prefix, mod_args=args)
+        assert rel_err(got, ref) <= TOL[np.float32]

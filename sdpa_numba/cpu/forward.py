@@ -26,7 +26,8 @@ import math
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
 from .dropout import drop_tile, head_dropout
@@ -36,7 +37,12 @@ from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
 from ..score.numbers import cast
+from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, NO_LIMIT, Recipe, _absent, alibi_bias,
+                            block_state, fold_sink, has_element_mask, key_range, modifies_scores,
+                            sink_logit,
+                            user_keeps, user_score, window_covers)
 from .storage import is_compute_dtype, load, store
+from .tanh import tanh
 from .tasks import next_task, task_queue
 
 #: Keys per key/value block.
@@ -165,29 +171,81 @@ def _row_stride(a, like, n_cols):
 
 
 @njit(**INLINE)
-def _mask_tile(st, n_keys, i_first, n_real, j0, mask, is_causal):
-    """Apply causal and user masks to the first ``n_keys`` rows of Sᵀ (BN x BM).
+def _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, window, element):
+    """Mask the first ``n_keys`` rows of Sᵀ (BN x BM): the recipe's window (and causality)
+    where ``window``, the user's ``attn_mask`` (bool: True takes part; float: added), and the
+    recipe's ``mask_mod`` where ``element``.
 
-    Query lanes at or past ``n_real`` are padding: no mask is read for them.
+    Query lanes at or past ``n_real`` are padding: no mask is read for them (the window may
+    write -inf there: they are never output).
     """
     neg_inf = cast(-np.inf, st)
     for j in range(n_keys):
         row = ptr_add(data_ptr(st), j * BM)
         jj = j0 + j
-        if is_causal:
-            for i in range(min(BM, max(jj - i_first, 0))):  # queries i < j are masked
+        if window:
+            # Lane i (row i_first + i) keeps key jj iff i' - left <= jj <= i' + right, with
+            # i' = i_first + i + offset: lanes lo..hi.
+            lo = jj - r.right - r.offset - i_first
+            hi = jj + r.left - r.offset - i_first
+            for i in range(min(max(lo, 0), BM)):
+                row[i] = neg_inf
+            for i in range(max(hi + 1, 0), BM):
                 row[i] = neg_inf
         if mask is not None:
             for i in range(n_real):
                 row[i] = masked_score(row[i], mask[i_first + i, jj])
+        if element:
+            for i in range(n_real):
+                if not user_keeps(r, b, h, i_first + i, jj):
+                    row[i] = neg_inf
+
+
+def _mods_scores(r):
+    """Whether recipe ``r`` has ALiBi or a score_mod (a compile-time constant; jitted code
+    only)."""
+    raise NotImplementedError("_mods_scores is only callable from jitted code")
+
+
+@overload(_mods_scores)
+def _mods_scores_impl(r):
+    const = not (_absent(r, "alibi") and _absent(r, "score_mod"))
+    return lambda r: const
 
 
 @njit(**CALLED)
-def _softmax_tile(st, n_keys, m, l, alpha):
+def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
+    """The recipe's modified scores (:func:`sdpa_numba.score.recipe.modified_score`: soft cap,
+    ALiBi, score_mod, in that order) on the first ``n_keys`` rows of Sᵀ, real lanes.
+
+    The soft cap is the seam's ``c · tanh(s / c)`` with the vectorizable :func:`.tanh.tanh`
+    over the whole tile (``math.tanh`` is a scalar call here); ALiBi and score_mod are the
+    seam's, element by element.
+    """
+    no_inline()
+    prefer_512_bit()
+    if r.softcap > 0:
+        c = cast(r.softcap, st[0])
+        inv_c = cast(1.0, c) / c  # in the compute dtype: 1 / c would be float64
+        for t in range(n_keys * BM):
+            st[t] = c * tanh(st[t] * inv_c)
+    if _mods_scores(r):
+        for j in range(n_keys):
+            row = ptr_add(st, j * BM)
+            for i in range(n_real):
+                s = alibi_bias(r, row[i], b, h, i_first + i, j0 + j)
+                row[i] = user_score(r, s, b, h, i_first + i, j0 + j)
+
+
+@njit(**CALLED)
+def _softmax_tile(st, n_keys, m, l, alpha, cap):
     """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
 
     Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
-    updates ``m``, ``l``, ``alpha`` (pointers to BM lanes).
+    updates ``m``, ``l``, ``alpha`` (pointers to BM lanes). ``cap > 0`` soft-caps the scores
+    first (``cap · tanh(s / cap)``), in the pass that finds their maximum: the caller passes
+    it only for tiles that nothing else modifies or masks (soft cap comes first in the
+    score's order, masks after it); 0 leaves the scores as they are.
 
     Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
     converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
@@ -210,10 +268,21 @@ def _softmax_tile(st, n_keys, m, l, alpha):
         m_old[i] = m[i]
     for i in range(BM):
         m_new[i] = m_old[i]
-    for j in range(n_keys):
-        row = ptr_add(st, j * BM)
-        for i in range(BM):
-            m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
+    if cap > 0:
+        # Fused into the max pass: a pass of its own over the tile (which the tile products'
+        # operands push out of L1) cost twice as much.
+        inv_cap = cast(1.0, cap) / cap
+        for j in range(n_keys):
+            row = ptr_add(st, j * BM)
+            for i in range(BM):
+                s = cap * tanh(row[i] * inv_cap)
+                row[i] = s
+                m_new[i] = s if s > m_new[i] else m_new[i]
+    else:
+        for j in range(n_keys):
+            row = ptr_add(st, j * BM)
+            for i in range(BM):
+                m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
     c = cast(LOG2E, m_old[0])
     for i in range(BM):
         # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
@@ -344,12 +413,21 @@ def _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o):
 
 
 @njit(**KERNEL)
-def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None):
+def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=0):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
 
     ``q`` (L, E), ``k`` (S, E), ``v`` (S, Ev), ``mask`` None or (L, S) (bool: True takes part;
-    float: added), ``out`` (L, Ev), ``lse`` (L,) whose dtype is the compute dtype.
+    float: added), ``r`` the :class:`~sdpa_numba.score.recipe.Recipe` (causality already in
+    its right side), ``out`` (L, Ev), ``lse`` (L,) whose dtype is the compute dtype.
     ``dropout``: None, or this head's state from :func:`~sdpa_numba.cpu.dropout.head_dropout`.
+    ``b``, ``h``: the launch's batch index and the query head, as the recipe's functions see
+    them. ``i0`` must be a multiple of BM (block-mask states are per BM x BN block).
+
+    Work: key blocks of BN keys aligned to multiples of BN, from the first to the last key
+    any row of ``[i0, i1)`` sees under the window (:func:`~sdpa_numba.score.recipe.key_range`);
+    per sub-block of BM rows, the keys of a block past the sub-block's range are cut off the
+    tile, blocks the block mask says are empty are skipped, and masks are applied per element
+    only where the window does not cover the tile or the recipe masks per element.
     """
     s_len, e_len = k.shape
     ev = v.shape[1]
@@ -385,8 +463,12 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
     if _few_sets(ldv, lse.itemsize):
         ldv = 0
 
-    kv_end = min(s_len, i1) if is_causal else s_len
-    for j0 in range(0, kv_end, BN):
+    j_begin, kv_end = key_range(r, i0, i1 - 1, s_len)
+    element = has_element_mask(r)
+    blocked = r.block_mask is not None
+    zero = cast(0.0, lse)
+    softcap = cast(r.softcap, lse)
+    for j0 in range(j_begin // BN * BN, kv_end, BN):
         nj = min(BN, kv_end - j0)
         k_in_place = ldk > 0 and nj == BN
         # Tiles read ev_pad - Ev (up to 3) elements past the end of the block's last row:
@@ -398,16 +480,33 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
         ldkb = ldk if k_in_place else e_len
         ldvb = ldv if v_in_place else ldvs
         for r0 in range(0, n_pad, BM):
-            n_keys = nj
-            if is_causal:  # keys past the sub-block's last real query are all masked
-                n_keys = min(nj, min(i1, i0 + r0 + BM) - j0)
-                if n_keys <= 0:
-                    continue
+            i_first = i0 + r0
+            i_last = min(i1, i_first + BM) - 1
+            # Keys past the last one the sub-block's rows see are cut off the tile; a block
+            # wholly before the first is skipped (keys inside it before the first are masked).
+            lo, hi = key_range(r, i_first, i_last, s_len)
+            n_keys = min(nj, hi - j0)
+            if n_keys <= 0 or lo >= j0 + nj:
+                continue
+            state = block_state(r, b, h, i_first // BM, j0 // BN)
+            if state == BLOCK_EMPTY:
+                continue
+            n_real = min(BM, n - r0)
             _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
-            if mask is not None or (is_causal and j0 + n_keys - 1 > i0 + r0):
-                _mask_tile(st, n_keys, i0 + r0, min(BM, n - r0), j0, mask, is_causal)
+            in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)
+            per_element = element and (not blocked or state == BLOCK_PARTIAL)
+            masked = mask is not None or not in_window or per_element
+            # A soft cap alone on an unmasked tile is done by the softmax's first pass.
+            cap = zero
+            if r.softcap > 0 and not masked and not _mods_scores(r):
+                cap = softcap
+            elif modifies_scores(r):
+                _modify_tile(p_st, n_keys, n_real, r, b, h, i_first, j0)
+            if masked:
+                _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, not in_window,
+                           per_element)
             _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
-                          ptr_add(p_alpha, r0))
+                          ptr_add(p_alpha, r0), cap)
             # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),
@@ -419,16 +518,21 @@ def attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, i1, dropout=None)
         acc, m, l = acc_o, m_o, l_o
         p_acc = data_ptr(acc)
 
-    for r in range(n):
-        i = i0 + r
-        if l[r] == 0:  # every key masked (or S == 0): zeros and -inf, as torch
+    sink = sink_logit(r, h)
+    for row in range(n):
+        i = i0 + row
+        # The head's sink joins the row's denominator (no value row): acc scales by alpha.
+        # Without one, alpha is 1 and m, l are unchanged (alpha / l is 1 / l exactly).
+        m_r, l_r, a_r = fold_sink(m[row], l[row], sink)
+        if l_r == 0:  # every key masked (or S == 0), no sink: zeros and -inf, as torch
             lse[i] = -np.inf
             for d in range(ev):
                 out[i, d] = store(0.0, out)
         else:
-            inv = 1 / l[r]
-            lse[i] = m[r] + math.log(l[r])
-            acc_r = ptr_add(p_acc, (r - r % BM) * ev_pad + r % BM)  # row r of accᵀ's block
+            inv = 1 / l_r
+            inv = inv * a_r  # exact when a_r is 1 (no sink): dense output bits unchanged
+            lse[i] = m_r + math.log(l_r)
+            acc_r = ptr_add(p_acc, (row - row % BM) * ev_pad + row % BM)  # accᵀ's row
             for d in range(ev):
                 out[i, d] = store(acc_r[d * BM] * inv, out)
     # Numba frees an array after its last use by name; the loops above used them through
@@ -459,8 +563,46 @@ def _chunk_rows(n_heads, L, e_len, ev, itemsize):
     return chunk
 
 
+def recipe_of(recipe, is_causal):
+    """The kernels' recipe: ``recipe`` with causality folded into its right side, or, for
+    None, the recipe of plain (top-left causal) attention (jitted code only)."""
+    raise NotImplementedError("recipe_of is only callable from jitted code")
+
+
+@overload(recipe_of)
+def _recipe_of(recipe, is_causal):
+    if isinstance(recipe, types.NoneType):
+        return lambda recipe, is_causal: Recipe(
+            np.int64(0), np.int64(NO_LIMIT), np.int64(0) if is_causal else np.int64(NO_LIMIT),
+            0.0, np.int64(0), None, None, None, None, None, (), None)
+    return lambda recipe, is_causal: Recipe(
+        recipe.offset, recipe.left, min(recipe.right, 0) if is_causal else recipe.right,
+        recipe.softcap, recipe.batch_offset, recipe.alibi, recipe.sinks, recipe.score_mod,
+        recipe.mask_mod, recipe.score_mod_grad, recipe.mod_args, recipe.block_mask)
+
+
+@intrinsic
+def _by_address(typingctx, x):
+    """A pointer to a copy of ``x`` on the calling function's stack, typed ``CPointer``.
+
+    The parallel loop's body is compiled as a function of its own whose arguments may be
+    arrays and scalars (tuples of scalars) only: a recipe (a tuple holding arrays, an empty
+    tuple, functions) is refused. Its address is a scalar; the body reads it back with
+    ``p[0]``, which Numba treats as a borrowed reference (the copy lives, with its arrays,
+    until the kernel returns).
+    """
+    sig = types.CPointer(x)(x)
+
+    def codegen(context, builder, signature, args):
+        ptr = cgutils.alloca_once(builder, context.get_value_type(signature.args[0]))
+        builder.store(args[0], ptr)
+        return ptr
+
+    return sig, codegen
+
+
 @njit(parallel=True, **KERNEL)
-def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
+def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None):
     """Batched attention forward, parallel over batch x head x query chunk.
 
     Parameters
@@ -474,7 +616,8 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
         bool (True takes part) or float of the storage dtype (added to the scores). Broadcast
         views with zero strides are read in place.
     is_causal : bool
-        Query ``i`` sees keys ``j <= i`` (top-left aligned).
+        Query ``i`` sees keys ``j <= i`` (top-left aligned; with a recipe: ``j <= i'``, its
+        right side at most 0).
     scale : float
         Multiplies ``q · k``.
     out : ndarray, shape (B, Hq, L, Ev)
@@ -486,12 +629,18 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
         int64)``, as made by :func:`sdpa_numba.dropout.params`: drops probabilities of
         (batch ``batch_offset + b``, query head ``h``, row, key) with the counter-based stream
         of :mod:`sdpa_numba.dropout`, scaling kept ones by ``inv_keep``. None: no dropout.
+    recipe : None or Recipe, optional
+        The variants (:func:`sdpa_numba.score.recipe.recipe`: window, alignment, soft cap,
+        ALiBi slopes and sinks in the compute dtype, score_mod / mask_mod with their
+        mod_args, a block mask of BM x BN blocks). Its ``batch_offset`` is added to the
+        batch index the recipe's functions see. None: plain attention (``is_causal`` alone).
 
     Notes
     -----
     Storage dtypes are float32, float64, and float16 passed as ``uint16`` views. Any strides.
     Arguments are trusted: the Python API validates them.
     """
+    p_r = _by_address(recipe_of(recipe, is_causal))
     b_len, hq, L, _ = q.shape
     group = hq // k.shape[1]
     chunk = _chunk_rows(b_len * hq, L, q.shape[3], out.shape[3], lse.itemsize)
@@ -502,6 +651,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
     # are), so that the last tasks taken are the cheapest.
     queue = task_queue()
     for _ in prange(n_tasks):
+        r = p_r[0]
         t = next_task(queue, n_tasks)
         while t >= 0:
             bh = t // n_chunks
@@ -513,16 +663,16 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None):
             kh = h // group
             dh = head_dropout(dropout, b, h)
             if mask is None:
-                attend_rows(q[b, h], k[b, kh], v[b, kh], None, is_causal, scale,
-                            out[b, h], lse[b, h], i0, i1, dh)
+                attend_rows(q[b, h], k[b, kh], v[b, kh], None, r, scale,
+                            out[b, h], lse[b, h], i0, i1, dh, b, h)
             else:
-                attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], is_causal, scale,
-                            out[b, h], lse[b, h], i0, i1, dh)
+                attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], r, scale,
+                            out[b, h], lse[b, h], i0, i1, dh, b, h)
             t = next_task(queue, n_tasks)
 
 
 @njit(**KERNEL)
-def forward_head(q, k, v, mask, is_causal, scale, out, lse):
+def forward_head(q, k, v, mask, is_causal, scale, out, lse, recipe=None, b=0, h=0):
     """Serial attention forward of one head, for callers that parallelize themselves.
 
     Parameters
@@ -538,13 +688,19 @@ def forward_head(q, k, v, mask, is_causal, scale, out, lse):
         Written.
     lse : ndarray, shape (L,)
         Written; its dtype is the compute dtype.
+    recipe : None or Recipe, optional
+        The variants, as for :func:`forward`.
+    b, h : int, optional
+        The batch index and query head this head is, as the recipe's ALiBi slopes, sinks,
+        score_mod, mask_mod and block mask see them.
 
     Notes
     -----
     Runs on the calling thread only, so it can be called from a user's ``prange`` loop over
     heads. Gives bitwise the same rows as :func:`forward`.
     """
+    r = recipe_of(recipe, is_causal)
     L = q.shape[0]
     rows = _task_rows(q.shape[1], out.shape[1], lse.itemsize)
     for i0 in range(0, L, rows):
-        attend_rows(q, k, v, mask, is_causal, scale, out, lse, i0, min(L, i0 + rows))
+        attend_rows(q, k, v, mask, r, scale, out, lse, i0, min(L, i0 + rows), None, b, h)

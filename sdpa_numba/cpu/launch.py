@@ -5,19 +5,31 @@ the batch into launches, with NumPy's ``as_strided`` (:func:`as_strided`); float
 uint16, bfloat16 as int16: nothing is copied. Every array is passed as an 'A'-layout array,
 so each (dtype, mask kind) pair is one compiled specialization, whatever the inputs' layouts,
 cached on disk.
+
+The variants travel as the plan's recipe (:mod:`sdpa_numba.score.recipe`), with each launch's
+batch offset: dense, causal, windowed, bottom-right and soft-capped attention share the one
+specialization of their (dtype, mask kind, dropout); ALiBi, sinks, a score_mod or mask_mod
+and a block mask each change the recipe's type, so they compile their own.
 """
 
 import numpy as np
-from numba import from_dtype, types
+from numba import from_dtype, typeof, types
 
 from .._runtime import compile_entry, kernel_launch
+from ..dropout import NO_DROPOUT
 from ..problem import compute_dtype, for_each_launch, operand_views, row_view
+from ..score.recipe import CAUSAL, DENSE, with_batch_offset
 from .forward import forward
 from .storage import is_bfloat16, storage_view
 
 _NB = {np.dtype(np.float16): types.uint16, np.dtype(np.float32): types.float32,
        np.dtype(np.float64): types.float64}
 _entries = {}
+#: This launcher passes the plan's recipe to the kernel (the public layer refuses variants
+#: on launchers that do not).
+TAKES_RECIPE = True
+#: The Numba type of every recipe without optional parts (dense, causal, windows, soft cap).
+PLAIN_RECIPE = typeof(DENSE)
 #: Numba type of the kernels' ``dropout`` argument when dropout is on.
 DROPOUT_TYPE = types.Tuple((types.uint64, types.uint64, types.float64, types.int64))
 
@@ -36,20 +48,28 @@ def kernel_types(dtype, mask_kind):
     return st, ct, mask_t
 
 
-def signature(dtype, mask_kind, dropout=False):
-    """The forward's Numba signature for a storage dtype, mask kind and dropout on/off."""
+def recipe_type(r):
+    """The Numba type of recipe ``r`` (cheap for the plain ones)."""
+    if r is DENSE or r is CAUSAL:
+        return PLAIN_RECIPE
+    return typeof(r)
+
+
+def signature(dtype, mask_kind, dropout=False, recipe_t=PLAIN_RECIPE):
+    """The forward's Numba signature for a storage dtype, mask kind, dropout on/off and the
+    recipe's type."""
     st, ct, mask_t = kernel_types(dtype, mask_kind)
     return (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), mask_t, types.boolean,
             types.float64, arr(st, 4, False), arr(ct, 3, False),
-            DROPOUT_TYPE if dropout else types.none)
+            DROPOUT_TYPE if dropout else types.none, recipe_t)
 
 
-def _entry(dtype, mask_kind, dropout=False):
-    """The compiled forward for a storage dtype, mask kind and dropout on/off (compiled once,
-    then cached)."""
-    key = (dtype, mask_kind, dropout)
+def _entry(dtype, mask_kind, dropout=False, recipe_t=PLAIN_RECIPE):
+    """The compiled forward for a storage dtype, mask kind, dropout on/off and recipe type
+    (compiled once, then cached)."""
+    key = (dtype, mask_kind, dropout, recipe_t)
     if key not in _entries:
-        sig = signature(dtype, mask_kind, dropout)
+        sig = signature(dtype, mask_kind, dropout, recipe_t)
         _entries[key] = compile_entry(forward, sig)
     return _entries[key]
 
@@ -72,14 +92,18 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
     result = np.empty(p.out_shape, p.dtype) if out is None else out
     lse = np.empty((*p.batch, p.hq, p.L), p.compute_dtype)
 
+    r = p.recipe
+
     def launch(arrays, drop):
         fq, fk, fv, fm, fo, fl = arrays
+        # drop always carries the launch's batch offset (NO_DROPOUT's when dropout is off).
+        rl = r if drop[3] == 0 else with_batch_offset(r, drop[3])
         entry(storage_view(fq), storage_view(fk), storage_view(fv),
               None if fm is None else storage_view(fm), p.is_causal, p.scale, storage_view(fo),
-              fl, drop)
+              fl, None if dropout is None else drop, rl)
 
     with kernel_launch():  # first: it refuses what would crash the process
-        entry = _entry(p.dtype, p.mask_kind, dropout is not None)
+        entry = _entry(p.dtype, p.mask_kind, dropout is not None, recipe_type(r))
         for_each_launch(p.batch, [q, k, v, mask, row_view(p, result, p.Ev, as_strided), lse],
-                        dropout, launch, as_strided)
+                        NO_DROPOUT if dropout is None else dropout, launch, as_strided)
     return result, lse.reshape(p.out_shape[:-1])
