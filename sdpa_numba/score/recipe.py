@@ -22,7 +22,7 @@ index, ``h`` the query head), with ``i' = i + offset`` the row in the aligned fr
 
 Sinks do not change scores: each head's sink logit joins every row's softmax denominator
 (:func:`fold_sink`). Work lists come from the window alone (:func:`key_range`,
-:func:`window_covers`) and, when given, a block mask.
+:func:`query_range`, :func:`window_covers`) and, when given, a block mask.
 
 All functions are ``@njit`` (inlined); numba-cuda compiles them as device functions, and the
 type dispatch (``None`` or not) uses ``@overload(target="generic")``, which both targets see.
@@ -107,6 +107,19 @@ def key_range(r, i_first, i_last, s_len):
     if j_end < j_begin:
         j_end = j_begin
     return j_begin, j_end
+
+
+@njit(**INLINE)
+def query_range(r, j_first, j_last, l_len):
+    """``(i_begin, i_end)``: the query rows that see any of keys ``j_first..j_last``
+    (inclusive) under the window, within ``[0, l_len)``; ``i_begin == i_end`` when none. The
+    inverse of :func:`key_range`, for work lists that go key block first (the backward):
+    row ``i`` sees key ``j`` iff ``j - offset - right <= i <= j - offset + left``."""
+    i_begin = max(j_first - r.offset - r.right, 0)
+    i_end = min(j_last - r.offset + r.left + 1, l_len)
+    if i_end < i_begin:
+        i_end = i_begin
+    return i_begin, i_end
 
 
 @njit(**INLINE)
