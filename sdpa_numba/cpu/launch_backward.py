@@ -14,11 +14,12 @@ deterministic reductions) and cast to the input dtype.
 """
 
 import numpy as np
-from numba import types
+from numba import typeof, types
 
 from .._runtime import compile_entry, kernel_launch
 from ..dropout import NO_DROPOUT
 from ..problem import for_each_launch, operand_views, row_view, sum_to
+from ..score.recipe import CAUSAL, DENSE, with_batch_offset
 from .backward import backward
 from .launch import DROPOUT_TYPE, arr, as_strided, kernel_types
 from .storage import storage_view
@@ -27,22 +28,38 @@ _entries = {}
 _NO_MASK = np.zeros((0, 0, 0, 0), np.bool_)
 
 
-def signature(dtype, mask_kind):
-    """The backward's Numba signature for a storage dtype and mask kind."""
+def signature(dtype, mask_kind, recipe_type=typeof(DENSE)):
+    """The backward's Numba signature for a storage dtype, mask kind and recipe type (the
+    Numba type of a :class:`~sdpa_numba.score.recipe.Recipe`: every recipe without optional
+    parts, i.e. dense, causal, windowed, bottom-right and soft-capped attention, has one)."""
     st, ct, mask_t = kernel_types(dtype, mask_kind)
     ro = arr(st, 4, True)
     return (ro, ro, ro, mask_t, types.boolean, types.float64, ro, ro, arr(ct, 3, True),
             arr(ct, 4, False), arr(ct, 4, False), arr(ct, 4, False), DROPOUT_TYPE,
-            arr(ct, 4, False))
+            arr(ct, 4, False), recipe_type)
 
 
-def _entry(dtype, mask_kind):
-    """The compiled backward for a storage dtype and mask kind (compiled once, then cached)."""
-    key = (dtype, mask_kind)
+def _entry(dtype, mask_kind, recipe_type):
+    """The compiled backward for a storage dtype, mask kind and recipe type (compiled once,
+    then cached)."""
+    key = (dtype, mask_kind, recipe_type)
     if key not in _entries:
-        sig = signature(dtype, mask_kind)
+        sig = signature(dtype, mask_kind, recipe_type)
         _entries[key] = compile_entry(backward, sig)
     return _entries[key]
+
+
+def plan_recipe(p):
+    """The recipe of plan ``p``: its ``recipe`` or, for plans without one, plain attention
+    (top-left causal with ``p.is_causal``)."""
+    r = getattr(p, "recipe", None)
+    if r is None:
+        r = CAUSAL if p.is_causal else DENSE
+    if r.score_mod is not None and r.score_mod_grad is None:
+        raise ValueError("score_mod_grad: the backward needs the derivative of score_mod "
+                         "with respect to the score, score_mod_grad(score, b, h, i, j, "
+                         "*mod_args); none was given")
+    return r
 
 
 def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, mask_grad):
@@ -69,10 +86,11 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
         # No mask: the kernel's empty bool mask, so that it shares the bool specialization.
         entry(sv(bq), sv(bk), sv(bv), _NO_MASK if bm is None else sv(bm), p.is_causal,
               p.scale, sv(bdo), sv(bo), bl, bdq, bdk, bdv, drop,
-              no_dmask if bdm is None else bdm)
+              no_dmask if bdm is None else bdm, with_batch_offset(r, drop[3]))
 
     with kernel_launch():  # first: it refuses what would crash the process
-        entry = _entry(p.dtype, "additive" if p.mask_kind == "additive" else "bool")
+        r = plan_recipe(p)
+        entry = _entry(p.dtype, "additive" if p.mask_kind == "additive" else "bool", typeof(r))
         for_each_launch(p.batch, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask],
                         NO_DROPOUT if dropout is None else dropout, launch, as_strided)
 
