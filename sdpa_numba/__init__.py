@@ -11,10 +11,13 @@ here) is the PyTorch operator.
 from . import _runtime, dropout, reference
 from .api import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
+from .block_mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BlockMask, create_block_mask
 
 _runtime.choose_threading_layer()  # before the first parallel launch
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward", "dropout",
+__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+           "BlockMask", "create_block_mask", "BLOCK_EMPTY", "BLOCK_PARTIAL", "BLOCK_FULL",
+           "dropout",
            "reference", "__version__"]

@@ -6,7 +6,7 @@ inputs the overloads also say the dtypes: the output has the inputs' dtype, ``ls
 dtype (float32 for float16 and float32 inputs, float64 for float64).
 """
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,3 +23,25 @@ ArrayLike = npt.ArrayLike
 F64 = npt.NDArray[np.float64]
 #: A mask: bool or float, any kind of array the operands are.
 Mask = Any
+
+
+class Variants(TypedDict, total=False):
+    """The attention variants, keyword-only on the forward and the backward (see
+    :func:`sdpa_numba.scaled_dot_product_attention`); the backward takes ``sinks`` on its own
+    (it changes what the backward returns)."""
+
+    window: tuple[int | None, int | None] | None
+    alignment: Literal["top_left", "bottom_right"]
+    softcap: float | None
+    alibi_slopes: Any
+    score_mod: Any
+    mask_mod: Any
+    mod_args: tuple[Any, ...]
+    score_mod_grad: Any
+    block_mask: Any
+
+
+class ForwardVariants(Variants, total=False):
+    """:class:`Variants` and ``sinks``."""
+
+    sinks: Any

@@ -7,18 +7,25 @@ argument and ``out`` checks); each back end then lays the operands out as stride
 copies) in the kernels' 4-D layout, with the same layer's views and batching.
 """
 
-from typing import Any, Literal, overload
+import importlib
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from ._typing import F16, F32, ArrayT, Mask, SelfComputed
+from .problem.variants import is_plain
 from .dropout import new_seed
 from .dropout import params as dropout_params
 from .host_arrays import adopt as adopt_host
 from .host_arrays import is_host_array
 from .problem import (Plan, check_device_strides, check_dropout, check_flag, check_out,
                       check_seed, host_address, may_self_overlap, plan)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._typing import ForwardVariants
 
 __all__ = ["scaled_dot_product_attention", "Plan", "plan", "check_dropout", "may_self_overlap",
            "adopt", "address"]
@@ -65,6 +72,16 @@ def _device_of(named, required=()):
     return next(iter(kinds.values()))
 
 
+def check_takes_recipe(launcher, p, direction, device):
+    """NotImplementedError for variants on a launcher that does not pass recipes to its
+    kernels yet (a launcher module says it does with ``TAKES_RECIPE = True``)."""
+    if not is_plain(p.recipe) and not getattr(launcher, "TAKES_RECIPE", False):
+        where = "CPU" if device == "host" else "CUDA"
+        raise NotImplementedError(f"the {where} {direction} does not run attention variants "
+                                  f"(window, alignment, softcap, alibi_slopes, sinks, "
+                                  f"score_mod, mask_mod, block_mask) yet")
+
+
 def address(device):
     """The target's ``address(x)`` of an array's element 0 (for the ``out`` checks)."""
     if device == "cuda":
@@ -90,7 +107,8 @@ def adopt(device, named, out=None):
 def scaled_dot_product_attention(  # type: ignore[overload-overlap]
         query: F16, key: F16, value: F16, attn_mask: Mask = ..., dropout_p: float = ...,
         is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
-        return_lse: Literal[True], out: F16 | None = ..., seed: int | None = ...
+        return_lse: Literal[True], out: F16 | None = ..., seed: int | None = ...,
+        **variants: "Unpack[ForwardVariants]"
 ) -> tuple[F16, F32]: ...
 
 
@@ -100,7 +118,8 @@ def scaled_dot_product_attention(  # type: ignore[overload-overlap]
         value: npt.NDArray[SelfComputed], attn_mask: Mask = ..., dropout_p: float = ...,
         is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
         return_lse: Literal[True], out: npt.NDArray[SelfComputed] | None = ...,
-        seed: int | None = ...
+        seed: int | None = ...,
+        **variants: "Unpack[ForwardVariants]"
 ) -> tuple[npt.NDArray[SelfComputed], npt.NDArray[SelfComputed]]: ...
 
 
@@ -108,7 +127,8 @@ def scaled_dot_product_attention(  # type: ignore[overload-overlap]
 def scaled_dot_product_attention(
         query: ArrayT, key: ArrayT, value: ArrayT, attn_mask: Mask = ..., dropout_p: float = ...,
         is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
-        return_lse: Literal[False] = ..., out: ArrayT | None = ..., seed: int | None = ...
+        return_lse: Literal[False] = ..., out: ArrayT | None = ..., seed: int | None = ...,
+        **variants: "Unpack[ForwardVariants]"
 ) -> ArrayT: ...
 
 
@@ -116,7 +136,8 @@ def scaled_dot_product_attention(
 def scaled_dot_product_attention(
         query: ArrayT, key: ArrayT, value: ArrayT, attn_mask: Mask = ..., dropout_p: float = ...,
         is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
-        return_lse: Literal[True], out: ArrayT | None = ..., seed: int | None = ...
+        return_lse: Literal[True], out: ArrayT | None = ..., seed: int | None = ...,
+        **variants: "Unpack[ForwardVariants]"
 ) -> tuple[ArrayT, ArrayT]: ...
 
 
@@ -124,7 +145,8 @@ def scaled_dot_product_attention(
 def scaled_dot_product_attention(
         query: ArrayT, key: ArrayT, value: ArrayT, attn_mask: Mask = ..., dropout_p: float = ...,
         is_causal: bool = ..., scale: float | None = ..., enable_gqa: bool = ..., *,
-        return_lse: bool, out: ArrayT | None = ..., seed: int | None = ...
+        return_lse: bool, out: ArrayT | None = ..., seed: int | None = ...,
+        **variants: "Unpack[ForwardVariants]"
 ) -> ArrayT | tuple[ArrayT, Any]: ...
 
 
@@ -132,7 +154,13 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None, enable_gqa: bool = False, *,
                                  return_lse: bool = False, out: Any = None,
-                                 seed: int | None = None) -> Any:
+                                 seed: int | None = None,
+                                 window: tuple[int | None, int | None] | None = None,
+                                 alignment: Literal["top_left", "bottom_right"] = "top_left",
+                                 softcap: float | None = None, alibi_slopes: Any = None,
+                                 sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
+                                 mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
+                                 block_mask: Any = None) -> Any:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V, with torch's semantics.
 
     Parameters
@@ -170,6 +198,47 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
         draws a fresh one, which the caller cannot know: pass a seed when the backward
         (:func:`~sdpa_numba.scaled_dot_product_attention_backward`) must replay the mask.
         Ignored when ``dropout_p == 0``.
+    window : (int or None, int or None), keyword-only, optional
+        Sliding window ``(left, right)``: query row ``i`` sees keys ``j`` with
+        ``i' - left <= j <= i' + right`` (``i'`` is ``i`` in the aligned frame, see
+        ``alignment``); None on a side is unlimited. With ``is_causal``, ``right`` is at most 0.
+        Sides must be >= 0.
+    alignment : {"top_left", "bottom_right"}, keyword-only
+        Where row ``i`` sits among the keys, for ``is_causal``, ``window`` and ALiBi:
+        ``i' = i`` (top-left, torch's ``is_causal``) or ``i' = i + S - L`` (bottom-right: the
+        last query sees the last key, FlashAttention's causal, for KV caches and chunked
+        prefill).
+    softcap : float, keyword-only, optional
+        Soft-caps the scaled score: ``s <- softcap * tanh(s / softcap)`` (Gemma 2, Grok).
+        Finite and > 0.
+    alibi_slopes : ndarray, keyword-only, optional
+        float32 or float64 of shape ``(Hq,)`` or with batch dims broadcastable to the scores'
+        ``(..., Hq)``: adds ``-slope * |i' - j|`` to the score (ALiBi).
+    sinks : ndarray, keyword-only, optional
+        float32 or float64 of shape ``(Hq,)``: one logit per head that joins every row's
+        softmax denominator (``exp(sink)`` is added to the sum; no value row); ``lse``
+        includes it. ``-inf``: no sink for that head.
+    score_mod : Numba @njit function, keyword-only, optional
+        ``score_mod(score, b, h, i, j, *mod_args) -> float``: changes the score of query row
+        ``i``, key ``j`` of query head ``h`` and flat batch index ``b`` (after the soft cap and
+        ALiBi, before a float ``attn_mask`` is added). Compiled into the kernel.
+    mask_mod : Numba @njit function, keyword-only, optional
+        ``mask_mod(b, h, i, j, *mod_args) -> bool``: False masks the key out. Evaluated per
+        element, unless ``block_mask`` says a block is full or empty.
+    mod_args : tuple, keyword-only
+        Arrays and numbers passed to ``score_mod``, ``mask_mod`` and ``score_mod_grad`` as
+        their last arguments, at run time: changing their contents never recompiles.
+    score_mod_grad : Numba @njit function, keyword-only, optional
+        ``d score_mod / d score``, same arguments as ``score_mod``; needed by the backward
+        only (checked, then ignored here).
+    block_mask : sdpa_numba.BlockMask, keyword-only, optional
+        From :func:`sdpa_numba.create_block_mask` for this ``mask_mod`` and ``mod_args``:
+        empty blocks are skipped and full ones skip the per-element ``mask_mod``. It carries
+        its ``mask_mod``, so ``mask_mod`` may be omitted.
+
+    The score of ``(b, h, i, j)`` is formed in this order: ``scale * q_i . k_j``, soft cap,
+    ALiBi, ``score_mod``, float ``attn_mask`` added; then the window (and causality), a bool
+    ``attn_mask`` and ``mask_mod`` mask it. See the variants page of the documentation.
 
     Returns
     -------
@@ -179,9 +248,11 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     Raises
     ------
     TypeError, ValueError
-        For bad input, naming the argument, before any kernel runs.
+        For bad input, naming the argument, before any kernel runs (including a
+        ``score_mod`` or ``mask_mod`` that is not a Numba ``@njit`` function, takes the wrong
+        number of arguments or returns the wrong type).
     NotImplementedError
-        For bfloat16 CUDA arrays other than Numba device arrays of ``ml_dtypes.bfloat16`` and
+        For variants on a back end that cannot run them yet. For bfloat16 CUDA arrays other than Numba device arrays of ``ml_dtypes.bfloat16`` and
         torch tensors (others' ``__cuda_array_interface__`` does not say bfloat16).
 
     Notes
@@ -197,7 +268,10 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
                                      ("attn_mask", attn_mask)], out)
     query, key, value, attn_mask = arrays[:4]
     out = arrays[4] if out is not None else None
-    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=window,
+             alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+             score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
+             score_mod_grad=score_mod_grad, block_mask=block_mask)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     return_lse = check_flag("return_lse", return_lse)
@@ -209,13 +283,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     dropout = None
     if dropout_p > 0:
         dropout = dropout_params(dropout_p, new_seed() if seed is None else seed)
-    if device == "host":
-        from .cpu.launch import run
-
-        result, lse = run(p, query, key, value, attn_mask, out, dropout)
-    else:
-        from .gpu.launch import run
-
-        result, lse = run(p, query, key, value, attn_mask, out, dropout)
+    launch = importlib.import_module(".cpu.launch" if device == "host" else ".gpu.launch",
+                                     __package__)
+    check_takes_recipe(launch, p, "forward", device)
+    result, lse = launch.run(p, query, key, value, attn_mask, out, dropout)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -1,14 +1,22 @@
 """The public backward: validation (shared with the forward: :mod:`sdpa_numba.problem`) and
 dispatch to the CPU or CUDA kernels."""
 
-from typing import Any, Literal, overload
+import importlib
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
 from ._typing import ArrayT, Mask
-from .api import _device_of, adopt
+from .api import _device_of, adopt, check_takes_recipe
 from .dropout import params as dropout_params
 from .problem import check_device_strides, check_dropout, check_flag, check_seed, plan, shape_str
+from .problem.variants import _host as _host_array
+from .problem.variants import sinks_grad
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._typing import Variants
 
 
 def _check_like(name, x, shape, dtype, what):
@@ -22,7 +30,8 @@ def scaled_dot_product_attention_backward(
         grad_out: ArrayT, query: ArrayT, key: ArrayT, value: ArrayT, out: ArrayT, lse: Any,
         attn_mask: Mask = ..., dropout_p: float = ..., is_causal: bool = ...,
         scale: float | None = ..., enable_gqa: bool = ..., *, seed: int | None = ...,
-        mask_grad: Literal[False] = ...) -> tuple[ArrayT, ArrayT, ArrayT]: ...
+        mask_grad: Literal[False] = ..., sinks: None = ...,
+        **variants: "Unpack[Variants]") -> tuple[ArrayT, ArrayT, ArrayT]: ...
 
 
 @overload
@@ -30,7 +39,8 @@ def scaled_dot_product_attention_backward(
         grad_out: ArrayT, query: ArrayT, key: ArrayT, value: ArrayT, out: ArrayT, lse: Any,
         attn_mask: Mask = ..., dropout_p: float = ..., is_causal: bool = ...,
         scale: float | None = ..., enable_gqa: bool = ..., *, seed: int | None = ...,
-        mask_grad: Literal[True]) -> tuple[ArrayT, ArrayT, ArrayT, ArrayT]: ...
+        mask_grad: Literal[True], sinks: None = ...,
+        **variants: "Unpack[Variants]") -> tuple[ArrayT, ArrayT, ArrayT, ArrayT]: ...
 
 
 @overload
@@ -38,14 +48,20 @@ def scaled_dot_product_attention_backward(
         grad_out: ArrayT, query: ArrayT, key: ArrayT, value: ArrayT, out: ArrayT, lse: Any,
         attn_mask: Mask = ..., dropout_p: float = ..., is_causal: bool = ...,
         scale: float | None = ..., enable_gqa: bool = ..., *, seed: int | None = ...,
-        mask_grad: bool) -> tuple[ArrayT, ...]: ...
+        mask_grad: bool = ..., sinks: Any = ...,
+        **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
 
 
 def scaled_dot_product_attention_backward(
         grad_out: Any, query: Any, key: Any, value: Any, out: Any, lse: Any,
         attn_mask: Mask = None, dropout_p: float = 0.0, is_causal: bool = False,
         scale: float | None = None, enable_gqa: bool = False, *, seed: int | None = None,
-        mask_grad: bool = False) -> tuple[Any, ...]:
+        mask_grad: bool = False, sinks: Any = None,
+        window: tuple[int | None, int | None] | None = None,
+        alignment: Literal["top_left", "bottom_right"] = "top_left",
+        softcap: float | None = None, alibi_slopes: Any = None, score_mod: Any = None,
+        mask_mod: Any = None, mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
+        block_mask: Any = None) -> tuple[Any, ...]:
     """Gradients of :func:`~sdpa_numba.scaled_dot_product_attention` (FlashAttention-2's
     backward: the probabilities are recomputed from ``lse``, never stored).
 
@@ -68,6 +84,12 @@ def scaled_dot_product_attention_backward(
         Also return the gradient of a float ``attn_mask`` (of the scores it is added to),
         summed over the dims along which the mask was broadcast. Needs a float mask; builds
         an array of the full scores' shape ``(..., Hq, L, S)`` before the reduction.
+    sinks, window, alignment, softcap, alibi_slopes, score_mod, mask_mod, mod_args, block_mask
+        The variants, keyword-only, exactly as given to the forward (see
+        :func:`~sdpa_numba.scaled_dot_product_attention`).
+    score_mod_grad : Numba @njit function, keyword-only
+        ``score_mod_grad(score, b, h, i, j, *mod_args)``: the derivative of ``score_mod``
+        with respect to its ``score`` at that score. Required with a ``score_mod``.
 
     Returns
     -------
@@ -79,6 +101,14 @@ def scaled_dot_product_attention_backward(
         rounded to nearest even.
     grad_attn_mask : ndarray or CUDA array, only with ``mask_grad=True``
         The mask's shape and dtype.
+    grad_sinks : ndarray, only with ``sinks``
+        A NumPy array of the sinks' shape ``(Hq,)`` and dtype: ``d sink_h = -sum_{b,i}
+        exp(sink_h - lse_{b,h,i}) D_{b,h,i}``, ``D = rowsum(grad_out * out)``, accumulated in
+        float64. It comes last: ``(grad_query, grad_key, grad_value[, grad_attn_mask][,
+        grad_sinks])``.
+
+    The soft cap's gradient is analytic; ALiBi slopes get none (they are constants here);
+    windows, causality, bool masks and ``mask_mod`` have none.
 
     Raises
     ------
@@ -105,7 +135,10 @@ def scaled_dot_product_attention_backward(
     device = _device_of(named, ("query", "grad_out", "key", "value", "out", "lse"))
     # As in the forward: the arrays the back end reads (no copy), results as the caller's kind.
     (query, grad_out, key, value, out, lse, attn_mask), restore = adopt(device, named)
-    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward=True,
+             window=window, alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
+             sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
+             score_mod_grad=score_mod_grad, block_mask=block_mask)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     mask_grad = check_flag("mask_grad", mask_grad)
@@ -124,11 +157,16 @@ def scaled_dot_product_attention_backward(
                               ("value", value), ("out", out), ("lse", lse),
                               ("attn_mask", attn_mask)])
     dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
-    if device == "host":
-        from .cpu.launch_backward import run_backward
-    else:
-        from .gpu.launch_backward import run_backward
-    grads = run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
-                         mask_grad)
+    launcher = importlib.import_module(
+        ".cpu.launch_backward" if device == "host" else ".gpu.launch_backward", __package__)
+    check_takes_recipe(launcher, p, "backward", device)
+    grads = launcher.run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
+                                  mask_grad)
     grads = [None if g is None else restore(g) for g in grads]
-    return tuple(grads) if mask_grad else tuple(grads[:3])
+    result = tuple(grads) if mask_grad else tuple(grads[:3])
+    if p.recipe.sinks is None:
+        return result
+    host = (lambda x: x.copy_to_host()) if device == "cuda" else np.asarray
+    dsinks = sinks_grad(p.recipe, host(grad_out), host(out), host(lse))
+    # In the dtype the caller gave the sinks in (float32 or float64, checked by the plan).
+    return (*result, dsinks.astype(_host_array("sinks", sinks).dtype))

@@ -5,6 +5,7 @@ Semantics are those of :func:`sdpa_numba.scaled_dot_product_attention`.
 """
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -12,12 +13,53 @@ from ._typing import F64, ArrayLike
 from .problem.reductions import sum_to
 
 
-def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+def _call(f):
+    """The plain-Python form of a user's function (a Numba dispatcher's ``py_func``): the
+    reference does not depend on Numba compiling it."""
+    return getattr(f, "py_func", f)
+
+
+def _elementwise(f, s, args, mod_args):
+    """``f(s[idx], b, h, i, j, *mod_args)`` (or, with ``s`` None, ``f(b, h, i, j, ...)``) at
+    every index of the full ``(*batch, Hq, L, S)`` shape ``args``, ``b`` the flat batch index."""
+    shape = args
+    batch = shape[:-3]
+    out = np.empty(shape, dtype=bool if s is None else np.float64)
+    f = _call(f)
+    for idx in np.ndindex(*shape):
+        b = int(np.ravel_multi_index(idx[:-3], batch)) if batch else 0
+        h, i, j = idx[-3:]
+        if s is None:
+            out[idx] = bool(f(b, h, i, j, *mod_args))
+        else:
+            out[idx] = float(f(float(s[idx]), b, h, i, j, *mod_args))
+    return out
+
+
+def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=None,
+            alignment="top_left", softcap=None, alibi_slopes=None, score_mod=None,
+            mask_mod=None, mod_args=(), score_mod_grad=None):
     """float64 operands (key/value heads repeated for GQA), the scale, the GQA repeat factor,
-    and the masked, scaled scores."""
+    the masked, modified scores and ``ds_dscaled``, d(score) / d(scale · q · k) (1 where no
+    soft cap or score_mod changes it; only computed with ``score_mod_grad`` or a soft cap).
+
+    The score of ``(b, h, i, j)``, in this order (``i' = i + offset``, ``offset = S - L``
+    bottom-right, else 0)::
+
+        s = scale · q_i · k_j;  s = softcap · tanh(s / softcap);  s = s - slope · |i' - j|;
+        s = score_mod(s, b, h, i, j, *mod_args);  s = s + (float) attn_mask;
+        s = -inf unless i' - left <= j <= i' + right (causal: right <= 0), mask_mod and the
+        bool attn_mask keep it.
+
+    Scores always have the full shape ``(*batch, Hq, L, S)`` (inputs that are all 2-D: no head
+    dim) so that ``b`` is the flat index into the batch dims.
+    """
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(key, dtype=np.float64)
     v = np.asarray(value, dtype=np.float64)
+    two_d = max(q.ndim, k.ndim, v.ndim) == 2
+    if two_d:  # one head
+        q, k, v = q[None], k[None], v[None]
     rep = 1
     if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
@@ -26,18 +68,78 @@ def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    mask = None if attn_mask is None else np.asarray(attn_mask)
+    if mask is not None and two_d:
+        mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape) if mask.ndim < 3 else mask
+    full = np.broadcast_shapes(s.shape, () if mask is None else mask.shape)
+    s = np.broadcast_to(s, full)
+    L, S = full[-2:]
+    offset = S - L if alignment == "bottom_right" else 0
+    i = np.arange(L)[:, None] + offset  # i' (aligned frame)
+    j = np.arange(S)[None, :]
+    slope = np.ones(full) if score_mod_grad is not None or softcap else None
+    if softcap:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+        slope = slope * (1.0 - t * t)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)
+        s = s - slopes[..., None, None] * np.abs(i - j)
+    if score_mod is not None:
+        if score_mod_grad is not None:
+            slope = slope * _elementwise(score_mod_grad, s, full, tuple(mod_args))
+        s = _elementwise(score_mod, s, full, tuple(mod_args))
+    if mask is not None and mask.dtype != bool:
+        s = s + mask.astype(np.float64)
+    keep = np.ones((L, S), dtype=bool)
+    left, right = (None, None) if window is None else window
     if is_causal:
-        L, S = s.shape[-2:]
-        s = np.where(np.tril(np.ones((L, S), dtype=bool)), s, -np.inf)
-    if attn_mask is not None:
-        mask = np.asarray(attn_mask)
-        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(np.float64)
-    return q, k, v, scale, rep, s
+        right = 0 if right is None else min(right, 0)
+    if left is not None:
+        keep &= j >= i - left
+    if right is not None:
+        keep &= j <= i + right
+    keep = np.broadcast_to(keep, full)
+    if mask_mod is not None:
+        keep = keep & _elementwise(mask_mod, None, full, tuple(mod_args))
+    if mask is not None and mask.dtype == bool:
+        keep = keep & mask
+    s = np.where(keep, s, -np.inf)
+    if two_d:
+        s = s[0]
+        slope = None if slope is None else slope[0]
+        q, k, v = q[0], k[0], v[0]
+    return q, k, v, scale, rep, s, slope
+
+
+def _softmax(s, sinks):
+    """Probabilities and lse of the scores ``s`` (rows over the last axis), with each head's
+    sink logit in the denominator (``sinks`` of shape (Hq,), or None). A row with every key
+    masked: p = 0 and lse = -inf (with a sink: lse = sink)."""
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)
+        sink = sink[:, None, None] if s.ndim >= 3 else sink.reshape(1, 1)
+        m = np.maximum(m, sink)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(s - m_safe)
+    l = np.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink - m_safe)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
+        lse = (m_safe + np.log(l))[..., 0]
+    return p, lse
 
 
 def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
               attn_mask: ArrayLike | None = None, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> tuple[F64, F64]:
+              enable_gqa: bool = False, *, window: tuple[int | None, int | None] | None = None,
+              alignment: str = "top_left", softcap: float | None = None,
+              alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+              score_mod: Any = None, mask_mod: Any = None,
+              mod_args: tuple[Any, ...] = ()) -> tuple[F64, F64]:
     """Reference attention; returns ``(out, lse)`` in float64.
 
     Parameters
@@ -47,62 +149,69 @@ def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     attn_mask : array_like, optional
         bool (True takes part) or float (added), broadcastable to ``(..., Hq, L, S)``.
     is_causal : bool
-        Query ``i`` sees keys ``j <= i``.
+        Query ``i`` sees keys ``j <= i`` (with ``alignment="bottom_right"``: ``j <= i + S - L``).
     scale : float, optional
         Defaults to ``1 / sqrt(E)``.
     enable_gqa : bool
         Query head ``h`` uses key/value head ``h // (Hq // H)``.
+    window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args
+        The variants, keyword-only, exactly as :func:`sdpa_numba.scaled_dot_product_attention`
+        takes them (``score_mod`` and ``mask_mod`` are called in plain Python: a Numba
+        function's ``py_func``). Not validated here: pass what the public function accepts.
 
     Returns
     -------
     out : ndarray, float64, ``(..., Hq, L, Ev)``
     lse : ndarray, float64, ``(..., Hq, L)``; ``-inf`` for a row whose every key is masked,
-        whose output row is then 0.
+        whose output row is then 0 (with sinks: ``lse`` is the head's sink logit).
     """
-    q, k, v, scale, _, s = _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    m_safe = np.where(np.isneginf(m), 0.0, m)
-    p = np.exp(s - m_safe)
-    l = np.sum(p, axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.matmul(np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0), v)
-        lse = (m_safe + np.log(l))[..., 0]
-    return out, lse
+    q, k, v, scale, _, s, _ = _scores(query, key, value, attn_mask, is_causal, scale,
+                                      enable_gqa, window, alignment, softcap, alibi_slopes,
+                                      score_mod, mask_mod, mod_args)
+    p, lse = _softmax(s, sinks)
+    return np.matmul(p, v), lse
 
 
-def _train_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
-    """Everything the training references need, in float64 with explicit broadcasting."""
+def _train_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+                   **variants):
+    """Everything the training references need, in float64 with explicit broadcasting:
+    ``(q, k, v, scale, rep, p, z, lse)``, and with ``with_slope=True`` also d(score) /
+    d(scale · q · k) (or None where that is 1)."""
     from .dropout import keep_mask
 
-    q, k, v, scale, rep, s = _scores(query, key, value, attn_mask, is_causal, scale,
-                                     enable_gqa)
-    s = np.broadcast_to(s, np.broadcast_shapes(s.shape, () if attn_mask is None
-                                               else np.shape(attn_mask)))
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    m_safe = np.where(np.isneginf(m), 0.0, m)
-    e = np.exp(s - m_safe)
-    l = np.sum(e, axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
-        lse = (m_safe + np.log(l))[..., 0]
+    with_slope = variants.pop("with_slope", False)
+    sinks = variants.pop("sinks", None)
+    q, k, v, scale, rep, s, slope = _scores(query, key, value, attn_mask, is_causal, scale,
+                                            enable_gqa, **variants)
+    p, lse = _softmax(s, sinks)
     z = np.ones_like(p)
     if dropout_p > 0:
         L, S = p.shape[-2:]
         batch, heads = (p.shape[:-3], p.shape[-3]) if p.ndim >= 3 else ((), 1)
         z = keep_mask(seed, dropout_p, batch, heads, L, S).reshape(p.shape) / (1.0 - dropout_p)
+    if with_slope:
+        return q, k, v, scale, rep, p, z, lse, slope
     return q, k, v, scale, rep, p, z, lse
 
 
 def attention_dropout(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                       attn_mask: ArrayLike | None = None, dropout_p: float = 0.0,
                       is_causal: bool = False, scale: float | None = None,
-                      enable_gqa: bool = False, *, seed: int = 0) -> tuple[F64, F64]:
+                      enable_gqa: bool = False, *, seed: int = 0,
+                      window: tuple[int | None, int | None] | None = None,
+                      alignment: str = "top_left", softcap: float | None = None,
+                      alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+                      score_mod: Any = None, mask_mod: Any = None,
+                      mod_args: tuple[Any, ...] = ()) -> tuple[F64, F64]:
     """Reference attention with dropout (the mask of :func:`sdpa_numba.dropout.keep_mask`).
 
-    Returns ``(out, lse)`` in float64; ``lse`` is that of the softmax before dropout.
+    Returns ``(out, lse)`` in float64; ``lse`` is that of the softmax before dropout. The
+    variants (keyword-only) are those of :func:`attention`.
     """
-    q, k, v, scale, rep, p, z, lse = _train_forward(query, key, value, attn_mask, dropout_p,
-                                                     is_causal, scale, enable_gqa, seed)
+    q, k, v, scale, rep, p, z, lse = _train_forward(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+        window=window, alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
     return np.matmul(p * z, v), lse
 
 
@@ -110,36 +219,63 @@ def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
                        value: ArrayLike, attn_mask: ArrayLike | None = None,
                        dropout_p: float = 0.0, is_causal: bool = False,
                        scale: float | None = None, enable_gqa: bool = False, *,
-                       seed: int = 0) -> tuple[F64, F64, F64, F64 | None]:
+                       seed: int = 0, window: tuple[int | None, int | None] | None = None,
+                       alignment: str = "top_left", softcap: float | None = None,
+                       alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+                       score_mod: Any = None, mask_mod: Any = None,
+                       mod_args: tuple[Any, ...] = (),
+                       score_mod_grad: Any = None) -> tuple[Any, ...]:
     """Reference gradients of :func:`attention` (with dropout: of :func:`attention_dropout`).
 
     With ``P`` the probabilities, ``Z`` the dropout factors (kept / (1 - p), or 1),
     ``O = (P Z) V``::
 
-        dV = (P Z)ᵀ dO,   dP = (dO Vᵀ) Z,   dS = P (dP - rowsum(P dP)),
-        dQ = scale dS K,  dK = scale dSᵀ Q,  d(mask) = dS
+        dV = (P Z)ᵀ dO,   dP = (dO Vᵀ) Z,   dS = P (dP - D),   D = rowsum(P dP) = rowsum(dO O),
+        dQ = scale dS' K,  dK = scale dS'ᵀ Q,  d(mask) = dS,
+        dS' = dS · d(score) / d(scale q·k)  (the soft cap's 1 - tanh², score_mod_grad),
+        d sink_h = -Σ_{b,i} exp(sink_h - lse_{b,h,i}) D_{b,h,i}
 
     all in float64; key/value gradients are summed over the query heads of each group (GQA),
-    and every gradient is summed over the dims its input was broadcast along.
+    and every gradient is summed over the dims its input was broadcast along. ALiBi slopes
+    get no gradient. With a ``score_mod``, ``score_mod_grad`` (its derivative with respect to
+    the score) is required.
 
     Returns
     -------
     grad_query, grad_key, grad_value : ndarray, float64, the shapes of the inputs
     grad_attn_mask : ndarray (the mask's shape) for a float mask, else None
+    grad_sinks : ndarray, float64, shape (Hq,); only when ``sinks`` is given (a fifth entry)
     """
-    q, k, v, scale, rep, p, z, _ = _train_forward(query, key, value, attn_mask, dropout_p,
-                                                   is_causal, scale, enable_gqa, seed)
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("score_mod_grad is needed with a score_mod: the backward needs "
+                         "d score_mod / d score")
+    q, k, v, scale, rep, p, z, lse, slope = _train_forward(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+        window=window, alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
+        score_mod_grad=score_mod_grad, with_slope=True)
     do = np.asarray(grad_out, dtype=np.float64)
     dv = np.matmul(np.swapaxes(p * z, -1, -2), do)
     dp = np.matmul(do, np.swapaxes(v, -1, -2)) * z
-    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
-    dq = np.matmul(ds, k) * scale
-    dk = np.matmul(np.swapaxes(ds, -1, -2), q) * scale
+    d = np.sum(p * dp, axis=-1, keepdims=True)
+    ds = p * (dp - d)
+    ds_scaled = ds if slope is None else ds * slope
+    dq = np.matmul(ds_scaled, k) * scale
+    dk = np.matmul(np.swapaxes(ds_scaled, -1, -2), q) * scale
     if rep > 1:
         dk = dk.reshape(dk.shape[:-3] + (-1, rep) + dk.shape[-2:]).sum(axis=-3)
         dv = dv.reshape(dv.shape[:-3] + (-1, rep) + dv.shape[-2:]).sum(axis=-3)
     dmask = None
     if attn_mask is not None and np.asarray(attn_mask).dtype != bool:
         dmask = sum_to(ds, np.shape(attn_mask))
-    return (sum_to(dq, np.shape(query)), sum_to(dk, np.shape(key)),
-            sum_to(dv, np.shape(value)), dmask)
+    grads = (sum_to(dq, np.shape(query)), sum_to(dk, np.shape(key)),
+             sum_to(dv, np.shape(value)), dmask)
+    if sinks is None:
+        return grads
+    sink = np.asarray(sinks, dtype=np.float64)
+    sink_b = sink[:, None] if lse.ndim >= 2 else sink
+    with np.errstate(invalid="ignore"):
+        w = np.where(np.isneginf(sink_b), 0.0, np.exp(sink_b - lse))
+    dsink = -(w * d[..., 0])
+    dsink = dsink.reshape(-1, sink.shape[0], dsink.shape[-1]) if lse.ndim >= 2 else dsink[None, None]
+    return (*grads, dsink.sum(axis=(0, 2)))

@@ -15,6 +15,8 @@ import numpy as np
 from .arguments import check_flag, shape_str
 from .._bf16 import is_bfloat16
 from .dtypes import FLOATS, compute_dtype
+from .variants import variants_recipe
+from ..score.recipe import DENSE, Recipe
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class Plan:
     scale: float
     is_causal: bool
     mask_kind: str  # "none", "bool" or "additive"
+    #: The variants as the kernels read them (:mod:`sdpa_numba.score.recipe`): window (with
+    #: causality folded into its right side), alignment, soft cap, ALiBi, sinks, the user's
+    #: functions, block mask. DENSE / CAUSAL for plain calls.
+    recipe: Recipe = DENSE
 
 
 def _broadcast(shapes, names, what):
@@ -51,10 +57,16 @@ def _broadcast(shapes, names, what):
         raise ValueError(f"{what} do not broadcast: {desc}") from None
 
 
-def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, backward=False,
+         **variants):
     """Validate the arguments' shapes, dtypes and flags; return a :class:`Plan`.
 
     Works on anything with ``shape``, ``ndim`` and a NumPy ``dtype`` (host or device arrays).
+    ``variants``: the keyword-only variants of the public functions (``window``,
+    ``alignment``, ``softcap``, ``alibi_slopes``, ``sinks``, ``score_mod``, ``mask_mod``,
+    ``mod_args``, ``score_mod_grad``, ``block_mask``), validated into ``Plan.recipe`` by
+    :func:`sdpa_numba.problem.variants.variants_recipe`; ``backward``: the plan is the
+    backward's.
     """
     is_causal = check_flag("is_causal", is_causal)
     enable_gqa = check_flag("enable_gqa", enable_gqa)
@@ -138,5 +150,7 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
 
-    return Plan(batch, hq, h, L, S, E, Ev, out_shape, dtype, compute_dtype(dtype), scale,
-                is_causal, mask_kind)
+    cdt = compute_dtype(dtype)
+    r = variants_recipe(batch, hq, L, S, cdt, is_causal, backward=backward, **variants)
+    return Plan(batch, hq, h, L, S, E, Ev, out_shape, dtype, cdt, scale, is_causal, mask_kind,
+                r)

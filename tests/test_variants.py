@@ -1,0 +1,309 @@
+"""Attention variants (issue 15): the float64 reference, the validation of the keywords, and
+the CPU forward against the reference.
+
+The reference's variants are checked against independent forms first (a window as a bool
+mask, a sink as an extra key with a zero value row, its backward by finite differences), so
+that the kernels' tests below rest on something checked.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from numba import njit
+
+import sdpa_numba
+from sdpa_numba import reference
+from sdpa_numba import scaled_dot_product_attention as sdpa
+from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
+
+
+# --- users' functions (module level: compiled once per process) ------------------------------
+
+@njit
+def softcap_mod(s, b, h, i, j, c):
+    return c * math.tanh(s / c)
+
+
+@njit
+def softcap_mod_grad(s, b, h, i, j, c):
+    t = math.tanh(s / c)
+    return 1.0 - t * t
+
+
+@njit
+def alibi_mod(s, b, h, i, j, slopes, offset):
+    return s - slopes[h] * abs(i + offset - j)
+
+
+@njit
+def one_grad(s, b, h, i, j, *args):
+    return 1.0
+
+
+@njit
+def rel_bias(s, b, h, i, j, table):
+    """A relative-position bias table (T5-like): one learned number per (head, i - j)."""
+    return s + table[h, i - j + table.shape[1] // 2]
+
+
+@njit
+def doc_mask(b, h, i, j, doc_q, doc_k):
+    """Document masking: a query sees the keys of its own document."""
+    return doc_q[b, i] == doc_k[b, j]
+
+
+@njit
+def prefix_lm(b, h, i, j, prefix):
+    """Prefix-LM: the prefix is seen by everyone, the rest causally."""
+    return j < prefix or j <= i
+
+
+@njit
+def causal_mask(b, h, i, j):
+    return j <= i
+
+
+@njit
+def square(s, b, h, i, j):
+    return s * s
+
+
+@njit
+def not_bool(b, h, i, j):
+    return 1.5
+
+
+def qkv(rng, shape_q, shape_k, ev=None, dtype=np.float64):
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_k).astype(dtype)
+    v = rng.standard_normal(shape_k[:-1] + ((ev or shape_k[-1]),)).astype(dtype)
+    return q, k, v
+
+
+def window_mask(L, S, left, right, offset=0):
+    i = np.arange(L)[:, None] + offset
+    j = np.arange(S)[None, :]
+    keep = np.ones((L, S), bool)
+    if left is not None:
+        keep &= j >= i - left
+    if right is not None:
+        keep &= j <= i + right
+    return keep
+
+
+# --- the reference against independent forms ------------------------------------------------
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("window,causal", [((3, 1), False), ((None, 2), False),
+                                           ((4, None), True), (None, True), ((0, 0), False)])
+def test_reference_window_is_a_bool_mask(alignment, window, causal):
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, (2, 7, 5), (2, 11, 5))
+    offset = 11 - 7 if alignment == "bottom_right" else 0
+    left, right = window or (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    mask = window_mask(7, 11, left, right, offset)
+    want = reference.attention(q, k, v, mask)
+    got = reference.attention(q, k, v, window=window, alignment=alignment, is_causal=causal)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_reference_sink_is_a_key_with_zero_value():
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, (3, 6, 4), (3, 9, 4))
+    sinks = np.array([0.3, -1.0, 2.0])
+    scale = 0.5
+    # An extra key whose score is the sink: q_e = 1 on an extra column, k = sink / scale.
+    q2 = np.concatenate([q, np.ones((3, 6, 1))], axis=-1)
+    k2 = np.concatenate([np.concatenate([k, np.zeros((3, 9, 1))], axis=-1),
+                         np.concatenate([np.zeros((3, 1, 4)),
+                                         (sinks / scale)[:, None, None]], axis=-1)], axis=1)
+    v2 = np.concatenate([v, np.zeros((3, 1, 4))], axis=1)
+    want = reference.attention(q2, k2, v2, scale=scale)
+    got = reference.attention(q, k, v, scale=scale, sinks=sinks)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-13)
+
+
+def test_reference_fully_masked_rows_with_and_without_sinks():
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, (2, 4, 3), (2, 5, 3))
+    mask = np.ones((4, 5), bool)
+    mask[1] = False
+    out, lse = reference.attention(q, k, v, mask)
+    assert np.all(out[:, 1] == 0) and np.all(lse[:, 1] == -np.inf)
+    out, lse = reference.attention(q, k, v, mask, sinks=np.array([0.5, -2.0]))
+    assert np.all(out[:, 1] == 0)
+    np.testing.assert_array_equal(lse[:, 1], [0.5, -2.0])
+
+
+def test_reference_order_of_the_score():
+    """scale -> softcap -> ALiBi -> score_mod -> additive mask, written out for one entry."""
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, (2, 3, 4), (2, 5, 4))
+    slopes = np.array([0.25, 0.5])
+    add = rng.standard_normal((2, 3, 5))
+    table = rng.standard_normal((2, 9))
+    out, _ = reference.attention(q, k, v, add, scale=0.7, softcap=1.5, alibi_slopes=slopes,
+                                 score_mod=rel_bias, mod_args=(table,), alignment="bottom_right")
+    s = 0.7 * np.einsum("hle,hse->hls", q, k)
+    s = 1.5 * np.tanh(s / 1.5)
+    i = np.arange(3)[:, None] + 2
+    j = np.arange(5)[None, :]
+    s = s - slopes[:, None, None] * np.abs(i - j)
+    s = s + table[np.arange(2)[:, None, None], (i - 2) - j + 4]
+    s = s + add
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(out, (p / p.sum(-1, keepdims=True)) @ v, rtol=1e-13)
+
+
+def _loss(out, g):
+    return float(np.sum(out * g))
+
+
+@pytest.mark.parametrize("case", ["softcap-sinks", "score_mod-alibi-window"])
+def test_reference_backward_by_finite_differences(case):
+    rng = np.random.default_rng(5)
+    q, k, v = qkv(rng, (2, 4, 3), (2, 6, 3))
+    g = rng.standard_normal((2, 4, 3))
+    if case == "softcap-sinks":
+        kw = dict(softcap=1.3, sinks=np.array([0.4, -0.2]), is_causal=True,
+                  alignment="bottom_right")
+        grad_kw = {}
+    else:
+        kw = dict(score_mod=square, alibi_slopes=np.array([0.3, 0.1]), window=(2, 1))
+        grad_kw = dict(score_mod_grad=njit(lambda s, b, h, i, j: 2.0 * s))
+    grads = reference.attention_backward(g, q, k, v, **kw, **grad_kw)
+    h = 1e-6
+
+    def numeric(x, name):
+        d = np.zeros_like(x)
+        for idx in np.ndindex(*x.shape):
+            xp, xm = x.copy(), x.copy()
+            xp[idx] += h
+            xm[idx] -= h
+            args = {"q": q, "k": k, "v": v, "sinks": kw.get("sinks")}
+            args_p, args_m = dict(args, **{name: xp}), dict(args, **{name: xm})
+            fp = _loss(reference.attention(args_p["q"], args_p["k"], args_p["v"],
+                                           **dict(kw, sinks=args_p["sinks"]))[0], g)
+            fm = _loss(reference.attention(args_m["q"], args_m["k"], args_m["v"],
+                                           **dict(kw, sinks=args_m["sinks"]))[0], g)
+            d[idx] = (fp - fm) / (2 * h)
+        return d
+
+    for got, x, name in zip(grads[:3], (q, k, v), ("q", "k", "v")):
+        np.testing.assert_allclose(got, numeric(x, name), rtol=1e-6, atol=1e-8)
+    if "sinks" in kw:
+        assert len(grads) == 5 and grads[3] is None
+        np.testing.assert_allclose(grads[4], numeric(kw["sinks"], "sinks"), rtol=1e-6,
+                                   atol=1e-8)
+    else:
+        assert len(grads) == 4
+
+
+def test_reference_backward_needs_score_mod_grad():
+    q = np.ones((2, 3))
+    with pytest.raises(ValueError, match="score_mod_grad"):
+        reference.attention_backward(q, q, q, q, score_mod=square)
+
+
+# --- validation: clear errors before any kernel runs ----------------------------------------
+
+def _q(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((2, 3, 5, 4)).astype(dtype),
+            rng.standard_normal((2, 3, 7, 4)).astype(dtype),
+            rng.standard_normal((2, 3, 7, 4)).astype(dtype))
+
+
+ERRORS = [
+    (dict(window=(-1, 0)), ValueError, "window's left side must be >= 0"),
+    (dict(window=(0, -3)), ValueError, "window's right side must be >= 0"),
+    (dict(window=(1.5, 0)), TypeError, "window's left side must be an int"),
+    (dict(window=(True, 0)), TypeError, "window's left side must be an int"),
+    (dict(window=3), TypeError, "window must be None or a pair"),
+    (dict(window=(1, 2, 3)), TypeError, "window must be None or a pair"),
+    (dict(alignment="bottom"), ValueError, "alignment must be 'top_left' or 'bottom_right'"),
+    (dict(alignment=1), TypeError, "alignment must be"),
+    (dict(softcap=0.0), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap=-2.0), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap=math.inf), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap=math.nan), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap="1"), TypeError, "softcap must be a real number"),
+    (dict(alibi_slopes=np.ones(4)), ValueError, r"alibi_slopes of shape \(4\) must have"),
+    (dict(alibi_slopes=np.ones((3, 3))), ValueError, "alibi_slopes of shape"),
+    (dict(alibi_slopes=np.ones((1, 2, 3))), ValueError, "alibi_slopes of shape"),
+    (dict(alibi_slopes=np.ones(3, np.int64)), TypeError, "alibi_slopes must be float32 or"),
+    (dict(alibi_slopes=np.array([1.0, np.nan, 1.0])), ValueError, "alibi_slopes must be finite"),
+    (dict(alibi_slopes=2.0), TypeError, "alibi_slopes must be an array"),
+    (dict(sinks=np.ones((2, 3))), ValueError, r"sinks of shape \(2, 3\) must have shape"),
+    (dict(sinks=np.ones(3, np.float16)), TypeError, "sinks must be float32 or float64"),
+    (dict(sinks=np.array([0.0, np.inf, 0.0])), ValueError, "sinks must be finite or -inf"),
+    (dict(score_mod=lambda s, b, h, i, j: s), TypeError, "score_mod must be a Numba @njit"),
+    (dict(score_mod=causal_mask), TypeError, r"score_mod must take 5 arguments"),
+    (dict(score_mod=rel_bias), TypeError, r"score_mod must take 5 arguments"),
+    (dict(mask_mod=square), TypeError, r"mask_mod must take 4 arguments"),
+    (dict(mask_mod=not_bool), TypeError, "mask_mod must return a bool"),
+    (dict(score_mod=njit(lambda s, b, h, i, j: s > 0)), TypeError,
+     "score_mod must return a float score"),
+    (dict(score_mod=njit(lambda s, b, h, i, j: undefined_name)), TypeError,  # noqa: F821
+     "score_mod does not compile"),
+    (dict(score_mod=rel_bias, mod_args=[1.0]), TypeError, "score_mod does not compile"),
+    (dict(score_mod=rel_bias, mod_args=({"a": 1},)), TypeError, r"mod_args\[0\] has a type"),
+    (dict(score_mod=rel_bias, mod_args=np.ones(3)), TypeError, "mod_args must be a tuple"),
+    (dict(mod_args=(np.ones(3),)), ValueError, "mod_args are given without"),
+    (dict(score_mod_grad=one_grad), ValueError, "score_mod_grad is given without a score_mod"),
+    (dict(block_mask=np.ones((1, 1, 1, 1), np.int8)), TypeError,
+     "block_mask must be a sdpa_numba.BlockMask"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", ERRORS, ids=[str(i) for i in range(len(ERRORS))])
+def test_bad_variants(kw, exc, match):
+    q, k, v = _q()
+    with pytest.raises(exc, match=match):
+        sdpa(q, k, v, **kw)
+    out, lse = np.zeros((2, 3, 5, 4), np.float32), np.zeros((2, 3, 5), np.float32)
+    with pytest.raises(exc, match=match):
+        sdpa_backward(out, q, k, v, out, lse, **kw)
+
+
+def test_backward_of_a_score_mod_needs_its_gradient():
+    q, k, v = _q()
+    out, lse = np.zeros((2, 3, 5, 4), np.float32), np.zeros((2, 3, 5), np.float32)
+    with pytest.raises(ValueError, match="needs score_mod_grad"):
+        sdpa_backward(out, q, k, v, out, lse, score_mod=square)
+
+
+def test_block_mask_must_fit_the_call():
+    q, k, v = _q()
+    bm = sdpa_numba.create_block_mask(causal_mask, None, None, 5, 8)
+    with pytest.raises(ValueError, match=r"block_mask was made for \(B, H, L, S\) = \(1, 1, 5, "
+                                         r"8\); this call needs B 1 or 2"):
+        sdpa(q, k, v, block_mask=bm)
+    bm = sdpa_numba.create_block_mask(causal_mask, 3, None, 5, 7)
+    with pytest.raises(ValueError, match="block_mask was made for"):
+        sdpa(q, k, v, block_mask=bm)
+    bm = sdpa_numba.create_block_mask(causal_mask, 2, 3, 5, 7)
+    with pytest.raises(ValueError, match="another mask_mod"):
+        sdpa(q, k, v, block_mask=bm, mask_mod=prefix_lm, mod_args=(2,))
+
+
+def test_create_block_mask_errors_and_states():
+    with pytest.raises(TypeError, match="mask_mod must be a Numba"):
+        sdpa_numba.create_block_mask(lambda b, h, i, j: True, 1, 1, 4, 4)
+    with pytest.raises(TypeError, match="mask_mod must take 6 arguments"):
+        sdpa_numba.create_block_mask(prefix_lm, 1, 1, 4, 4, mod_args=(1, 2))
+    with pytest.raises(ValueError, match="L must be >= 0"):
+        sdpa_numba.create_block_mask(causal_mask, 1, 1, -1, 4)
+    with pytest.raises(TypeError, match="S must be an int"):
+        sdpa_numba.create_block_mask(causal_mask, 1, 1, 4, 4.0)
+    bm = sdpa_numba.create_block_mask(causal_mask, None, None, 130, 200)
+    E, P, F = sdpa_numba.BLOCK_EMPTY, sdpa_numba.BLOCK_PARTIAL, sdpa_numba.BLOCK_FULL
+    # Rows 0-63, 64-127, 128-129 against keys 0-63, 64-127, 128-191, 192-199.
+    want = [[P, E, E, E], [F, P, E, E], [F, F, P, E]]
+    np.testing.assert_array_equal(bm.states[0, 0], want)
+    assert bm.states.dtype == np.int8 and bm.states.shape == (1, 1, 3, 4)
