@@ -42,11 +42,12 @@ from numba.extending import overload
 from ._llvm import data_ptr, keep_alive, prefer_512_bit, ptr_add, stash, unstash
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
-from .forward import BM as MASK_BQ, BN as MASK_BK, masked_score
+from .forward import masked_score
 from .microkernel import MR, NR, tile_product
 from .online_softmax import LOG2E
 from .options import FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
+from ..block_mask import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, NO_LIMIT, Recipe,
                             block_state, has_element_mask, key_range, modified_score,
@@ -137,8 +138,8 @@ def pair_state(r, b, h, i0, nv, j0, nk):
     """BLOCK_EMPTY, BLOCK_PARTIAL or BLOCK_FULL: what the recipe's mask_mod does to query rows
     ``[i0, i0 + nv)`` against keys ``[j0, j0 + nk)`` (window and ``attn_mask`` aside).
 
-    The block mask is at the forward's granularity (``MASK_BQ`` query rows, ``MASK_BK``
-    keys); the states of the blocks the pair covers combine (all empty: empty; all full:
+    The block mask is at :mod:`sdpa_numba.block_mask`'s granularity (``Q_BLOCK`` query
+    rows, ``K_BLOCK`` keys); the states of the blocks the pair covers combine (all empty: empty; all full:
     full). Without a block mask: PARTIAL with a mask_mod (test every element), else FULL.
     """
     if not has_block_mask(r):
@@ -146,8 +147,8 @@ def pair_state(r, b, h, i0, nv, j0, nk):
     n_empty = 0
     n_full = 0
     n = 0
-    for qm in range(i0 // MASK_BQ, (i0 + nv - 1) // MASK_BQ + 1):
-        for km in range(j0 // MASK_BK, (j0 + nk - 1) // MASK_BK + 1):
+    for qm in range(i0 // Q_BLOCK, (i0 + nv - 1) // Q_BLOCK + 1):
+        for km in range(j0 // K_BLOCK, (j0 + nk - 1) // K_BLOCK + 1):
             st = block_state(r, b, h, qm, km)
             n += 1
             if st == BLOCK_EMPTY:
@@ -161,28 +162,32 @@ def pair_state(r, b, h, i0, nv, j0, nk):
     return BLOCK_PARTIAL
 
 
-def has_mask(mask):
-    """False for None or an empty array (no mask), True otherwise (jitted only)."""
-    raise NotImplementedError("has_mask is only callable from jitted code")
+def given(x):
+    """Whether optional argument ``x`` was given: False for None (or omitted), a run-time
+    test for an Optional type (the launcher's one specialization for "mask or none" and
+    "mask gradient or none"), True for an array (jitted only)."""
+    raise NotImplementedError("given is only callable from jitted code")
 
 
-@overload(has_mask, fastmath=FASTMATH)
-def _has_mask(mask):
-    if isinstance(mask, (types.NoneType, types.Omitted)):
-        return lambda mask: False
-    return lambda mask: mask.size > 0
+@overload(given, fastmath=FASTMATH)
+def _given(x):
+    if isinstance(x, (types.NoneType, types.Omitted)):
+        return lambda x: False
+    if isinstance(x, types.Optional):
+        return lambda x: x is not None
+    return lambda x: True
 
 
-def as_dmask(dmask, like):
-    """``dmask``, or an empty 4-D array of ``like``'s dtype for None (jitted only)."""
-    raise NotImplementedError("as_dmask is only callable from jitted code")
+def as_none(x):
+    """``x``, with an omitted argument as None (jitted only)."""
+    raise NotImplementedError("as_none is only callable from jitted code")
 
 
-@overload(as_dmask, fastmath=FASTMATH)
-def _as_dmask(dmask, like):
-    if isinstance(dmask, (types.NoneType, types.Omitted)):
-        return lambda dmask, like: np.zeros((0, 0, 0, 0), like.dtype)
-    return lambda dmask, like: dmask
+@overload(as_none, fastmath=FASTMATH)
+def _as_none(x):
+    if isinstance(x, types.Omitted):
+        return lambda x: None
+    return lambda x: x
 
 
 @njit(**KERNEL)
@@ -412,7 +417,7 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
     empty, and writes (the first chunk it sees) or adds (later chunks) the block's dQ:
     ``scale`` x it into ``dq`` when this task holds every key (``dq_part`` empty), else
     unscaled into ``dq_part[g]``; then writes the chunk's rows of ``dk``, ``dv``. With
-    ``dmask`` (non-empty), also the group's columns of the mask gradient.
+    ``dmask`` (not None), also the group's columns of the mask gradient.
     """
     prefer_512_bit()
     L, e_len = q.shape[2], q.shape[3]
@@ -426,9 +431,9 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
     nqb = (L + BQ - 1) // BQ
     kk, vv = k[b, kh], v[b, kh]
     direct = dq_part.shape[0] == 0
-    want_dm = dmask.shape[0] > 0
+    want_dm = given(dmask)
     h0, h1 = kh * heads, (kh + 1) * heads
-    if want_dm:
+    if dmask is not None and want_dm:
         for h in range(h0, h1):
             dmask[b, h, :, kb0 * BK:min(s_len, kb1 * BK)] = 0
     if direct:
@@ -475,7 +480,7 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
     seed, thresh, inv_keep, b_off = dropout
     drop_on = inv_keep != 1.0
     inv = cast(inv_keep, lse)
-    use_mask = has_mask(mask)
+    use_mask = given(mask)
     mods = modifies_scores(r)
     for c0 in range(kb0, kb1, CHUNK_BLOCKS):
         c1 = min(kb1, c0 + CHUNK_BLOCKS)
@@ -526,7 +531,7 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
                                      elem, mods)
                     pair_grads(keys, e_len, ev, nk, nv, j0, queries,
                                (drop_on, rk, thresh, inv), p_gt, mods)
-                    if want_dm:
+                    if dmask is not None and want_dm:
                         dsm = gt if mods else dpt  # dS of the final scores
                         for rr in range(nk):
                             for c in range(nv):
@@ -582,8 +587,8 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     q, k, v, mask, is_causal, scale
         As given to :func:`~sdpa_numba.cpu.forward` (``q`` (B, Hq, L, E), ``k`` (B, H, S, E),
         ``v`` (B, H, S, Ev), ``mask`` None or (B, Hq, L, S)); any strides, float16 as uint16.
-        An empty mask (size 0) means no mask, like None, so that "no mask" and "bool mask"
-        can share one compiled specialization.
+        ``mask`` may be typed Optional (None or a bool array at run time: one compiled
+        specialization for both, as the launcher compiles it).
     dout : ndarray, shape (B, Hq, L, Ev)
         Gradient of the loss with respect to the forward's output (storage dtype).
     out : ndarray, shape (B, Hq, L, Ev)
@@ -599,7 +604,7 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
         The forward's ``dropout`` argument, :func:`sdpa_numba.dropout.params`; the same seed
         regenerates the same mask. ``inv_keep == 1.0`` (``p == 0``) means no dropout.
     dmask : None or ndarray, shape (B, Hq, L, S), optional
-        Written (compute dtype) when given: the gradient of an additive mask, i.e. of the
+        Written (compute dtype) when given (it too may be typed Optional): the gradient of an additive mask, i.e. of the
         final scores (``scale · q · k`` modified by the recipe, plus ``mask``). Full size:
         reduce broadcast dims yourself.
     recipe : None or :class:`~sdpa_numba.score.recipe.Recipe`, optional
@@ -622,11 +627,12 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     h_len, s_len = k.shape[1], k.shape[2]
     group = n_heads // h_len if h_len else 1
     drop = as_dropout(dropout)
-    dm = as_dmask(dmask, lse)
+    dm = as_none(dmask)
     r = as_recipe(recipe, is_causal)
-    # The recipe enters the parallel region as a pointer (see _llvm.stash: a parfor takes no
-    # tuple nested in a tuple, nor a function).
-    p_r = stash(r)
+    # The recipe, the mask and the mask gradient enter the parallel region through a pointer
+    # (see _llvm.stash): a parfor takes no tuple nested in a tuple, nor a function, and
+    # mishandles Optional arguments (None is refused when the function is called).
+    p_args = stash((r, mask, dm))
     n_kb = (s_len + BK - 1) // BK
     groups = key_groups(b_len * h_len, n_kb)
     # With several key groups, each writes its part of dQ apart; they are summed in order.
@@ -648,8 +654,9 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
             kb1 = (g + 1) * n_kb // groups
             # (one call for any mask type: an `if mask is None` branch here would compile
             # both)
-            key_group(q, k, v, mask, unstash(p_r), scale, dout, out, lse, b, kh, group, kb0, kb1,
-                      dq, dq_part, g, dk, dv, drop, dm)
+            r_t, mask_t, dm_t = unstash(p_args)
+            key_group(q, k, v, mask_t, r_t, scale, dout, out, lse, b, kh, group, kb0, kb1,
+                      dq, dq_part, g, dk, dv, drop, dm_t)
             t = next_task(queue, n_tasks)
 
     if groups > 1:
@@ -657,4 +664,4 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
         for t in prange(b_len * n_heads * nqb):
             bh = t // nqb
             _sum_dq(dq_part, scale, dq, bh // n_heads, bh % n_heads, t % nqb)
-    keep_alive(r)
+    keep_alive((r, mask, dm))
