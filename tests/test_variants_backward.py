@@ -355,3 +355,75 @@ def test_score_mod_softcap_agrees_with_builtin():
         assert rel(a, b) <= 1e-13
 
 
+
+
+# --- the public backward (sdpa_numba.scaled_dot_product_attention_backward) -------------------
+
+def _public_case(name):
+    rng = np.random.default_rng(sum(map(ord, name)))
+
+    def r(*shape):
+        return rng.standard_normal(shape)
+
+    if name == "window-gqa-bool-mask":
+        return (r(2, 4, 67, 16), r(2, 2, 150, 16), r(2, 2, 150, 8),
+                dict(attn_mask=rng.random((67, 150)) > 0.2, window=(20, 5), enable_gqa=True))
+    if name == "bottom-right-causal-softcap-L-gt-S":
+        return (r(1, 2, 130, 8), r(1, 2, 77, 8), r(1, 2, 77, 8),
+                dict(is_causal=True, alignment="bottom_right", softcap=2.0, window=(9, None)))
+    if name == "alibi-sinks-batch-dims":
+        return (r(2, 3, 2, 40, 8), r(2, 3, 2, 70, 8), r(2, 3, 2, 70, 4),
+                dict(alibi_slopes=rng.random((2, 3, 2)), sinks=np.array([0.3, -1.0]),
+                     window=(None, 0), alignment="bottom_right"))
+    if name == "additive-mask-grad-softcap":
+        mask = r(1, 33, 150)
+        mask[:, 4] = -np.inf
+        return (r(2, 2, 33, 8), r(2, 2, 150, 8), r(2, 2, 150, 8),
+                dict(attn_mask=mask, mask_grad=True, softcap=1.3, window=(60, 60)))
+    if name == "dropout-window":
+        return (r(1, 2, 70, 8), r(1, 2, 140, 8), r(1, 2, 140, 8),
+                dict(dropout_p=0.3, seed=11, window=(30, 30)))
+    if name == "score_mod-softcap":
+        return (r(1, 2, 70, 16), r(1, 1, 133, 16), r(1, 1, 133, 16),
+                dict(enable_gqa=True, window=(50, 10), score_mod=cap_mod,
+                     score_mod_grad=cap_mod_grad, mod_args=(1.7,)))
+    raise KeyError(name)
+
+
+PUBLIC = ["window-gqa-bool-mask", "bottom-right-causal-softcap-L-gt-S",
+          "alibi-sinks-batch-dims", "additive-mask-grad-softcap", "dropout-window",
+          "score_mod-softcap"]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_backward(name):
+    """The public backward with variants (out and lse from the reference) against
+    reference.attention_backward: dq, dk, dv, the mask's and the sinks' gradients."""
+    from sdpa_numba import reference
+    from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
+
+    q, k, v, kw = _public_case(name)
+    kw = dict(kw)
+    mask = kw.pop("attn_mask", None)
+    mask_grad = kw.pop("mask_grad", False)
+    p, seed = kw.pop("dropout_p", 0.0), kw.pop("seed", 0)
+    fwd_kw = {n: x for n, x in kw.items() if n != "score_mod_grad"}
+    out, lse = reference.attention_dropout(q, k, v, mask, p, seed=seed, **fwd_kw)
+    g = np.random.default_rng(1).standard_normal(out.shape)
+    got = sdpa_backward(g, q, k, v, out, lse, mask, p, seed=seed if p else None,
+                        mask_grad=mask_grad, **kw)
+    want = reference.attention_backward(g, q, k, v, mask, p, seed=seed, **kw)
+    expect = list(want[:3]) + ([want[3]] if mask_grad else []) + (
+        [want[4]] if "sinks" in kw else [])
+    assert len(got) == len(expect)
+    for a, b in zip(got, expect):
+        assert a.shape == b.shape and np.isfinite(a).all()
+        assert rel(a, b) <= 1e-12, (name, rel(a, b))
+
+
+def test_public_backward_needs_score_mod_grad():
+    from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
+
+    x = np.zeros((1, 1, 3, 4))
+    with pytest.raises(ValueError, match="score_mod_grad"):
+        sdpa_backward(x, x, x, x, x, np.zeros((1, 1, 3)), score_mod=cap_mod, mod_args=(1.0,))
