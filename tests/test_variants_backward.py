@@ -427,3 +427,23 @@ def test_public_backward_needs_score_mod_grad():
     x = np.zeros((1, 1, 3, 4))
     with pytest.raises(ValueError, match="score_mod_grad"):
         sdpa_backward(x, x, x, x, x, np.zeros((1, 1, 3)), score_mod=cap_mod, mod_args=(1.0,))
+
+
+def test_score_and_slope_is_modified_score_and_score_slope():
+    """The backward's fused per-element function gives bitwise what the two it fuses give."""
+
+    @njit
+    def grid(r):
+        a = np.empty((3, 7, 9))
+        for i in range(7):
+            for j in range(9):
+                s = 0.61 * (i - 1.5 * j) + 0.2
+                a[0, i, j], a[1, i, j] = R.score_and_slope(r, s, 1, 0, i, j)
+                a[2, i, j] = R.modified_score(r, s, 1, 0, i, j) - a[0, i, j] + \
+                    R.score_slope(r, s, 1, 0, i, j) - a[1, i, j]
+        return a
+
+    r = R.recipe(softcap=2.5, alibi=np.array([[0.1], [0.4]]), score_mod=cap_mod,
+                 score_mod_grad=cap_mod_grad, mod_args=(3.0,), offset=2)
+    a = grid(r)
+    assert np.isfinite(a).all() and (a[2] == 0).all()

@@ -50,9 +50,8 @@ from .scratch import aligned_empty
 from ..block_mask import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, NO_LIMIT, Recipe,
-                            block_state, has_element_mask, key_range, modified_score,
-                            modifies_scores, query_range, score_slope, user_keeps,
-                            window_covers)
+                            block_state, has_element_mask, key_range, modifies_scores,
+                            query_range, score_and_slope, user_keeps, window_covers)
 from .storage import load
 from .tasks import next_task, task_queue
 
@@ -280,8 +279,9 @@ def _mask_scores(st, gt, nk, nv, j0, i0, mask, use_mask, r, b, h, elem, mods):
     """Form the scores of the transposed tile (pointers) by the recipe ``r``: key ``j0 + r``
     (row) against query ``i0 + c`` (column), scores ``s = scale · q · k`` on entry.
 
-    Outside the window: -inf. Inside: with ``mods``, :func:`modified_score` (soft cap, ALiBi,
-    score_mod), its slope d s' / d s into ``gt`` (0 outside the window); then the user's
+    Outside the window: -inf. Inside: with ``mods``, the modified score (soft cap, ALiBi,
+    score_mod) and its slope d s' / d s into ``gt`` (0 outside the window; both by
+    :func:`~sdpa_numba.score.recipe.score_and_slope`); then the user's
     ``mask`` (None or (B, Hq, L, S), read at ``[b, h]`` when ``use_mask``), then with
     ``elem`` the recipe's mask_mod. The order of the score seam (sdpa_numba.score.recipe).
     """
@@ -301,9 +301,7 @@ def _mask_scores(st, gt, nk, nv, j0, i0, mask, use_mask, r, b, h, elem, mods):
             for c in range(BQ):
                 grow[c] = 0
             for c in range(lo, hi):
-                x = row[c]
-                row[c] = modified_score(r, x, b, h, i0 + c, j)
-                grow[c] = score_slope(r, x, b, h, i0 + c, j)
+                row[c], grow[c] = score_and_slope(r, row[c], b, h, i0 + c, j)
         if mask is not None and use_mask:
             for c in range(lo, hi):
                 row[c] = masked_score(row[c], mask[b, h, i0 + c, j])
