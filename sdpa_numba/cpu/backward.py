@@ -7,6 +7,16 @@ With ``P`` recomputed from the forward's ``lse`` (never stored), ``Z`` the dropo
 
 (``rowsum(P ∘ (dO Vᵀ) Z) = rowsum(dO ∘ O)``, so ``D`` needs only the forward's output).
 
+Variants come as the forward's :class:`~sdpa_numba.score.recipe.Recipe`: the scores are
+recomputed by the score seam (soft cap, ALiBi, score_mod; the window, mask_mod and the block
+mask's states mask them), and ``dS`` is multiplied by the slope of the modified score with
+respect to ``scale · q · k`` (``1 - tanh²`` of the soft cap, ``score_mod_grad``) before dQ and
+dK. Sinks need nothing here (``lse`` includes them). Work lists: a task visits only the query
+blocks that see its keys (:func:`~sdpa_numba.score.recipe.query_range`), and each of them only
+over the key blocks it sees (:func:`~sdpa_numba.score.recipe.key_range`) that the block mask
+does not empty; dense and causal attention are such recipes, with the same arithmetic as
+before them (bitwise).
+
 Work is split into tasks of (batch, key/value head, group of key blocks), run in parallel.
 A task packs its keys once (in the compute dtype; float16 converted here), then for every
 query head that reads them (one, or a group with GQA) and every block of ``BQ`` query rows
