@@ -42,7 +42,7 @@ def signature(dtype, mask_kind, recipe_type=typeof(DENSE)):
             types.Optional(arr(ct, 4, False)), recipe_type)
 
 
-def _entry(dtype, mask_kind, recipe_type):
+def _entry(dtype, mask_kind, recipe_type=typeof(DENSE)):
     """The compiled backward for a storage dtype, mask kind and recipe type (compiled once,
     then cached)."""
     key = (dtype, mask_kind, recipe_type)
