@@ -162,12 +162,12 @@ MUTANTS = [
       DROP, "dropout: a launch's batch offset ignored"),
     # --- CPU backward
     M("bwd_causal_block_stop", B,
-      "kb_stop = min(c1, (i0 + nv - 1) // BK + 1)",
-      "kb_stop = min(c1, (i0 + nv - 2) // BK + 1)",
+      "kb_stop = min(c1, (je + BK - 1) // BK)",
+      "kb_stop = min(c1, (je + BK - 2) // BK)",
       BWD_CAUSAL, "backward causal block skip one row early"),
     M("bwd_causal_mask_skip_late", B,
-      "if use_mask or (is_causal and j0 + nk - 1 > i0):",
-      "if use_mask or (is_causal and j0 + nk - 1 > i0 + 1):",
+      "or not window_covers(r, i0, i0 + nv - 1, j0, j0 + nk - 1)):",
+      "or not window_covers(r, i0 + 1, i0 + nv - 1, j0, j0 + nk - 1)):",
       BWD_CAUSAL, "backward causal mask-skip boundary one row late"),
     # --- CUDA (simulator)
     M("cuda_causal_off_by_one", CF,

@@ -237,3 +237,41 @@ def fetch_add(typingctx, arr, n):
         return builder.atomic_rmw("add", ary.data, val, "monotonic")
 
     return sig, codegen
+
+
+@intrinsic
+def stash(typingctx, x):
+    """A pointer to a copy of ``x`` (any Numba value: a named tuple of arrays, functions,
+    tuples) on the calling function's stack; valid while that function runs. The caller
+    keeps ``x`` alive (:func:`keep_alive`) until the pointer's last use.
+
+    Numba's parfor lowering passes each variable that a ``prange`` body uses as an argument
+    of the generated gufunc, which takes arrays and scalars only (not a tuple nested in a
+    tuple, nor a function): such a value crosses into the parallel region as this pointer and
+    is read back there with :func:`unstash`.
+    """
+    sig = types.CPointer(x)(x)
+
+    def codegen(context, builder, signature, args):
+        dm = context.data_model_manager[signature.args[0]]
+        ptr = cgutils.alloca_once(builder, dm.get_data_type())
+        builder.store(dm.as_data(builder, args[0]), ptr)
+        return ptr
+
+    return sig, codegen
+
+
+@intrinsic
+def unstash(typingctx, ptr):
+    """The value that :func:`stash` stored at ``ptr`` (a new reference)."""
+    if not isinstance(ptr, types.CPointer):
+        return None
+    sig = ptr.dtype(ptr)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.return_type
+        val = context.data_model_manager[ty].from_data(builder, builder.load(args[0]))
+        context.nrt.incref(builder, ty, val)  # Numba releases it after its last use
+        return val
+
+    return sig, codegen

@@ -7,6 +7,16 @@ With ``P`` recomputed from the forward's ``lse`` (never stored), ``Z`` the dropo
 
 (``rowsum(P ∘ (dO Vᵀ) Z) = rowsum(dO ∘ O)``, so ``D`` needs only the forward's output).
 
+Variants come as the forward's :class:`~sdpa_numba.score.recipe.Recipe`: the scores are
+recomputed by the score seam (soft cap, ALiBi, score_mod; the window, mask_mod and the block
+mask's states mask them), and ``dS`` is multiplied by the slope of the modified score with
+respect to ``scale · q · k`` (``1 - tanh²`` of the soft cap, ``score_mod_grad``) before dQ and
+dK. Sinks need nothing here (``lse`` includes them). Work lists: a task visits only the query
+blocks that see its keys (:func:`~sdpa_numba.score.recipe.query_range`), and each of them only
+over the key blocks it sees (:func:`~sdpa_numba.score.recipe.key_range`) that the block mask
+does not empty; dense and causal attention are such recipes, with the same arithmetic as
+before them (bitwise).
+
 Work is split into tasks of (batch, key/value head, group of key blocks), run in parallel.
 A task packs its keys once (in the compute dtype; float16 converted here), then for every
 query head that reads them (one, or a group with GQA) and every block of ``BQ`` query rows
@@ -39,7 +49,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import data_ptr, keep_alive, prefer_512_bit, ptr_add
+from ._llvm import data_ptr, keep_alive, prefer_512_bit, ptr_add, stash, unstash
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
 from .forward import masked_score
@@ -47,7 +57,11 @@ from .microkernel import MR, NR, tile_product
 from .online_softmax import LOG2E
 from .options import FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
+from ..block_mask import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
+from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, NO_LIMIT, Recipe,
+                            block_state, has_element_mask, key_range, modifies_scores,
+                            query_range, score_and_slope, user_keeps, window_covers)
 from .storage import load
 from .tasks import next_task, task_queue
 
@@ -94,28 +108,95 @@ def _as_dropout(dropout):
     return lambda dropout: dropout
 
 
-def has_mask(mask):
-    """False for None or an empty array (no mask), True otherwise (jitted only)."""
-    raise NotImplementedError("has_mask is only callable from jitted code")
+def as_recipe(recipe, is_causal):
+    """The kernels' recipe: ``recipe`` with ``is_causal`` folded in (right side at most 0), or
+    for None the plain (top-left causal if ``is_causal``) recipe (jitted only)."""
+    raise NotImplementedError("as_recipe is only callable from jitted code")
 
 
-@overload(has_mask, fastmath=FASTMATH)
-def _has_mask(mask):
-    if isinstance(mask, (types.NoneType, types.Omitted)):
-        return lambda mask: False
-    return lambda mask: mask.size > 0
+@overload(as_recipe, fastmath=FASTMATH)
+def _as_recipe(recipe, is_causal):
+    if isinstance(recipe, (types.NoneType, types.Omitted)):
+        def plain(recipe, is_causal):
+            right = np.int64(0) if is_causal else np.int64(NO_LIMIT)
+            return Recipe(np.int64(0), np.int64(NO_LIMIT), right, 0.0, np.int64(0), None,
+                          None, None, None, None, (), None)
+        return plain
+
+    def given(recipe, is_causal):
+        r = recipe
+        right = min(r.right, 0) if is_causal else r.right
+        return Recipe(r.offset, r.left, right, r.softcap, r.batch_offset, r.alibi, r.sinks,
+                      r.score_mod, r.mask_mod, r.score_mod_grad, r.mod_args, r.block_mask)
+    return given
 
 
-def as_dmask(dmask, like):
-    """``dmask``, or an empty 4-D array of ``like``'s dtype for None (jitted only)."""
-    raise NotImplementedError("as_dmask is only callable from jitted code")
+def has_block_mask(r):
+    """Whether recipe ``r`` carries a block mask (jitted only; a compile-time constant)."""
+    raise NotImplementedError("has_block_mask is only callable from jitted code")
 
 
-@overload(as_dmask, fastmath=FASTMATH)
-def _as_dmask(dmask, like):
-    if isinstance(dmask, (types.NoneType, types.Omitted)):
-        return lambda dmask, like: np.zeros((0, 0, 0, 0), like.dtype)
-    return lambda dmask, like: dmask
+@overload(has_block_mask)
+def _has_block_mask(r):
+    const = not isinstance(r.types[r.fields.index("block_mask")], types.NoneType)
+    return lambda r: const
+
+
+@njit(**INLINE)
+def pair_state(r, b, h, i0, nv, j0, nk):
+    """BLOCK_EMPTY, BLOCK_PARTIAL or BLOCK_FULL: what the recipe's mask_mod does to query rows
+    ``[i0, i0 + nv)`` against keys ``[j0, j0 + nk)`` (window and ``attn_mask`` aside).
+
+    The block mask is at :mod:`sdpa_numba.block_mask`'s granularity (``Q_BLOCK`` query
+    rows, ``K_BLOCK`` keys); the states of the blocks the pair covers combine (all empty: empty; all full:
+    full). Without a block mask: PARTIAL with a mask_mod (test every element), else FULL.
+    """
+    if not has_block_mask(r):
+        return BLOCK_PARTIAL if has_element_mask(r) else BLOCK_FULL
+    n_empty = 0
+    n_full = 0
+    n = 0
+    for qm in range(i0 // Q_BLOCK, (i0 + nv - 1) // Q_BLOCK + 1):
+        for km in range(j0 // K_BLOCK, (j0 + nk - 1) // K_BLOCK + 1):
+            st = block_state(r, b, h, qm, km)
+            n += 1
+            if st == BLOCK_EMPTY:
+                n_empty += 1
+            elif st == BLOCK_FULL:
+                n_full += 1
+    if n_empty == n:
+        return BLOCK_EMPTY
+    if n_full == n:
+        return BLOCK_FULL
+    return BLOCK_PARTIAL
+
+
+def given(x):
+    """Whether optional argument ``x`` was given: False for None (or omitted), a run-time
+    test for an Optional type (the launcher's one specialization for "mask or none" and
+    "mask gradient or none"), True for an array (jitted only)."""
+    raise NotImplementedError("given is only callable from jitted code")
+
+
+@overload(given, fastmath=FASTMATH)
+def _given(x):
+    if isinstance(x, (types.NoneType, types.Omitted)):
+        return lambda x: False
+    if isinstance(x, types.Optional):
+        return lambda x: x is not None
+    return lambda x: True
+
+
+def as_none(x):
+    """``x``, with an omitted argument as None (jitted only)."""
+    raise NotImplementedError("as_none is only callable from jitted code")
+
+
+@overload(as_none, fastmath=FASTMATH)
+def _as_none(x):
+    if isinstance(x, types.Omitted):
+        return lambda x: None
+    return lambda x: x
 
 
 @njit(**KERNEL)
@@ -204,29 +285,50 @@ def _pack_keys(k, v, j0, nk, zero, kp, kt, vp):
 
 
 @njit(**INLINE)
-def _mask_scores(st, nk, nv, j0, i0, mask, use_mask, b, h, is_causal):
-    """Mask the transposed score tile (pointer): key ``j0 + r`` (row) against query ``i0 + c``
-    (column); ``mask`` None or (B, Hq, L, S), read at ``[b, h]`` when ``use_mask``."""
+def _mask_scores(st, gt, nk, nv, j0, i0, mask, use_mask, r, b, h, elem, mods):
+    """Form the scores of the transposed tile (pointers) by the recipe ``r``: key ``j0 + r``
+    (row) against query ``i0 + c`` (column), scores ``s = scale · q · k`` on entry.
+
+    Outside the window: -inf. Inside: with ``mods``, the modified score (soft cap, ALiBi,
+    score_mod) and its slope d s' / d s into ``gt`` (0 outside the window; both by
+    :func:`~sdpa_numba.score.recipe.score_and_slope`); then the user's
+    ``mask`` (None or (B, Hq, L, S), read at ``[b, h]`` when ``use_mask``), then with
+    ``elem`` the recipe's mask_mod. The order of the score seam (sdpa_numba.score.recipe).
+    """
     neg_inf = -np.inf
-    for r in range(nk):
-        j = j0 + r
-        row = ptr_add(st, r * BQ)
-        c0 = 0
-        if is_causal:
-            c0 = min(max(j - i0, 0), nv)  # query i0 + c < j: key j is in its future
-            for c in range(c0):
-                row[c] = neg_inf
+    for rr in range(nk):
+        j = j0 + rr
+        row = ptr_add(st, rr * BQ)
+        # query i0 + c sees key j iff j - right <= i0 + c + offset <= j + left
+        lo = min(max(j - r.right - r.offset - i0, 0), nv)
+        hi = max(min(j + r.left - r.offset - i0 + 1, nv), lo)
+        for c in range(lo):
+            row[c] = neg_inf
+        for c in range(hi, nv):
+            row[c] = neg_inf
+        if mods:
+            grow = ptr_add(gt, rr * BQ)
+            for c in range(BQ):
+                grow[c] = 0
+            for c in range(lo, hi):
+                row[c], grow[c] = score_and_slope(r, row[c], b, h, i0 + c, j)
         if mask is not None and use_mask:
-            for c in range(c0, nv):
+            for c in range(lo, hi):
                 row[c] = masked_score(row[c], mask[b, h, i0 + c, j])
+        if elem:
+            for c in range(lo, hi):
+                if not user_keeps(r, b, h, i0 + c, j):
+                    row[c] = neg_inf
 
 
 @njit(**INLINE)
-def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j0):
+def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j0, gt, mods):
     """In place on the tiles (pointers): ``st`` (Sᵀ) becomes (P Z)ᵀ and ``dpt`` (dPᵀ before
-    dropout) becomes dSᵀ. Padding (key rows past ``nk``, query columns past ``nv``) gets exact
-    zeros. As in the forward, only ``s - lse`` is converted to base 2, so that no finite score
-    overflows."""
+    dropout) becomes dSᵀ; with ``mods``, dSᵀ is multiplied by the scores' slopes ``gt``
+    (the chain rule through soft cap and score_mod), and ``gt`` gets dSᵀ before it (the
+    gradient of the final scores, which the mask gradient is). Padding (key rows past ``nk``,
+    query columns past ``nv``) gets exact zeros. As in the forward, only ``s - lse`` is
+    converted to base 2, so that no finite score overflows."""
     c2 = cast(LOG2E, zero)
     for r in range(nk4):
         srow = ptr_add(st, r * BQ)
@@ -235,6 +337,17 @@ def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j
             for c in range(BQ):
                 srow[c] = zero
                 drow[c] = zero
+        elif mods:
+            grow = ptr_add(gt, r * BQ)
+            j = j0 + r
+            for c in range(BQ):
+                p = exp2((srow[c] - l2[c]) * c2)
+                z = (inv if kept(rk[c], j, thresh) else zero) if drop_on else inv
+                valid = c < nv
+                ds = p * (drow[c] * z - dd[c])
+                srow[c] = p * z if valid else zero
+                drow[c] = ds * grow[c] if valid else zero
+                grow[c] = ds if valid else zero
         elif drop_on:
             j = j0 + r
             for c in range(BQ):
@@ -269,12 +382,12 @@ def pair_scores(keys, e_len, ev, nk, queries):
 
 
 @njit(**KERNEL)
-def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop):
+def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop, gt, mods):
     """From the masked tiles of :func:`pair_scores`: (P Z)ᵀ and dSᵀ in place, then adds the
     pair's dK, dV into ``dka``, ``dva`` and its dQᵀ into ``dqt``.
 
-    ``drop`` = (on, row keys of the query block, threshold, 1 / (1 - p)). Depends on the
-    compute dtype only.
+    ``drop`` = (on, row keys of the query block, threshold, 1 / (1 - p)); ``gt``, ``mods``:
+    the scores' slopes, see :func:`_score_grads`. Depends on the compute dtype only.
     """
     prefer_512_bit()
     kp, kt, vp, st, dpt, dka, dva, ones = keys
@@ -284,7 +397,8 @@ def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop):
     e4 = round_up(e_len, MR)
     e_pad = round_up(e_len, NR)
     ev_pad = round_up(ev, NR)
-    _score_grads(st, dpt, nk, nk4, nv, l2, dd, inv - inv, drop_on, rk, thresh, inv, j0)
+    _score_grads(st, dpt, nk, nk4, nv, l2, dd, inv - inv, drop_on, rk, thresh, inv, j0, gt,
+                 mods)
     for rt in range(0, nk4, MR):
         for d0 in range(0, ev_pad, NR):
             _tile_add(ptr_add(st, rt * BQ), BQ, ptr_add(dor, d0), ev_pad,
@@ -297,18 +411,21 @@ def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop):
 
 
 @njit(**KERNEL)
-def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0, kb1,
+def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
               dq, dq_part, g, dk, dv, dropout, dmask):
     """Everything that key blocks ``[kb0, kb1)`` of key/value head (``b``, ``kh``) contribute.
 
-    Arrays as in :func:`backward`. Works through the keys in chunks of at most
-    ``CHUNK_BLOCKS`` blocks (bounded memory): packs a chunk's keys; then for each query head
-    ``kh * heads ...`` that reads them and each block of ``BQ`` query rows that sees them,
-    packs the query block, accumulates the pair products (dK, dV of the chunk, dQᵀ of the
-    query block) and writes (first chunk) or adds (later chunks) the block's dQ: ``scale`` x
-    it into ``dq`` when this task holds every key (``dq_part`` empty), else unscaled into
-    ``dq_part[g]``; then writes the chunk's rows of ``dk``, ``dv``. With ``dmask``
-    (non-empty), also the group's columns of the mask gradient.
+    Arrays as in :func:`backward`; ``r`` the recipe (causality folded in, see
+    :func:`as_recipe`). Works through the keys in chunks of at most ``CHUNK_BLOCKS`` blocks
+    (bounded memory): packs a chunk's keys; then for each query head ``kh * heads ...`` that
+    reads them and each block of ``BQ`` query rows that sees them under the window
+    (:func:`~sdpa_numba.score.recipe.query_range`), packs the query block, accumulates the
+    pair products (dK, dV of the chunk, dQᵀ of the query block) over the key blocks that the
+    block sees (:func:`~sdpa_numba.score.recipe.key_range`) and that the block mask does not
+    empty, and writes (the first chunk it sees) or adds (later chunks) the block's dQ:
+    ``scale`` x it into ``dq`` when this task holds every key (``dq_part`` empty), else
+    unscaled into ``dq_part[g]``; then writes the chunk's rows of ``dk``, ``dv``. With
+    ``dmask`` (not None), also the group's columns of the mask gradient.
     """
     prefer_512_bit()
     L, e_len = q.shape[2], q.shape[3]
@@ -322,15 +439,22 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     nqb = (L + BQ - 1) // BQ
     kk, vv = k[b, kh], v[b, kh]
     direct = dq_part.shape[0] == 0
-    want_dm = dmask.shape[0] > 0
+    want_dm = given(dmask)
     h0, h1 = kh * heads, (kh + 1) * heads
-    if want_dm:
+    if dmask is not None and want_dm:
         for h in range(h0, h1):
             dmask[b, h, :, kb0 * BK:min(s_len, kb1 * BK)] = 0
-    if kb1 <= kb0:  # no keys (S == 0): dQ is 0
-        if direct:
-            for h in range(h0, h1):
-                dq[b, h] = 0
+    if direct:
+        # Rows that see no key at all (S == 0, or a window past the keys) are never visited:
+        # their dQ is 0.
+        for qb in range(nqb):
+            i0 = qb * BQ
+            nv = min(BQ, L - i0)
+            jb, je = key_range(r, i0, i0 + nv - 1, s_len)
+            if je <= jb:
+                for h in range(h0, h1):
+                    dq[b, h, i0:i0 + nv] = 0
+    if kb1 <= kb0:  # no keys (S == 0)
         return
     # a chunk of keys, packed: per key block kp (BK x E), kt (e4 x BK), vp (BK x Ev), and
     # its dK, dV accumulators (BK x e_pad, BK x ev_pad)
@@ -342,7 +466,8 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     dva = aligned_empty(max(nb * BK * ev_pad, 1), ct)
     p_kp, p_kt, p_vp, p_dka, p_dva = (data_ptr(kp), data_ptr(kt), data_ptr(vp), data_ptr(dka),
                                       data_ptr(dva))
-    # one query block, packed; its dQᵀ accumulator; the score tiles
+    # one query block, packed; its dQᵀ accumulator; the score tiles (gt: the scores' slopes,
+    # with a recipe that changes scores)
     qt = aligned_empty(max(e_len * BQ, 1), ct)
     qr = aligned_empty(max(BQ * e_pad, 1), ct)
     dot = aligned_empty(max(ev * BQ, 1), ct)
@@ -352,17 +477,19 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
     dqt = aligned_empty(max(e4 * BQ, 1), ct)
     st = aligned_empty(BK * BQ, ct)
     dpt = aligned_empty(BK * BQ, ct)
+    gt = aligned_empty(BK * BQ, ct)
     ones = np.ones(MR, ct)
     rk = np.zeros(BQ, np.uint64)
     queries = (data_ptr(qt), data_ptr(qr), data_ptr(dot), data_ptr(dor), data_ptr(l2),
                data_ptr(dd), data_ptr(dqt))
-    p_st, p_dpt, p_ones = data_ptr(st), data_ptr(dpt), data_ptr(ones)
+    p_st, p_dpt, p_gt, p_ones = data_ptr(st), data_ptr(dpt), data_ptr(gt), data_ptr(ones)
     scale2 = cast(scale, lse)
     sc = cast(scale, lse)
     seed, thresh, inv_keep, b_off = dropout
     drop_on = inv_keep != 1.0
     inv = cast(inv_keep, lse)
-    use_mask = has_mask(mask)
+    use_mask = given(mask)
+    mods = modifies_scores(r)
     for c0 in range(kb0, kb1, CHUNK_BLOCKS):
         c1 = min(kb1, c0 + CHUNK_BLOCKS)
         for kb in range(c0, c1):
@@ -372,18 +499,19 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
                        ptr_add(p_kt, t * e4 * BK), ptr_add(p_vp, t * BK * ev))
         dka[:] = 0
         dva[:] = 0
+        # the query blocks that see some key of the chunk
+        i_begin, i_end = query_range(r, c0 * BK, min(c1 * BK, s_len) - 1, L)
         for h in range(h0, h1):
             hkey = head_key(seed, b_off + b, h)
-            for qb in range(nqb):
+            for qb in range(i_begin // BQ, (i_end + BQ - 1) // BQ):
                 i0 = qb * BQ
                 nv = min(BQ, L - i0)
-                kb_stop = c1
-                if is_causal:  # key blocks that start after the block's last row are unseen
-                    kb_stop = min(c1, (i0 + nv - 1) // BK + 1)
-                if kb_stop <= c0:
-                    # Sees no key of the chunk. (Then not of the group's first chunk either,
-                    # unless that is key block 0, which every row sees: so such rows are
-                    # those of a later group, whose dq_part rows stay 0.)
+                # the key blocks that the block's rows see (causal: not past its last row)
+                jb, je = key_range(r, i0, i0 + nv - 1, s_len)
+                kb_first = max(kb0, jb // BK)
+                kb_start = max(c0, kb_first)
+                kb_stop = min(c1, (je + BK - 1) // BK)
+                if kb_stop <= kb_start:
                     continue
                 prepare_block(q[b, h], dout[b, h], out[b, h], lse[b, h], i0, nv, scale2,
                               e_pad, ev_pad, queries[0], queries[1], queries[2], queries[3],
@@ -392,24 +520,32 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
                 if drop_on:
                     for c in range(nv):
                         rk[c] = stream_step(hkey, i0 + c)
-                for kb in range(c0, kb_stop):
+                for kb in range(kb_start, kb_stop):
                     t = kb - c0
                     j0 = kb * BK
                     nk = min(BK, s_len - j0)
+                    state = pair_state(r, b, h, i0, nv, j0, nk)
+                    if state == BLOCK_EMPTY:
+                        continue
+                    elem = has_element_mask(r) and state == BLOCK_PARTIAL
                     keys = (ptr_add(p_kp, t * BK * e_len), ptr_add(p_kt, t * e4 * BK),
                             ptr_add(p_vp, t * BK * ev), p_st, p_dpt,
                             ptr_add(p_dka, t * BK * e_pad), ptr_add(p_dva, t * BK * ev_pad),
                             p_ones)
                     pair_scores(keys, e_len, ev, nk, queries)
-                    if use_mask or (is_causal and j0 + nk - 1 > i0):
-                        _mask_scores(p_st, nk, nv, j0, i0, mask, use_mask, b, h, is_causal)
+                    if (use_mask or mods or elem
+                            or not window_covers(r, i0, i0 + nv - 1, j0, j0 + nk - 1)):
+                        _mask_scores(p_st, p_gt, nk, nv, j0, i0, mask, use_mask, r, b, h,
+                                     elem, mods)
                     pair_grads(keys, e_len, ev, nk, nv, j0, queries,
-                               (drop_on, rk, thresh, inv))
-                    if want_dm:
-                        for r in range(nk):
+                               (drop_on, rk, thresh, inv), p_gt, mods)
+                    if dmask is not None and want_dm:
+                        dsm = gt if mods else dpt  # dS of the final scores
+                        for rr in range(nk):
                             for c in range(nv):
-                                dmask[b, h, i0 + c, j0 + r] = dpt[r * BQ + c]
-                first = c0 == kb0
+                                dmask[b, h, i0 + c, j0 + rr] = dsm[rr * BQ + c]
+                # the first chunk that this block sees writes its dQ, later ones add to it
+                first = c0 == kb0 + (kb_first - kb0) // CHUNK_BLOCKS * CHUNK_BLOCKS
                 for c in range(nv):
                     for e in range(e_len):
                         x = dqt[e * BQ + c]
@@ -425,13 +561,13 @@ def key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, heads, kb0
         for kb in range(c0, c1):
             t = kb - c0
             j0 = kb * BK
-            for r in range(min(BK, s_len - j0)):
+            for rr in range(min(BK, s_len - j0)):
                 for e in range(e_len):
-                    dk[b, kh, j0 + r, e] = dka[(t * BK + r) * e_pad + e] * sc
+                    dk[b, kh, j0 + rr, e] = dka[(t * BK + rr) * e_pad + e] * sc
                 for d in range(ev):
-                    dv[b, kh, j0 + r, d] = dva[(t * BK + r) * ev_pad + d]
+                    dv[b, kh, j0 + rr, d] = dva[(t * BK + rr) * ev_pad + d]
     # The loops above reach these arrays through pointers only: keep them alive until here.
-    keep_alive((kp, kt, vp, dka, dva, qt, qr, dot, dor, l2, dd, dqt, st, dpt, ones, rk))
+    keep_alive((kp, kt, vp, dka, dva, qt, qr, dot, dor, l2, dd, dqt, st, dpt, gt, ones, rk))
 
 
 @njit(**KERNEL)
@@ -451,7 +587,7 @@ def _sum_dq(dq_part, scale, dq, b, h, qb):
 
 @njit(parallel=True, **KERNEL)
 def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropout=None,
-             dmask=None):
+             dmask=None, recipe=None):
     """Gradients of the batched attention forward, parallel and deterministic.
 
     Parameters
@@ -459,8 +595,8 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     q, k, v, mask, is_causal, scale
         As given to :func:`~sdpa_numba.cpu.forward` (``q`` (B, Hq, L, E), ``k`` (B, H, S, E),
         ``v`` (B, H, S, Ev), ``mask`` None or (B, Hq, L, S)); any strides, float16 as uint16.
-        An empty mask (size 0) means no mask, like None, so that "no mask" and "bool mask"
-        can share one compiled specialization.
+        ``mask`` may be typed Optional (None or a bool array at run time: one compiled
+        specialization for both, as the launcher compiles it).
     dout : ndarray, shape (B, Hq, L, Ev)
         Gradient of the loss with respect to the forward's output (storage dtype).
     out : ndarray, shape (B, Hq, L, Ev)
@@ -476,8 +612,18 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
         The forward's ``dropout`` argument, :func:`sdpa_numba.dropout.params`; the same seed
         regenerates the same mask. ``inv_keep == 1.0`` (``p == 0``) means no dropout.
     dmask : None or ndarray, shape (B, Hq, L, S), optional
-        Written (compute dtype) when given: the gradient of an additive mask, i.e. of the
-        scores ``scale · q · k + mask``. Full size: reduce broadcast dims yourself.
+        Written (compute dtype) when given (it too may be typed Optional): the gradient of an additive mask, i.e. of the
+        final scores (``scale · q · k`` modified by the recipe, plus ``mask``). Full size:
+        reduce broadcast dims yourself.
+    recipe : None or :class:`~sdpa_numba.score.recipe.Recipe`, optional
+        The variants, as given to the forward (:func:`sdpa_numba.score.recipe.recipe`):
+        window and alignment, soft cap, ALiBi, score_mod with its ``score_mod_grad``,
+        mask_mod, block mask. None is plain attention, top-left causal with ``is_causal``;
+        with a recipe, ``is_causal`` still limits the window's right side to 0. Sinks need
+        nothing here (``lse`` includes them); their gradient is
+        ``-sum_i exp(sink - lse_i) · rowsum(dO ∘ O)_i`` (the caller's). Gradients flow
+        through the soft cap and score_mod (by ``score_mod_grad``: without it, score_mod is
+        taken as having slope 1 — the public layer refuses that), not to ALiBi slopes.
 
     Notes
     -----
@@ -489,7 +635,12 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     h_len, s_len = k.shape[1], k.shape[2]
     group = n_heads // h_len if h_len else 1
     drop = as_dropout(dropout)
-    dm = as_dmask(dmask, lse)
+    dm = as_none(dmask)
+    r = as_recipe(recipe, is_causal)
+    # The recipe, the mask and the mask gradient enter the parallel region through a pointer
+    # (see _llvm.stash): a parfor takes no tuple nested in a tuple, nor a function, and
+    # mishandles Optional arguments (None is refused when the function is called).
+    p_args = stash((r, mask, dm))
     n_kb = (s_len + BK - 1) // BK
     groups = key_groups(b_len * h_len, n_kb)
     # With several key groups, each writes its part of dQ apart; they are summed in order.
@@ -511,8 +662,9 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
             kb1 = (g + 1) * n_kb // groups
             # (one call for any mask type: an `if mask is None` branch here would compile
             # both)
-            key_group(q, k, v, mask, is_causal, scale, dout, out, lse, b, kh, group, kb0, kb1,
-                      dq, dq_part, g, dk, dv, drop, dm)
+            r_t, mask_t, dm_t = unstash(p_args)
+            key_group(q, k, v, mask_t, r_t, scale, dout, out, lse, b, kh, group, kb0, kb1,
+                      dq, dq_part, g, dk, dv, drop, dm_t)
             t = next_task(queue, n_tasks)
 
     if groups > 1:
@@ -520,3 +672,4 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
         for t in prange(b_len * n_heads * nqb):
             bh = t // nqb
             _sum_dq(dq_part, scale, dq, bh // n_heads, bh % n_heads, t % nqb)
+    keep_alive((r, mask, dm))

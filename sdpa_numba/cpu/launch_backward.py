@@ -2,11 +2,11 @@
 
 As for the forward (:mod:`.launch`): the problem layer lays the operands out as strided views
 (nothing copied) and splits the batch into launches; every array is passed as an 'A'-layout
-array, one compiled specialization per dtype and mask kind (bool or additive; no mask is an
-empty bool mask, made in one place: :func:`run_backward`), cached on disk. Dropout and the mask
-gradient are runtime arguments of that one specialization (a dropout tuple with
-``inv_keep == 1`` is "off"; an empty ``dmask`` is "not wanted"), so they cost no extra
-compilation.
+array, one compiled specialization per dtype, mask kind (bool or additive) and recipe type,
+cached on disk. "No mask" and "no mask gradient" are None, passed as Numba Optional types:
+no mask shares the bool mask's specialization, and the mask gradient is a run-time choice of
+that one specialization, as is dropout (a dropout tuple with ``inv_keep == 1`` is "off"), so
+they cost no extra compilation.
 
 The kernel writes gradients of the full broadcast shapes in the compute dtype; they are then
 summed over each input's broadcast dims (:func:`sdpa_numba.problem.sum_to`: NumPy's
@@ -14,33 +14,40 @@ deterministic reductions) and cast to the input dtype.
 """
 
 import numpy as np
-from numba import types
+from numba import typeof, types
 
 from .._runtime import compile_entry, kernel_launch
 from ..dropout import NO_DROPOUT
 from ..problem import for_each_launch, operand_views, row_view, sum_to
+from ..score.recipe import DENSE, with_batch_offset
 from .backward import backward
 from .launch import DROPOUT_TYPE, arr, as_strided, kernel_types
 from .storage import storage_view
 
 _entries = {}
-_NO_MASK = np.zeros((0, 0, 0, 0), np.bool_)
+#: The kernels run the plan's recipe (every variant; sdpa_numba.api.check_takes_recipe).
+TAKES_RECIPE = True
 
 
-def signature(dtype, mask_kind):
-    """The backward's Numba signature for a storage dtype and mask kind."""
+def signature(dtype, mask_kind, recipe_type=typeof(DENSE)):
+    """The backward's Numba signature for a storage dtype, mask kind and recipe type (the
+    Numba type of a :class:`~sdpa_numba.score.recipe.Recipe`: every recipe without optional
+    parts, i.e. dense, causal, windowed, bottom-right and soft-capped attention, has one)."""
     st, ct, mask_t = kernel_types(dtype, mask_kind)
+    if mask_kind != "additive":  # None or a bool mask: one specialization
+        mask_t = types.Optional(kernel_types(dtype, "bool")[2])
     ro = arr(st, 4, True)
     return (ro, ro, ro, mask_t, types.boolean, types.float64, ro, ro, arr(ct, 3, True),
             arr(ct, 4, False), arr(ct, 4, False), arr(ct, 4, False), DROPOUT_TYPE,
-            arr(ct, 4, False))
+            types.Optional(arr(ct, 4, False)), recipe_type)
 
 
-def _entry(dtype, mask_kind):
-    """The compiled backward for a storage dtype and mask kind (compiled once, then cached)."""
-    key = (dtype, mask_kind)
+def _entry(dtype, mask_kind, recipe_type=typeof(DENSE)):
+    """The compiled backward for a storage dtype, mask kind and recipe type (compiled once,
+    then cached)."""
+    key = (dtype, mask_kind, recipe_type)
     if key not in _entries:
-        sig = signature(dtype, mask_kind)
+        sig = signature(dtype, mask_kind, recipe_type)
         _entries[key] = compile_entry(backward, sig)
     return _entries[key]
 
@@ -61,18 +68,16 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
     dk = np.empty((*p.batch, p.h, p.S, p.E), ct)
     dv = np.empty((*p.batch, p.h, p.S, p.Ev), ct)
     dmask = np.empty((*full, p.L, p.S), ct) if mask_grad else None
-    no_dmask = np.zeros((0, 0, 0, 0), ct)  # the kernel's "not wanted"
     sv = storage_view
 
     def launch(arrays, drop):
         bq, bk, bv, bm, bdo, bo, bl, bdq, bdk, bdv, bdm = arrays
-        # No mask: the kernel's empty bool mask, so that it shares the bool specialization.
-        entry(sv(bq), sv(bk), sv(bv), _NO_MASK if bm is None else sv(bm), p.is_causal,
-              p.scale, sv(bdo), sv(bo), bl, bdq, bdk, bdv, drop,
-              no_dmask if bdm is None else bdm)
+        entry(sv(bq), sv(bk), sv(bv), None if bm is None else sv(bm), p.is_causal, p.scale,
+              sv(bdo), sv(bo), bl, bdq, bdk, bdv, drop, bdm, with_batch_offset(r, drop[3]))
 
     with kernel_launch():  # first: it refuses what would crash the process
-        entry = _entry(p.dtype, "additive" if p.mask_kind == "additive" else "bool")
+        r = p.recipe
+        entry = _entry(p.dtype, "additive" if p.mask_kind == "additive" else "bool", typeof(r))
         for_each_launch(p.batch, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask],
                         NO_DROPOUT if dropout is None else dropout, launch, as_strided)
 
@@ -81,3 +86,4 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
 
     return (final(dq, query), final(dk, key), final(dv, value),
             None if dmask is None else final(dmask, attn_mask))
+

@@ -234,6 +234,21 @@ def score_slope(r, s, b, h, i, j):
 
 
 @njit(**INLINE)
+def score_and_slope(r, s, b, h, i, j):
+    """``(modified_score(r, s, ...), score_slope(r, s, ...))`` with one tanh: the two values
+    a backward needs per element (the soft cap's tanh is a scalar library call on the CPU,
+    as costly as the rest of the element's work)."""
+    g = cast(1.0, s)
+    if r.softcap > 0:
+        c = cast(r.softcap, s)
+        t = math.tanh(s / c)
+        g = 1 - t * t
+        s = c * t
+    s = alibi_bias(r, s, b, h, i, j)
+    return user_score(r, s, b, h, i, j), g * user_score_grad(r, s, b, h, i, j)
+
+
+@njit(**INLINE)
 def keeps(r, b, h, i, j):
     """Whether key ``j`` takes part in row ``i``'s softmax by the recipe (window, causality,
     mask_mod); the kernels apply the user's ``attn_mask`` themselves."""
