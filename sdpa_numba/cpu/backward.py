@@ -59,8 +59,9 @@ from .options import FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..block_mask import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
-from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, NO_LIMIT, Recipe,
-                            block_state, has_element_mask, key_range, modifies_scores,
+from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL,
+                            block_state, has_element_mask, kernel_recipe, key_range,
+                            modifies_scores,
                             query_range, score_and_slope, user_keeps, window_covers)
 from .storage import load
 from .tasks import next_task, task_queue
@@ -106,29 +107,6 @@ def _as_dropout(dropout):
     if isinstance(dropout, (types.NoneType, types.Omitted)):
         return lambda dropout: (np.uint64(0), np.uint64(0), 1.0, 0)
     return lambda dropout: dropout
-
-
-def as_recipe(recipe, is_causal):
-    """The kernels' recipe: ``recipe`` with ``is_causal`` folded in (right side at most 0), or
-    for None the plain (top-left causal if ``is_causal``) recipe (jitted only)."""
-    raise NotImplementedError("as_recipe is only callable from jitted code")
-
-
-@overload(as_recipe, fastmath=FASTMATH)
-def _as_recipe(recipe, is_causal):
-    if isinstance(recipe, (types.NoneType, types.Omitted)):
-        def plain(recipe, is_causal):
-            right = np.int64(0) if is_causal else np.int64(NO_LIMIT)
-            return Recipe(np.int64(0), np.int64(NO_LIMIT), right, 0.0, np.int64(0), None,
-                          None, None, None, None, (), None)
-        return plain
-
-    def given(recipe, is_causal):
-        r = recipe
-        right = min(r.right, 0) if is_causal else r.right
-        return Recipe(r.offset, r.left, right, r.softcap, r.batch_offset, r.alibi, r.sinks,
-                      r.score_mod, r.mask_mod, r.score_mod_grad, r.mod_args, r.block_mask)
-    return given
 
 
 def has_block_mask(r):
@@ -636,7 +614,7 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     group = n_heads // h_len if h_len else 1
     drop = as_dropout(dropout)
     dm = as_none(dmask)
-    r = as_recipe(recipe, is_causal)
+    r = kernel_recipe(recipe, is_causal)
     # The recipe, the mask and the mask gradient enter the parallel region through a pointer
     # (see _llvm.stash): a parfor takes no tuple nested in a tuple, nor a function, and
     # mishandles Optional arguments (None is refused when the function is called).

@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from ..score.merge import merge_finish, merge_max, merge_weight
 from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add
-from .online_softmax import LOG2E, softmax_row
+from .online_softmax import softmax_row
 from .options import CALLED, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..score.numbers import cast

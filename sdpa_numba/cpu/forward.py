@@ -26,10 +26,10 @@ import math
 
 import numpy as np
 from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
-from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer
+from ._llvm import (data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer,
+                    stash, unstash)
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
@@ -37,10 +37,9 @@ from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
 from ..score.numbers import cast
-from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, NO_LIMIT, Recipe, _absent, alibi_bias,
-                            block_state, fold_sink, has_element_mask, key_range, modifies_scores,
-                            sink_logit,
-                            user_keeps, user_score, window_covers)
+from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, _absent, alibi_bias,
+                            block_state, fold_sink, has_element_mask, kernel_recipe, key_range,
+                            modifies_scores, sink_logit, user_keeps, user_score, window_covers)
 from .storage import is_compute_dtype, load, store
 from .tanh import tanh
 from .tasks import next_task, task_queue
@@ -563,44 +562,6 @@ def _chunk_rows(n_heads, L, e_len, ev, itemsize):
     return chunk
 
 
-def recipe_of(recipe, is_causal):
-    """The kernels' recipe: ``recipe`` with causality folded into its right side, or, for
-    None, the recipe of plain (top-left causal) attention (jitted code only)."""
-    raise NotImplementedError("recipe_of is only callable from jitted code")
-
-
-@overload(recipe_of)
-def _recipe_of(recipe, is_causal):
-    if isinstance(recipe, types.NoneType):
-        return lambda recipe, is_causal: Recipe(
-            np.int64(0), np.int64(NO_LIMIT), np.int64(0) if is_causal else np.int64(NO_LIMIT),
-            0.0, np.int64(0), None, None, None, None, None, (), None)
-    return lambda recipe, is_causal: Recipe(
-        recipe.offset, recipe.left, min(recipe.right, 0) if is_causal else recipe.right,
-        recipe.softcap, recipe.batch_offset, recipe.alibi, recipe.sinks, recipe.score_mod,
-        recipe.mask_mod, recipe.score_mod_grad, recipe.mod_args, recipe.block_mask)
-
-
-@intrinsic
-def _by_address(typingctx, x):
-    """A pointer to a copy of ``x`` on the calling function's stack, typed ``CPointer``.
-
-    The parallel loop's body is compiled as a function of its own whose arguments may be
-    arrays and scalars (tuples of scalars) only: a recipe (a tuple holding arrays, an empty
-    tuple, functions) is refused. Its address is a scalar; the body reads it back with
-    ``p[0]``, which Numba treats as a borrowed reference (the copy lives, with its arrays,
-    until the kernel returns).
-    """
-    sig = types.CPointer(x)(x)
-
-    def codegen(context, builder, signature, args):
-        ptr = cgutils.alloca_once(builder, context.get_value_type(signature.args[0]))
-        builder.store(args[0], ptr)
-        return ptr
-
-    return sig, codegen
-
-
 @njit(parallel=True, **KERNEL)
 def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None):
     """Batched attention forward, parallel over batch x head x query chunk.
@@ -640,7 +601,8 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None
     Storage dtypes are float32, float64, and float16 passed as ``uint16`` views. Any strides.
     Arguments are trusted: the Python API validates them.
     """
-    p_r = _by_address(recipe_of(recipe, is_causal))
+    # The recipe crosses into the parallel loop by address (see _llvm.stash).
+    p_r = stash(kernel_recipe(recipe, is_causal))
     b_len, hq, L, _ = q.shape
     group = hq // k.shape[1]
     chunk = _chunk_rows(b_len * hq, L, q.shape[3], out.shape[3], lse.itemsize)
@@ -651,7 +613,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None
     # are), so that the last tasks taken are the cheapest.
     queue = task_queue()
     for _ in prange(n_tasks):
-        r = p_r[0]
+        r = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
             bh = t // n_chunks
@@ -699,7 +661,7 @@ def forward_head(q, k, v, mask, is_causal, scale, out, lse, recipe=None, b=0, h=
     Runs on the calling thread only, so it can be called from a user's ``prange`` loop over
     heads. Gives bitwise the same rows as :func:`forward`.
     """
-    r = recipe_of(recipe, is_causal)
+    r = kernel_recipe(recipe, is_causal)
     L = q.shape[0]
     rows = _task_rows(q.shape[1], out.shape[1], lse.itemsize)
     for i0 in range(0, L, rows):

@@ -89,6 +89,30 @@ DENSE = recipe()
 CAUSAL = recipe(right=0)
 
 
+def kernel_recipe(recipe, is_causal):
+    """The recipe a kernel runs: ``recipe`` with ``is_causal`` folded into its right side (at
+    most 0), or for None the plain recipe (top-left causal if ``is_causal``), so that the
+    kernels' own API keeps taking ``is_causal`` alone (jitted code only)."""
+    raise NotImplementedError("kernel_recipe is only callable from jitted code")
+
+
+@overload(kernel_recipe, target="generic")
+def _kernel_recipe(recipe, is_causal):
+    if isinstance(recipe, (types.NoneType, types.Omitted)):
+        def plain(recipe, is_causal):
+            right = np.int64(0) if is_causal else np.int64(NO_LIMIT)
+            return Recipe(np.int64(0), np.int64(NO_LIMIT), right, 0.0, np.int64(0), None,
+                          None, None, None, None, (), None)
+        return plain
+
+    def given(recipe, is_causal):
+        r = recipe
+        right = min(r.right, 0) if is_causal else r.right
+        return Recipe(r.offset, r.left, right, r.softcap, r.batch_offset, r.alibi, r.sinks,
+                      r.score_mod, r.mask_mod, r.score_mod_grad, r.mod_args, r.block_mask)
+    return given
+
+
 # --- the window: which keys a row sees; work lists -------------------------------------------
 
 @njit(**INLINE)
