@@ -55,6 +55,12 @@ CUDA_BWD = ["tests/cuda/test_cuda_backward.py"]
 HARD_STRIDES = ["tests/test_hardening_numerics.py", "-k", "strides"]
 HARD_LONG = ["tests/test_hardening_numerics.py", "-k", "long_sequence"]
 GUARD = ["tests/test_guard_pages.py"]
+R = "sdpa_numba/score/recipe.py"
+VAR_WINDOW = ["tests/test_variants.py", "-k", "window"]
+VAR_FWD = ["tests/test_variants.py"]
+VAR_BWD = ["tests/test_variants_backward.py"]
+KV = ["tests/test_kvcache.py"]
+MERGE = ["tests/test_merge.py"]
 
 
 @dataclass(frozen=True)
@@ -171,13 +177,13 @@ MUTANTS = [
       BWD_CAUSAL, "backward causal mask-skip boundary one row late"),
     # --- CUDA (simulator)
     M("cuda_causal_off_by_one", CF,
-      "if j >= nj or (is_causal and j0 + j > i):",
-      "if j >= nj or (is_causal and j0 + j > i + 1):",
-      CUDA_FWD, "CUDA forward: causal lets query i see key i + 1"),
-    M("cuda_keys_seen_short", "sdpa_numba/gpu/tiles.py",
-      "return min(S, i_end) if is_causal else S",
-      "return min(S, i_end - 1) if is_causal else S",
-      CUDA_FWD, "CUDA: causal key blocks stop one key early"),
+      "if test and not keeps(rc, b, h, i, j0 + j):",
+      "if test and not keeps(rc, b, h, i - 1, j0 + j):",
+      CUDA_FWD, "CUDA forward: the per-element window/causal test one row off"),
+    M("cuda_keys_seen_short", CF,
+      "j_begin, j_end = key_range(rc, i0, i_last, S)",
+      "j_begin, j_end = key_range(rc, i0, i_last - 1, S)",
+      CUDA_FWD, "CUDA forward: causal key blocks stop one key early"),
     M("cuda_alpha", "sdpa_numba/gpu/online_softmax.py",
       "return m_new, alpha * l + total, alpha",
       "return m_new, l + total, alpha",
@@ -187,16 +193,16 @@ MUTANTS = [
       "return m + math.log(l) + 1e-4  # NaN",
       CUDA_FWD, "CUDA lse off by 1e-4"),
     M("cuda_mask_block_relative", CF,
-      "s = masked(s, mask, b, h, i, j0 + j, BOOL_MASK, neg_inf)",
-      "s = masked(s, mask, b, h, i, j, BOOL_MASK, neg_inf)",
+      "                        s = masked(s, mask, b, h, i, j0 + j, neg_inf)",
+      "                        s = masked(s, mask, b, h, i, j, neg_inf)",
       CUDA_FWD, "CUDA forward: mask read at the block-relative key column"),
     M("cuda_dropout_row_key", "sdpa_numba/gpu/dropout.py",
       "return numba.uint64(stream_step(numba.uint64(head_key(seed, b, h)), i))",
       "return numba.uint64(stream_step(numba.uint64(head_key(seed, b, h)), i + 1))",
       CUDA_DROP, "CUDA dropout: the next row's bits"),
     M("cuda_bwd_causal_qb0", CB,
-      "qb0 = j0 // BM  # earlier rows",
-      "qb0 = j0 // BM + 1  # earlier rows",
+      "i_begin, i_end = query_range(rc, j0, j0 + nj - 1, L)",
+      "i_begin, i_end = query_range(rc, j0 + 1, j0 + nj - 1, L)",
       CUDA_BWD, "CUDA backward dK/dV: causal skips one query block too many"),
     # The hardening fixes (issue 14), each undone.
     M("byte_strides_rounded", F,
@@ -211,6 +217,40 @@ MUTANTS = [
       "folds = s_len > fold_every * BN",
       "folds = False",
       HARD_LONG, "long sequences: no second level of float32 sums"),
+    # The score seam (issue 15): each variant's formula, once for every kernel.
+    M("window_left_off_by_one", R,
+      "return j >= ii - r.left and j <= ii + r.right",
+      "return j > ii - r.left and j <= ii + r.right",
+      VAR_WINDOW, "window: a row misses the key at exactly i' - left"),
+    M("window_key_range_left", R,
+      "j_begin = max(i_first + r.offset - r.left, 0)",
+      "j_begin = max(i_first + r.offset - r.left + 1, 0)",
+      VAR_WINDOW, "window work list: the first visible key block starts one key late"),
+    M("bottom_right_offset", "sdpa_numba/problem/variants.py",
+      'offset = S - L if alignment == "bottom_right" else 0',
+      'offset = S - L - 1 if alignment == "bottom_right" else 0',
+      VAR_WINDOW, "bottom-right alignment one key short"),
+    M("alibi_sign", R,
+      "return lambda r, s, b, h, i, j: s - cast(",
+      "return lambda r, s, b, h, i, j: s + cast(",
+      VAR_FWD, "ALiBi adds the distance penalty instead of subtracting it"),
+    M("sink_not_in_denominator", R,
+      "return m_new, alpha * l + math.exp(sink - m_new), alpha",
+      "return m_new, alpha * l, alpha",
+      VAR_FWD, "sinks: the sink's exp is left out of the row's sum"),
+    M("softcap_slope_sign", R,
+      "g = 1 - t * t",
+      "g = 1 + t * t",
+      VAR_BWD, "soft cap backward: the derivative of tanh with the wrong sign"),
+    # Serving: the decode kernel's causal alignment and the merge's weights.
+    M("decode_causal_off_by_one", "sdpa_numba/cpu/decode.py",
+      "last = kv_len - lq + r % lq",
+      "last = kv_len - lq + r % lq + 1",
+      KV, "decode: token t sees one key past its own position"),
+    M("merge_weight_unshifted", "sdpa_numba/score/merge.py",
+      "    return math.exp(lse - m)\n",
+      "    return math.exp(lse - m) * (1.0 + (lse != m))\n",
+      MERGE, "merge: the smaller part's weight doubled"),
 ]
 
 
