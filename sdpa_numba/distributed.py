@@ -31,6 +31,13 @@ zhuzilin/ring-flash-attention). Only keys, values and their gradients travel; sc
   ``allgather``) before anything is computed; after every ring step the ranks exchange an
   error flag, so that an exception on one rank (bad input, a failing kernel) is raised on every
   rank instead of leaving the others waiting for a message that never comes.
+* Variants. ``window``, ``alignment``, ``is_causal`` and ``alibi_slopes`` act on the global
+  positions: each dense call runs with the recipe offset ``qs - ks + offset`` (its first
+  query row's and first key's global positions, and the whole sequence's alignment offset),
+  so that ``i' - j`` is the global one; ``softcap`` is local to each score; ``sinks`` join each
+  row once, after the last step. Work a window leaves empty is skipped (the shards still
+  travel). ``score_mod``/``mask_mod``/``block_mask`` are refused (they see one call's
+  positions); so is a dense ``attn_mask``.
 * CUDA arrays are not supported yet (NotImplementedError): a CUDA-aware MPI could send device
   buffers directly, see docs/distributed.md.
 
