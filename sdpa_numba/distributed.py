@@ -31,6 +31,13 @@ zhuzilin/ring-flash-attention). Only keys, values and their gradients travel; sc
   ``allgather``) before anything is computed; after every ring step the ranks exchange an
   error flag, so that an exception on one rank (bad input, a failing kernel) is raised on every
   rank instead of leaving the others waiting for a message that never comes.
+* Variants. ``window``, ``alignment``, ``is_causal`` and ``alibi_slopes`` act on the global
+  positions: each dense call runs with the recipe offset ``qs - ks + offset`` (its first
+  query row's and first key's global positions, and the whole sequence's alignment offset),
+  so that ``i' - j`` is the global one; ``softcap`` is local to each score; ``sinks`` join each
+  row once, after the last step. Work a window leaves empty is skipped (the shards still
+  travel). ``score_mod``/``mask_mod``/``block_mask`` are refused (they see one call's
+  positions); so is a dense ``attn_mask``.
 * CUDA arrays are not supported yet (NotImplementedError): a CUDA-aware MPI could send device
   buffers directly, see docs/distributed.md.
 
@@ -39,16 +46,18 @@ mpi4py is imported when a function here is called, not when this module is impor
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import numbers
 from typing import Any
 
 import numpy as np
 
-from .api import scaled_dot_product_attention
-from .backward import scaled_dot_product_attention_backward
 from .merge import merge_attention_states
 from .problem import compute_dtype
 from .problem.arguments import check_flag
+from .problem.variants import sinks_grad
+from .score.recipe import NO_LIMIT
 
 __all__ = ["ring_attention", "ring_attention_backward", "shard", "unshard", "shard_rows",
            "LAYOUTS"]
@@ -56,11 +65,13 @@ __all__ = ["ring_attention", "ring_attention_backward", "shard", "unshard", "sha
 #: The sharding layouts along the sequence axis.
 LAYOUTS = ("contiguous", "zigzag")
 
-#: The attention variants of the dense API that ring attention does not shard yet; each is
-#: accepted only at its "off" value (None, or top-left alignment).
-_VARIANTS = {"window": None, "alignment": "top_left", "softcap": None, "alibi_slopes": None,
-             "sinks": None, "score_mod": None, "mask_mod": None, "mod_args": None,
-             "score_mod_grad": None}
+#: The attention variants of the dense API that ring attention shards (validated as the
+#: dense functions do, with the same keywords and defaults).
+_SHARDED = ("window", "alignment", "softcap", "alibi_slopes", "sinks")
+
+#: The variants it refuses unless off: the user's functions see the positions of one dense
+#: call, and a block mask is laid out for the whole (L, S) problem.
+_REFUSED = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "block_mask")
 
 # Message tags (on a private duplicate of the caller's communicator).
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 11, 12, 13, 14
@@ -256,24 +267,28 @@ class _Collective:
 
 
 def _check_variants(attn_mask, dropout_p, variants):
-    unknown = sorted(set(variants) - set(_VARIANTS))
+    unknown = sorted(set(variants) - set(_SHARDED) - set(_REFUSED))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}")
     if attn_mask is not None:
         raise ValueError("ring attention takes no dense attn_mask: an (L, S) mask cannot be "
-                         "sharded along with the keys; use is_causal (windows, ALiBi, softcap "
-                         "and sinks will come as keyword arguments)")
+                         "sharded along with the keys; use is_causal, window, alignment, "
+                         "alibi_slopes, softcap or sinks, which depend on positions only")
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real) \
             or dropout_p != 0:
         raise NotImplementedError(f"ring attention has no dropout yet (dropout_p={dropout_p!r}):"
                                   f" pass dropout_p=0")
-    used = sorted(name for name, value in variants.items()
-                  if value is not None and not (isinstance(value, str)
-                                                and value == _VARIANTS[name]))
+    used = [name for name in _REFUSED if variants.get(name) is not None
+            and not (name == "mod_args" and isinstance(variants[name], (tuple, list))
+                     and len(variants[name]) == 0)]
     if used:
-        raise NotImplementedError(f"ring attention does not support the variant(s) "
-                                  f"{', '.join(used)} yet: only causal and non-causal attention "
-                                  f"(with GQA) are sharded")
+        raise NotImplementedError(
+            f"ring attention does not shard {', '.join(used)}: a score_mod or mask_mod is "
+            f"called with the positions i, j of one dense call (not the global ones), and a "
+            f"block_mask covers the whole (L, S) problem; the variants that depend on global "
+            f"positions only (is_causal, window, alignment, alibi_slopes) and softcap and "
+            f"sinks are sharded")
+    return {name: variants[name] for name in _SHARDED if name in variants}
 
 
 def _is_host_array(x):
@@ -293,15 +308,18 @@ def _check_arrays(named):
             raise ValueError(f"{name} must have at least {least} dims, got shape {x.shape}")
 
 
-def _check_local(q, k, is_causal, layout):
+def _check_local(q, k, layout):
     L, S = q.shape[-2], k.shape[-2]
-    if is_causal and L != S:
-        raise ValueError(f"causal ring attention needs query and key shards of the same "
-                         f"length (the global positions must line up): query {q.shape}, "
-                         f"key {k.shape}")
     if layout == "zigzag" and (L % 2 or S % 2):
         raise ValueError(f"the zigzag layout needs shards of even length (two equal chunks "
                          f"each): query {q.shape}, key {k.shape}")
+
+
+def _digest(a):
+    """A small array (ALiBi slopes, sinks) as something the ranks can compare."""
+    if a is None:
+        return None
+    return (a.shape, hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16])
 
 
 def _signature(arrays, **flags):
@@ -323,33 +341,171 @@ def _compare(coll, sig, names):
 
 # ------------------------------------------------------------------------------------------
 # The work of one ring step.
+#
+# Every position-dependent variant (causality, the window, ALiBi) is a function of the global
+# aligned row i' = gi + goff and the global key gj (goff = S - L for bottom-right alignment
+# over the WHOLE sequence, else 0). A dense call on query rows starting at global row qs and
+# keys starting at global key ks sees local rows i = gi - qs and keys j = gj - ks, so it runs
+# the same variants with the recipe's offset qs - ks + goff: i + offset - j = gi' - gj.
+# Causality is the window's right side 0 (folded in by the plan), so one mechanism serves all.
 
-def _blocks(layout, is_causal, n_q, n_k, rank, src):
-    """What rank ``rank``'s queries do against the key/value shard of rank ``src``: a list
-    of ``(query rows, key rows, causal)`` (slices of the local shards), possibly empty.
-
-    Both layouts cut the sequence into chunks of equal length aligned for queries and keys,
-    so each (query chunk, key chunk) pair is wholly visible (earlier keys), causal on the
-    diagonal (top-left aligned, as the dense kernels' ``is_causal``), or wholly masked.
-    """
-    full_q, full_k = slice(0, n_q), slice(0, n_k)
-    if not is_causal:
-        return [(full_q, full_k, False)]
-    if src == rank:  # the diagonal: local causal is global causal in both layouts
-        return [(full_q, full_k, True)]
+def _chunks(layout, n, size, rank):
+    """The chunks of rank ``rank``'s shard: ``(local start, local stop, global start)``; one
+    for "contiguous", two for "zigzag" (chunks ``rank`` and ``2 size - 1 - rank``)."""
     if layout == "contiguous":
-        return [(full_q, full_k, False)] if src < rank else []
-    c = n_q // 2  # zigzag: chunks (rank, 2P-1-rank) against (src, 2P-1-src)
-    if src < rank:  # both query chunks see the first key chunk, neither sees the second
-        return [(full_q, slice(0, c), False)]
-    # src > rank: only the second query chunk (2P-1-rank) sees keys, and it sees both chunks
-    return [(slice(c, n_q), full_k, False)]
+        return [(0, n, rank * n)]
+    c = n // 2
+    return [(0, c, rank * c), (c, n, (2 * size - 1 - rank) * c)]
+
+
+def _classify(nq, nk, offset, left, right):
+    """"empty", "full" or "partial": which of the ``nq x nk`` (row, key) pairs of a dense call
+    with this offset and window are seen (the window's rows are intervals that slide with
+    the row, so the keys seen by any row form one interval)."""
+    if nq <= 0 or nk <= 0:
+        return "empty"
+    if max(offset - left, 0) >= min(nq + offset + right, nk):
+        return "empty"
+    if nq - 1 + offset - left <= 0 and nk - 1 <= offset + right:
+        return "full"
+    return "partial"
+
+
+def _work(layout, n_q, n_k, size, rank, src, goff, left, right, alibi):
+    """What rank ``rank``'s queries do against the key/value shard of rank ``src``: a list of
+    ``(query rows, key rows, offset, left, right)`` (slices of the local shards and the
+    recipe's window in the frame of that dense call), possibly empty.
+
+    ``goff``: the global alignment offset; ``left``/``right``: the window (causality folded
+    in; ``NO_LIMIT`` for unlimited); ``alibi``: whether the scores depend on ``|i' - j|``.
+    Without a window or ALiBi the whole shard pair is one call. Otherwise the shard pair is one
+    call when a single offset gives every chunk pair the right keys (e.g. the zigzag diagonal
+    under causality: local causal is global causal there); else each chunk pair is trimmed to
+    the rows that see a key and the keys that a row sees, empty ones are skipped, and wholly
+    visible ones next to each other are joined (without ALiBi they need no offset).
+    """
+    whole = (slice(0, n_q), slice(0, n_k))
+    if not alibi and left >= NO_LIMIT and right >= NO_LIMIT:
+        return [(*whole, 0, NO_LIMIT, NO_LIMIT)]
+    qch, kch = _chunks(layout, n_q, size, rank), _chunks(layout, n_k, size, src)
+    o_one = qch[0][2] - kch[0][2] + goff  # the whole-shard call's offset (both start at 0)
+    one = True
+    for qa, qb, gq in qch:
+        for ka, kb, gk in kch:
+            o, o_call = gq - gk + goff, o_one + qa - ka
+            if o == o_call:
+                continue
+            state = _classify(qb - qa, kb - ka, o, left, right)
+            if alibi or state == "partial" or \
+                    state != _classify(qb - qa, kb - ka, o_call, left, right):
+                one = False
+    if one:
+        if _classify(n_q, n_k, o_one, left, right) == "empty":
+            return []
+        return [(*whole, o_one, left, right)]
+    items = []
+    for qa, qb, gq in qch:
+        for ka, kb, gk in kch:
+            o, nq, nk = gq - gk + goff, qb - qa, kb - ka
+            # Rows that see a key: i + o - left <= nk - 1 and i + o + right >= 0.
+            i0, i1 = max(-o - right, 0), min(nk - 1 - o + left, nq - 1)
+            if i0 > i1:
+                continue
+            j0, j1 = max(i0 + o - left, 0), min(i1 + o + right, nk - 1)
+            if j0 > j1:
+                continue
+            o2 = o + i0 - j0
+            rows, keys = slice(qa + i0, qa + i1 + 1), slice(ka + j0, ka + j1 + 1)
+            if not alibi and _classify(i1 - i0 + 1, j1 - j0 + 1, o2, left, right) == "full":
+                items.append((rows, keys, 0, NO_LIMIT, NO_LIMIT))
+            else:
+                items.append((rows, keys, o2, left, right))
+    return items if alibi else _join(items)
+
+
+def _join(items):
+    """Join wholly visible items (no window, no offset) that share their keys and have
+    adjacent rows, or share their rows and have adjacent keys: fewer, larger dense calls.
+    Without ALiBi only: with it, every call needs its true offset."""
+    def free(it):
+        return it[3] >= NO_LIMIT and it[4] >= NO_LIMIT
+
+    joined = True
+    while joined:
+        joined = False
+        for a in range(len(items)):
+            for b in range(len(items)):
+                x, y = items[a], items[b]
+                if a == b or not (free(x) and free(y)):
+                    continue
+                if x[1] == y[1] and x[0].stop == y[0].start:
+                    new = (slice(x[0].start, y[0].stop), x[1], 0, NO_LIMIT, NO_LIMIT)
+                elif x[0] == y[0] and x[1].stop == y[1].start:
+                    new = (x[0], slice(x[1].start, y[1].stop), 0, NO_LIMIT, NO_LIMIT)
+                else:
+                    continue
+                items = [it for n, it in enumerate(items) if n not in (a, b)]
+                items.insert(min(a, b), new)
+                joined = True
+                break
+            if joined:
+                break
+    return items
 
 
 def _rows(x, s, axis=-2):
     index = [slice(None)] * x.ndim
     index[axis] = s
     return x[tuple(index)]
+
+
+def _block_plan(q, k, v, ring, offset, left, right):
+    """The plan of one dense call: the ring's scale, GQA, soft cap and ALiBi, with the
+    call's offset and window in its recipe (sinks are folded in once per row, by the ring)."""
+    from .problem import plan
+
+    p = plan(q, k, v, None, False, ring.scale, ring.enable_gqa)
+    r = ring.recipe._replace(offset=np.int64(offset), left=np.int64(left),
+                             right=np.int64(right))
+    return dataclasses.replace(p, recipe=r)
+
+
+def _attend(q, k, v, ring, offset, left, right):
+    """``(out, lse)`` of one dense call (the CPU launcher, with the ring's recipe)."""
+    from .cpu import launch
+
+    return launch.run(_block_plan(q, k, v, ring, offset, left, right), q, k, v, None, None)
+
+
+def _attend_backward(grad_out, q, k, v, out, lse, ring, offset, left, right):
+    """``(dq, dk, dv)`` of one dense call, from the GLOBAL ``out`` and ``lse`` rows."""
+    from .cpu import launch_backward
+
+    p = _block_plan(q, k, v, ring, offset, left, right)
+    return launch_backward.run_backward(p, grad_out, q, k, v, None, out, lse, None, False)[:3]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The validated call: what every ring step needs."""
+
+    scale: float
+    enable_gqa: bool
+    layout: str
+    recipe: Any       # the dense calls' recipe: soft cap, ALiBi; no sinks (offset/window per call)
+    goff: int         # the global alignment offset (S - L over the whole sequence, or 0)
+    left: int         # the window, causality folded in (NO_LIMIT: unlimited)
+    right: int
+    sinks: Any        # the plan's recipe with the sinks (None without)
+    hq: int
+    batch: tuple
+    L: int
+    out_shape: tuple  # this rank's output shard
+    dtype: Any
+
+    def work(self, n_q, n_k, size, rank, src):
+        return _work(self.layout, n_q, n_k, size, rank, src, self.goff, self.left,
+                     self.right, self.recipe.alibi is not None)
 
 
 class _Exchange:
@@ -373,10 +529,11 @@ class _Exchange:
 
 def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask, dropout_p,
              variants, extra=None):
-    """The local and the collective checks; every rank raises if one fails."""
+    """The local and the collective checks; every rank raises if one fails. Returns the
+    validated call as a :class:`_Ring`."""
     error = None
     try:
-        _check_variants(attn_mask, dropout_p, variants)
+        sharded = _check_variants(attn_mask, dropout_p, variants)
         _check_layout(layout)
         is_causal = check_flag("is_causal", is_causal)
         enable_gqa = check_flag("enable_gqa", enable_gqa)
@@ -384,17 +541,28 @@ def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mas
         if extra is not None:
             extra()
         q, k = arrays[names.index("query")], arrays[names.index("key")]
-        _check_local(q, k, is_causal, layout)
+        _check_local(q, k, layout)
         from .problem import plan
 
-        p = plan(q, k, arrays[names.index("value")], None, is_causal, scale, enable_gqa)
+        # The dense functions' checks of the shards and of the variants (its recipe's offset
+        # is the shards' S - L; the whole sequence's is size times that).
+        p = plan(q, k, arrays[names.index("value")], None, is_causal, scale, enable_gqa,
+                 **sharded)
+        r = p.recipe
+        ring = _Ring(scale=p.scale, enable_gqa=enable_gqa, layout=layout,
+                     recipe=r._replace(sinks=None, offset=np.int64(0)),
+                     goff=coll.size * int(r.offset), left=int(r.left), right=int(r.right),
+                     sinks=None if r.sinks is None else r, hq=p.hq, batch=p.batch, L=p.L,
+                     out_shape=p.out_shape, dtype=p.dtype)
     except Exception as e:  # every rank must hear of it before anyone communicates
         error = e
     coll.agree(error, "before the first step (bad input)")
-    sig = _signature(arrays, is_causal=is_causal, scale=p.scale, enable_gqa=enable_gqa,
-                     layout=layout)
+    sig = _signature(arrays, is_causal=is_causal, scale=ring.scale, enable_gqa=enable_gqa,
+                     layout=layout, window=(ring.left, ring.right), offset=ring.goff,
+                     softcap=float(r.softcap), alibi_slopes=_digest(r.alibi),
+                     sinks=_digest(r.sinks))
     _compare(coll, sig, names)
-    return p, is_causal, enable_gqa
+    return ring
 
 
 def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool = False,
@@ -417,8 +585,8 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     comm : mpi4py.MPI.Intracomm, keyword-only, optional
         Default ``MPI.COMM_WORLD``. A communicator of size 1 computes plain attention.
     is_causal : bool, keyword-only
-        Causal over the global positions (query ``i`` sees keys ``j <= i``); needs
-        ``S_local == L_local``.
+        Causal over the global positions (query ``i`` sees keys ``j <= i'``, ``i'`` the
+        global row in the aligned frame, see ``alignment``).
     scale : float, keyword-only, optional
         Default ``1 / sqrt(E)``.
     enable_gqa : bool, keyword-only
@@ -428,20 +596,23 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
         even shard lengths and balances the causal work.
     return_lse : bool, keyword-only
         Also return the log-sum-exp of each query row over the whole sequence.
-    attn_mask, dropout_p, **variants
+    attn_mask, dropout_p
         A dense ``attn_mask`` is refused (ValueError): it cannot be sharded with the keys.
-        ``dropout_p`` must be 0 and the dense API's variants (``window``, ``alignment``,
-        ``softcap``, ``alibi_slopes``, ``sinks``, ``score_mod``, ``mask_mod``, ``mod_args``,
-        ``score_mod_grad``) are accepted only when off (None, ``alignment="top_left"``);
-        otherwise NotImplementedError names them.
+        ``dropout_p`` must be 0 (NotImplementedError otherwise).
+    **variants
+        ``window``, ``alignment``, ``softcap``, ``alibi_slopes`` and ``sinks``, with the dense
+        function's meaning over the WHOLE sequence (global positions ``i`` and ``j``; for
+        ``alignment="bottom_right"``, ``i' = i + S - L`` with the whole lengths). ALiBi slopes
+        and sinks must be the same on every rank. ``score_mod``, ``mask_mod``, ``mod_args``,
+        ``score_mod_grad`` and ``block_mask`` are refused (NotImplementedError) unless off.
 
     Returns
     -------
     out : ndarray, shape (..., Hq, L_local, Ev)
         This rank's shard of the output, the inputs' dtype.
     lse : ndarray, shape (..., Hq, L_local), only with ``return_lse=True``
-        In the compute dtype (float32, or float64 for float64 inputs); pass it with ``out``
-        to :func:`ring_attention_backward`.
+        In the compute dtype (float32, or float64 for float64 inputs), the sinks included;
+        pass it with ``out`` to :func:`ring_attention_backward`.
 
     Raises
     ------
@@ -454,22 +625,37 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     Notes
     -----
     The key/value shard for the next step is sent (``Isend``/``Irecv`` to the ring's
-    neighbours) before the current step is computed. Memory: two key/value shards and one
-    partial output beyond the result. Bitwise reproducible for a given number of ranks and
-    any thread count.
+    neighbours) before the current step is computed. A step whose keys no query of this
+    rank sees (causality, a window narrower than a shard) computes nothing, but the shard is
+    still passed on. Sinks join each row once, after the last step (a part with no value and
+    ``lse = sink``). Memory: two key/value shards and one partial output beyond the result.
+    Bitwise reproducible for a given number of ranks and any thread count.
     """
     comm = _comm(comm)
     coll = _Collective(comm)
     try:
-        p, is_causal, enable_gqa = _prepare(
+        ring = _prepare(
             coll, [q, k, v], ["query", "key", "value"], is_causal, scale, enable_gqa, layout,
             attn_mask, dropout_p, variants, extra=lambda: check_flag("return_lse", return_lse))
-        return _forward(coll, q, k, v, p, is_causal, enable_gqa, layout, bool(return_lse))
+        return _forward(coll, q, k, v, ring, bool(return_lse))
     finally:
         coll.free()
 
 
-def _forward(coll, q, k, v, p, is_causal, enable_gqa, layout, return_lse):
+def _sink_part(ring, out, lse):
+    """The sinks as one more part to merge: ``out`` 0, ``lse`` the head's sink."""
+    s = ring.sinks.sinks.reshape(ring.hq, 1)
+    sink_lse = np.broadcast_to(s, (*ring.batch, ring.hq, ring.L)).reshape(lse.shape)
+    return np.zeros_like(out), np.ascontiguousarray(sink_lse, dtype=lse.dtype)
+
+
+def _nothing_seen(ring):
+    """The result of rows that saw no key: ``out`` 0, ``lse`` -inf (as the dense API)."""
+    return (np.zeros(ring.out_shape, ring.dtype),
+            np.full(ring.out_shape[:-1], -np.inf, compute_dtype(ring.dtype)))
+
+
+def _forward(coll, q, k, v, ring, return_lse):
     P, rank = coll.size, coll.rank
     n_q, n_k = q.shape[-2], k.shape[-2]
     # Two key/value buffers: the one being computed (and sent on) and the one being received.
@@ -481,18 +667,25 @@ def _forward(coll, q, k, v, p, is_causal, enable_gqa, layout, return_lse):
         exchange = _Exchange(coll, cur, nxt, (_TAG_K, _TAG_V)) if t < P - 1 else None
         error = None
         try:
-            for qs, ks, causal in _blocks(layout, is_causal, n_q, n_k, rank, src):
-                o, l_ = scaled_dot_product_attention(
-                    _rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks), is_causal=causal,
-                    scale=p.scale, enable_gqa=enable_gqa, return_lse=True)
-                if out is None:  # step 0 (the diagonal) always covers every query row
+            for qs, ks, offset, left, right in ring.work(n_q, n_k, P, rank, src):
+                o, l_ = _attend(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks), ring,
+                                offset, left, right)
+                if out is None and qs == slice(0, n_q):
                     out, lse = o, l_
-                elif qs == slice(0, n_q):
+                    continue
+                if out is None:  # no call so far covered every row: start from "no key"
+                    out, lse = _nothing_seen(ring)
+                if qs == slice(0, n_q):
                     out, lse = merge_attention_states(out, lse, o, l_)
                 else:
                     o2, l2 = merge_attention_states(_rows(out, qs), _rows(lse, qs, -1), o, l_)
                     _rows(out, qs)[...] = o2
                     _rows(lse, qs, -1)[...] = l2
+            if t == P - 1:
+                if out is None:  # no row of this rank sees any key (a narrow window)
+                    out, lse = _nothing_seen(ring)
+                if ring.sinks is not None:
+                    out, lse = merge_attention_states(out, lse, *_sink_part(ring, out, lse))
         except Exception as e:  # finish the step's messages, then tell every rank
             error = e
         if exchange is not None:
@@ -527,6 +720,11 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
     -------
     grad_q, grad_k, grad_v : ndarray
         The gradients of this rank's ``q``, ``k`` and ``v`` shards, their shapes and dtype.
+    grad_sinks : ndarray, only with ``sinks``
+        The whole gradient of the sinks (the same on every rank), shape ``(Hq,)``, the sinks'
+        dtype: ``-sum exp(sink - lse) rowsum(grad_out * out)`` over every rank's rows, the
+        ranks' sums added in rank order. The soft cap's gradient is analytic; ALiBi slopes
+        get none, as in the dense backward.
 
     Raises
     ------
@@ -559,15 +757,15 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
                                  f"{tuple(x.shape)} {x.dtype}")
 
     try:
-        p, is_causal, enable_gqa = _prepare(
+        ring = _prepare(
             coll, [q, k, v, grad_out, out, lse], names, is_causal, scale, enable_gqa, layout,
             attn_mask, dropout_p, variants, extra=check_like)
-        return _backward(coll, grad_out, q, k, v, out, lse, p, is_causal, enable_gqa, layout)
+        return _backward(coll, grad_out, q, k, v, out, lse, ring, variants.get("sinks"))
     finally:
         coll.free()
 
 
-def _backward(coll, grad_out, q, k, v, out, lse, p, is_causal, enable_gqa, layout):
+def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
     P, rank = coll.size, coll.rank
     n_q, n_k = q.shape[-2], k.shape[-2]
     ct = compute_dtype(q.dtype)
@@ -584,11 +782,10 @@ def _backward(coll, grad_out, q, k, v, out, lse, p, is_causal, enable_gqa, layou
         error = None
         parts = []
         try:
-            for qs, ks, causal in _blocks(layout, is_causal, n_q, n_k, rank, src):
-                dq_p, dk_p, dv_p = scaled_dot_product_attention_backward(
+            for qs, ks, offset, left, right in ring.work(n_q, n_k, P, rank, src):
+                dq_p, dk_p, dv_p = _attend_backward(
                     _rows(grad_out, qs), _rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
-                    _rows(out, qs), _rows(lse, qs, -1), is_causal=causal, scale=p.scale,
-                    enable_gqa=enable_gqa)
+                    _rows(out, qs), _rows(lse, qs, -1), ring, offset, left, right)
                 parts.append((qs, ks, dq_p, dk_p, dv_p))
         except Exception as e:
             error = e
@@ -615,4 +812,18 @@ def _backward(coll, grad_out, q, k, v, out, lse, p, is_causal, enable_gqa, layou
         cur, nxt = nxt, cur
     if P > 1:
         acc = acc_next  # our own shard's gradients, home after P hops
-    return dq.astype(q.dtype), acc[0].astype(k.dtype), acc[1].astype(v.dtype)
+    grads = (dq.astype(q.dtype), acc[0].astype(k.dtype), acc[1].astype(v.dtype))
+    if ring.sinks is None:
+        return grads
+    # d sinks: each rank's rows (global out and lse, sinks included), summed over the ranks
+    # in rank order (deterministic), in float64.
+    error = part = None
+    try:
+        part = sinks_grad(ring.sinks, grad_out, out, lse)
+    except Exception as e:
+        error = e
+    coll.agree(error, "computing the sinks' gradient")
+    dsinks = np.zeros_like(part)
+    for x in coll.comm.allgather(part):
+        dsinks += x
+    return (*grads, dsinks.astype(np.asarray(sinks).dtype))

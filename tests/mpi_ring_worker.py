@@ -34,18 +34,33 @@ CASES = [
     ("f32-noncausal-zigzag-gqa", "float32", False, "zigzag", (1, 6), 2, (1,), 10, 6, 8),
     ("f32-causal-contiguous-gqa", "float32", True, "contiguous", (1, 4), 1, (1,), 7, 7, 8),
     ("f16-causal-zigzag", "float16", True, "zigzag", (1, 2), 2, (1,), 10, 10, 8),
+    # The variants (float64), over global positions: a causal window narrower than a zigzag
+    # chunk (whole ring steps skipped at 3 and 4 ranks) with a soft cap and sinks (one head
+    # without: -inf); ALiBi with a window and bottom-right causality over L != S; a
+    # top-left window over L > S (the last rows see no key: out 0, lse -inf), per-batch
+    # ALiBi slopes and sinks, zigzag.
+    ("f64-var-causal-zigzag-window-softcap-sinks", "float64", True, "zigzag", (1, 4), 2,
+     (1,), 6, 6, 6, {"window": (2, None), "softcap": 2.0, "sinks": "sinks"}),
+    ("f64-var-causal-contiguous-alibi-bottomright", "float64", True, "contiguous", (2, 3), 3,
+     (2,), 5, 7, 6, {"window": (4, 1), "alignment": "bottom_right", "alibi_slopes": (3,)}),
+    ("f64-var-zigzag-window-alibi-sinks-L>S", "float64", False, "zigzag", (2, 2), 2, (1,),
+     8, 4, 4, {"window": (1, 0), "alibi_slopes": (2, 2), "sinks": "sinks"}),
 ]
 E = 8
 
 
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape or not np.array_equal(np.isfinite(a), np.isfinite(b)):
+        return float("inf")
+    same = a == b  # equal infinities (lse of rows that see no key) count as no error
+    a, b = np.where(same, 0.0, a), np.where(same, 0.0, b)
     den = np.linalg.norm(b)
     return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
 
 
 def inputs(case):
-    name, dt, causal, layout, qlead, h, kvbatch, n_q, n_k, ev = case
+    name, dt, causal, layout, qlead, h, kvbatch, n_q, n_k, ev = case[:10]
     rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same on every rank
     L, S = P * n_q, P * n_k
     if h is None:  # 2-D inputs (L, E)
@@ -56,45 +71,60 @@ def inputs(case):
     q = rng.standard_normal(qs).astype(dt)
     k = rng.standard_normal(ks).astype(dt)
     v = rng.standard_normal(vs).astype(dt)
-    return q, k, v, rng
+    variants = {}
+    for key, value in (case[10] if len(case) > 10 else {}).items():
+        if key == "alibi_slopes":
+            value = rng.uniform(0.1, 0.8, value)
+        elif key == "sinks":
+            value = rng.standard_normal(q.shape[-3])
+            value[0] = -np.inf
+        variants[key] = value
+    return q, k, v, rng, variants
 
 
 def run_case(case):
-    name, dt, causal, layout, qlead, h, kvbatch, n_q, n_k, ev = case
-    q, k, v, rng = inputs(case)
+    name, dt, causal, layout, qlead, h, kvbatch, n_q, n_k, ev = case[:10]
+    q, k, v, rng, variants = inputs(case)
     gqa = h is not None and qlead[-1] != h
     ref_out, ref_lse = sdpa_numba.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, enable_gqa=gqa, return_lse=True)
+        q, k, v, is_causal=causal, enable_gqa=gqa, return_lse=True, **variants)
     g = rng.standard_normal(ref_out.shape).astype(dt)
     ref_grads = sdpa_numba.scaled_dot_product_attention_backward(
-        g, q, k, v, ref_out, ref_lse, is_causal=causal, enable_gqa=gqa)
+        g, q, k, v, ref_out, ref_lse, is_causal=causal, enable_gqa=gqa, **variants)
 
     ql, kl, vl, gl = (shard(x, comm, layout) for x in (q, k, v, g))
     kl_before = kl.copy()
     out, lse = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa,
-                              return_lse=True)
+                              return_lse=True, **variants)
     # Run twice: bitwise the same (fixed merge and accumulation orders).
-    again = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa)
+    again = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa,
+                           **variants)
     grads = ring_attention_backward(gl, ql, kl, vl, out, lse, is_causal=causal,
-                                    layout=layout, enable_gqa=gqa)
+                                    layout=layout, enable_gqa=gqa, **variants)
     grads_again = ring_attention_backward(gl, ql, kl, vl, out, lse, is_causal=causal,
-                                          layout=layout, enable_gqa=gqa)
+                                          layout=layout, enable_gqa=gqa, **variants)
     full = {"out": unshard(out, comm, layout), "lse": unshard(lse, comm, layout, axis=-1),
             "dq": unshard(grads[0], comm, layout), "dk": unshard(grads[1], comm, layout),
             "dv": unshard(grads[2], comm, layout)}
     ref = {"out": ref_out, "lse": ref_lse, "dq": ref_grads[0], "dk": ref_grads[1],
            "dv": ref_grads[2]}
+    if "sinks" in variants:  # the whole gradient of the sinks, on every rank
+        full["dsinks"], ref["dsinks"] = grads[3], ref_grads[3]
+        same = comm.allgather(grads[3].tobytes())
+        full["dsinks_same_on_every_rank"] = all(x == same[0] for x in same)
     local_ok = {
         "bitwise_repeat_forward": bool(np.array_equal(out, again)),
         "bitwise_repeat_backward": all(np.array_equal(a, b) for a, b in zip(grads, grads_again)),
         "inputs_unchanged": bool(np.array_equal(kl, kl_before)),
         "dtypes": [str(out.dtype), str(lse.dtype), *(str(x.dtype) for x in grads)],
-        "finite": bool(all(np.isfinite(x).all() for x in (out, lse, *grads))),
+        "finite": bool(all(np.isfinite(x).all() for x in (out, *grads))
+                       and not np.isnan(lse).any() and not (lse == np.inf).any()),
     }
     oks = comm.gather(local_ok, root=0)
     if rank:
         return None
-    report = {key: rel(full[key], ref[key]) for key in full}
+    report = {key: rel(full[key], ref[key]) for key in ref}
+    report["dsinks_same_on_every_rank"] = full.pop("dsinks_same_on_every_rank", None)
     # The bits of every gathered result, to compare runs with other thread counts.
     report["sha256"] = hashlib.sha256(b"".join(full[key].tobytes() for key in sorted(full)))\
         .hexdigest()
@@ -132,11 +162,13 @@ def error_cases():
         lambda: ring_attention(q if rank else q.astype(np.float32), k, v))
     errors["bad_flag_on_one_rank"] = expect_error(
         lambda: ring_attention(q, k, v, return_lse="yes" if rank == 0 else True))
-    errors["causal_lengths"] = expect_error(
-        lambda: ring_attention(q, k[:, :4], v[:, :4], is_causal=True))
+    errors["score_mod"] = expect_error(
+        lambda: ring_attention(q, k, v, score_mod=lambda s, b, h, i, j: s))
+    errors["bad_window"] = expect_error(lambda: ring_attention(q, k, v, window=(-1, 0)))
+    errors["sinks_differ"] = expect_error(
+        lambda: ring_attention(q, k, v, sinks=np.full(2, float(rank == P - 1))))
     errors["attn_mask"] = expect_error(
         lambda: ring_attention(q, k, v, attn_mask=np.ones((6, 6), bool)))
-    errors["window"] = expect_error(lambda: ring_attention(q, k, v, window=(2, 0)))
     errors["dropout"] = expect_error(lambda: ring_attention(q, k, v, dropout_p=0.1))
     errors["unknown_kwarg"] = expect_error(lambda: ring_attention(q, k, v, windw=(2, 0)))
     errors["bad_layout"] = expect_error(lambda: ring_attention(q, k, v, layout="striped"))
@@ -150,8 +182,8 @@ def error_cases():
 
     before = ring_attention(q, k, v)
     # A rank failing midway (its second kernel call: ring step 1 when P > 1) stops everyone.
-    real = distributed.scaled_dot_product_attention
-    real_bwd = distributed.scaled_dot_product_attention_backward
+    real = distributed._attend
+    real_bwd = distributed._attend_backward
     calls = [0]
 
     def failing(*args, **kwargs):
@@ -166,19 +198,19 @@ def error_cases():
             raise RuntimeError("injected failure")
         return real_bwd(*args, **kwargs)
 
-    distributed.scaled_dot_product_attention = failing
+    distributed._attend = failing
     try:
         errors["midway_forward"] = expect_error(lambda: ring_attention(q, k, v))
     finally:
-        distributed.scaled_dot_product_attention = real
+        distributed._attend = real
     out, lse = ring_attention(q, k, v, return_lse=True)
     calls[0] = 0
-    distributed.scaled_dot_product_attention_backward = failing_bwd
+    distributed._attend_backward = failing_bwd
     try:
         errors["midway_backward"] = expect_error(
             lambda: ring_attention_backward(q, q, k, v, out, lse))
     finally:
-        distributed.scaled_dot_product_attention_backward = real_bwd
+        distributed._attend_backward = real_bwd
     # The communicator still works after all of that.
     after = ring_attention(q, k, v)
     errors["usable_after"] = comm.gather(bool(np.array_equal(after, before)), root=0)

@@ -39,7 +39,13 @@ CASES = {
     "f64-noncausal-zigzag-bcast": "float64", "f32-causal-zigzag": "float32",
     "f32-noncausal-zigzag-gqa": "float32", "f32-causal-contiguous-gqa": "float32",
     "f16-causal-zigzag": "float16",
+    "f64-var-causal-zigzag-window-softcap-sinks": "float64",
+    "f64-var-causal-contiguous-alibi-bottomright": "float64",
+    "f64-var-zigzag-window-alibi-sinks-L>S": "float64",
 }
+#: The cases with sinks: the ring adds them once per row after the last step (a merge), the
+#: dense kernel inside its softmax, so a single rank is not bitwise the dense result there.
+SINKS = {"f64-var-causal-zigzag-window-softcap-sinks", "f64-var-zigzag-window-alibi-sinks-L>S"}
 
 
 def mpiexec():
@@ -61,6 +67,11 @@ def _warm():
         o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
         sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
         sdpa_numba.merge_attention_states(o, lse, o, lse)
+    # ALiBi is another kernel specialization (float64 only in the worker's cases).
+    q = np.ones((1, 1, 3, 4))
+    o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True,
+                                                     alibi_slopes=np.ones(1))
+    sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse, alibi_slopes=np.ones(1))
 
 
 def run_ranks(n, tmp_path, timeout=240, threads=1):
@@ -114,10 +125,12 @@ def test_bitwise_the_same_for_any_thread_count(reports):
 def test_gathered_results_equal_single_process(reports, n, case):
     r = reports[n]["cases"][case]
     tol = TOL[CASES[case]]
-    errors = {key: r[key] for key in ("out", "lse", "dq", "dk", "dv")}
+    keys = ("out", "lse", "dq", "dk", "dv") + (("dsinks",) if case in SINKS else ())
+    errors = {key: r[key] for key in keys}
     assert r["shapes_match"]
     assert all(e <= tol for e in errors.values()), errors
-    if n == 1:  # a communicator of size 1 is plain attention: bitwise
+    assert r["dsinks_same_on_every_rank"] is (True if case in SINKS else None)
+    if n == 1 and case not in SINKS:  # a communicator of size 1 is plain attention: bitwise
         assert all(e == 0 for e in errors.values()), errors
     for rank, ok in enumerate(r["ranks"]):
         assert ok["finite"], rank
@@ -129,9 +142,9 @@ def test_gathered_results_equal_single_process(reports, n, case):
 # The error cases: (kind every rank raises, a phrase of the message).
 ERRORS = {
     "odd_zigzag": ("ValueError", "zigzag layout needs shards of even length"),
-    "causal_lengths": ("ValueError", "same length"),
     "attn_mask": ("ValueError", "no dense attn_mask"),
-    "window": ("NotImplementedError", "variant(s) window"),
+    "score_mod": ("NotImplementedError", "does not shard score_mod"),
+    "bad_window": ("ValueError", "window's left side must be >= 0"),
     "dropout": ("NotImplementedError", "no dropout"),
     "unknown_kwarg": ("TypeError", "windw"),
     "bad_layout": ("ValueError", "layout must be one of"),
@@ -174,6 +187,14 @@ def test_shapes_differing_across_ranks_are_refused_everywhere(reports, n):
         assert "same shapes" in e[1] and f"rank {n - 1} has query (2, 4, 8)" in e[1]
 
 
+@pytest.mark.parametrize("n", SIZES[1:])
+def test_variants_differing_across_ranks_are_refused_everywhere(reports, n):
+    got = reports[n]["errors"]["sinks_differ"]
+    assert len(got) == n
+    for e in got:
+        assert e is not None and e[0] == "ValueError" and "sinks=" in e[1], e
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_variants_off_and_communicator_usable_after_errors(reports, n):
     errors = reports[n]["errors"]
@@ -205,30 +226,77 @@ def test_shard_rows_refuse_uneven_splits():
         distributed.shard_rows(6, 2, 0, "striped")
 
 
-def test_blocks_do_the_causal_work_once():
-    """Over all ring steps, the (query, key) pairs visited are exactly the causal ones, each
-    once, in both layouts; zigzag gives every rank the same work at every step."""
-    for layout in distributed.LAYOUTS:
-        for P in (1, 2, 3, 4):
-            n = 6
-            L = P * n
-            seen = np.zeros((L, L), int)
-            work = np.zeros((P, P))
-            for rank in range(P):
-                qrows = distributed.shard_rows(L, P, rank, layout)
-                for t in range(P):
-                    src = (rank - t) % P
-                    krows = distributed.shard_rows(L, P, src, layout)
-                    for qs, ks, causal in distributed._blocks(layout, True, n, n, rank, src):
-                        qi, kj = qrows[qs], krows[ks]
-                        vis = np.ones((len(qi), len(kj)), bool)
-                        if causal:
-                            vis = np.tril(vis)
-                        seen[np.ix_(qi, kj)] += vis
-                        work[rank, t] += vis.size / (2 if causal else 1)
-            assert np.array_equal(seen, np.tril(np.ones((L, L), int))), (layout, P)
-            if layout == "zigzag":
-                assert np.all(work == work[0, 0]), work
+def _visible(gi, gj, goff, left, right):
+    """The global (row, key) pairs a window sees (the dense semantics, written plainly)."""
+    d = gi[:, None] + goff - gj[None, :]  # i' - j
+    return (d <= left) & (-d <= right)
+
+
+def _local_visible(nq, nk, offset, left, right):
+    return _visible(np.arange(nq), np.arange(nk), offset, left, right)
+
+
+NL = distributed.NO_LIMIT
+#: (is_causal-like window (left, right), alignment offset factor, alibi): the work lists'
+#: cases. right 0 is causality; goff is size * (n_k - n_q) for bottom-right alignment.
+WINDOWS = [(NL, 0), (NL, NL), (2, 0), (0, 0), (3, 1), (NL, 2), (1, NL), (7, 0), (20, 0)]
+
+
+@pytest.mark.parametrize("layout", distributed.LAYOUTS)
+def test_work_lists_see_every_visible_pair_once(layout):
+    """Over all ring steps, the (query, key) pairs a rank's dense calls see (with each
+    call's offset and window) are exactly the globally visible ones, each once, for windows,
+    causality and bottom-right alignment, with and without ALiBi (whose calls must keep the
+    true offset); zigzag causal gives every rank the same work at every step (up to the
+    diagonal's triangle) and no more calls than before (one per step)."""
+    for P in (1, 2, 3, 4):
+        for n_q, n_k in ((6, 6), (4, 8), (8, 4)):
+            L, S = P * n_q, P * n_k
+            for left, right in WINDOWS:
+                for bottom in (False, True):
+                    goff = S - L if bottom else 0
+                    for alibi in (False, True):
+                        want = _visible(np.arange(L), np.arange(S), goff, left, right)
+                        seen = np.zeros((L, S), int)
+                        work = np.zeros((P, P))
+                        calls = np.zeros((P, P))
+                        for rank in range(P):
+                            qrows = distributed.shard_rows(L, P, rank, layout)
+                            for t in range(P):
+                                src = (rank - t) % P
+                                krows = distributed.shard_rows(S, P, src, layout)
+                                for qs, ks, o, lf, rt in distributed._work(
+                                        layout, n_q, n_k, P, rank, src, goff, left, right,
+                                        alibi):
+                                    qi, kj = qrows[qs], krows[ks]
+                                    vis = _local_visible(len(qi), len(kj), o, lf, rt)
+                                    # Every pair the call sees is visible, at its true offset.
+                                    assert np.array_equal(vis & want[np.ix_(qi, kj)], vis)
+                                    if alibi:
+                                        d = qi[:, None] + goff - kj[None, :]
+                                        dl = (np.arange(len(qi))[:, None] + o
+                                              - np.arange(len(kj))[None, :])
+                                        assert np.array_equal(d[vis], dl[vis])
+                                    seen[np.ix_(qi, kj)] += vis
+                                    work[rank, t] += vis.sum()
+                                    calls[rank, t] += 1
+                        case = (layout, P, n_q, n_k, left, right, bottom, alibi)
+                        assert np.array_equal(seen, want.astype(int)), case
+                        if (layout == "zigzag" and (left, right) == (NL, 0) and n_q == n_k
+                                and not alibi):
+                            assert np.ptp(work) <= n_q, (case, work)
+                            assert calls.max() <= 1, (case, calls)
+
+
+def test_work_skips_steps_a_narrow_window_leaves_empty():
+    # A causal window of 2 keys over shards of 6: only the diagonal and the step before it
+    # have work; the other steps compute nothing (the shards still travel).
+    P, n = 4, 6
+    for rank in range(P):
+        steps = [t for t in range(P)
+                 if distributed._work("contiguous", n, n, P, rank, (rank - t) % P, 0, 2, 0,
+                                      False)]
+        assert steps == ([0] if rank == 0 else [0, 1]), (rank, steps)
 
 
 def test_cuda_arrays_are_refused():
