@@ -114,13 +114,27 @@ def ring4():
     return _ring(["--L", "16384", "--ranks", "4", "--threads", "2", "--rounds", "2"])
 
 
+def decode():
+    """The decode presets: attention_with_kvcache against a NumPy read and torch's SDPA."""
+    cmd, out = _bench(["--preset", "decode", "--preset", "decode-more"])
+    return f"```bash\n{cmd}\n```\n\n{out}"
+
+
+def variants():
+    """The variants preset: soft cap, a user's score_mod, a causal window, against
+    flex_attention and SDPA."""
+    cmd, out = _bench(["--preset", "variants"])
+    return f"```bash\n{cmd}\n```\n\n{out}"
+
+
 def check():
     return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
 
 
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
-              "ring": ring, "ring4": ring4}
+              "ring": ring, "ring4": ring4,
+              "decode": decode, "variants": variants}
 
 
 def _stamp():
