@@ -20,8 +20,9 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
 * autograd registered on the forward (gradients for query, key, value and a float
   ``attn_mask``), with double backward: under ``create_graph=True`` the first-order
   gradients are taken through the same attention written in torch operations (L x S memory,
-  only then; with every variant of the schema), so that gradient penalties and Hessian-vector products get their second-order
-  terms (under torch.compile, AOT autograd refuses double backward with its own message);
+  only then; with every variant of the schema), so that gradient penalties and
+  Hessian-vector products get their second-order terms (under torch.compile, AOT autograd
+  refuses double backward with its own message);
 * vmap rules for both (the vmapped dim becomes one more leading batch dim, batched ALiBi
   slopes included; with sinks, or dropout, one call per vmapped index); torch.func's
   autodiff transforms (``grad``, ``jacrev``, ...) are not supported (NotImplementedError).
@@ -255,8 +256,8 @@ _SINKS = 14  # the index of ``sinks`` among the op's arguments
 
 
 def _setup_context(ctx, inputs, output):
-    # a call that leaves the defaulted variant arguments out gets fewer inputs, and autograd
-    # wants one gradient per input given (ctx.n_inputs)
+    # torch fills in the arguments left at their defaults (the padding below is only a
+    # guard); the backward returns one gradient (or None) per input (ctx.n_inputs)
     ctx.n_inputs = len(inputs)
     (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
      window_left, window_right, alignment, softcap, alibi_slopes, sinks) = (

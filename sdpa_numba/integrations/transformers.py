@@ -199,9 +199,10 @@ def _decode(query, key, value, mask, dropout, scale, gqa, variants):
     likewise.
 
     Windows and sinks are not packed (the packed rows would be positions for the window's
-    frame, and sinks are per query head). Goes through the dense operator for now. This is where the KV-cache decode path
-    (``attention_with_kvcache``, split over the cache's length) goes once it exists; the dense
-    operator stays the path when gradients are wanted, as the decode path has no backward.
+    frame, and sinks are per query head). Goes through the dense operator for now. This is
+    where the KV-cache decode path (``attention_with_kvcache``, split over the cache's length)
+    goes once it exists; the dense operator stays the path when gradients are wanted, as the
+    decode path has no backward.
     """
     batch, q_heads, _, _ = query.shape
     kv_heads = key.shape[1]
