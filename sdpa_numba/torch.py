@@ -4,17 +4,27 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
 :func:`torch.library.custom_op` so that the rest of PyTorch sees a real operator:
 
 * ``torch.ops.sdpa_numba.attention_forward(query, key, value, attn_mask, dropout_p, is_causal,
-  scale, enable_gqa, seed) -> (out, lse)`` and
+  scale, enable_gqa, seed, window_left=None, window_right=None, alignment="top_left",
+  softcap=None, alibi_slopes=None, sinks=None) -> (out, lse)`` and
   ``torch.ops.sdpa_numba.attention_backward(grad_out, query, key, value, out, lse, attn_mask,
-  dropout_p, is_causal, scale, enable_gqa, seed, mask_grad) -> (dq, dk, dv, dmask)``;
+  dropout_p, is_causal, scale, enable_gqa, seed, mask_grad, window_left=None,
+  window_right=None, alignment="top_left", softcap=None, alibi_slopes=None, sinks=None)
+  -> (dq, dk, dv, dmask, dsinks)``;
+* the variants that fit an operator schema (see :func:`scaled_dot_product_attention`): a
+  sliding window (its two sides as two optional ints), ``alignment``, ``softcap``,
+  ``alibi_slopes`` and ``sinks`` (tensors; the sinks get a gradient). ``score_mod``,
+  ``mask_mod`` and ``block_mask`` are Numba functions and objects, which no operator schema
+  can carry: they stay with the NumPy-level :func:`sdpa_numba.scaled_dot_product_attention`;
 * fake (meta) kernels for both, so ``torch.compile`` traces through them
   (``fullgraph=True`` works: no graph break) and meta tensors get shapes;
 * autograd registered on the forward (gradients for query, key, value and a float
   ``attn_mask``), with double backward: under ``create_graph=True`` the first-order
   gradients are taken through the same attention written in torch operations (L x S memory,
-  only then), so that gradient penalties and Hessian-vector products get their second-order
-  terms (under torch.compile, AOT autograd refuses double backward with its own message);
-* vmap rules for both (the vmapped dim becomes one more leading batch dim); torch.func's
+  only then; with every variant of the schema), so that gradient penalties and
+  Hessian-vector products get their second-order terms (under torch.compile, AOT autograd
+  refuses double backward with its own message);
+* vmap rules for both (the vmapped dim becomes one more leading batch dim, batched ALiBi
+  slopes included; with sinks, or dropout, one call per vmapped index); torch.func's
   autodiff transforms (``grad``, ``jacrev``, ...) are not supported (NotImplementedError).
 
 Devices: CPU tensors run on the CPU kernels through NumPy views (``tensor.numpy()``: no
@@ -106,6 +116,30 @@ def _tensor(x):
     return torch.from_numpy(x)
 
 
+def _small(t, name):
+    """ALiBi slopes or sinks for the kernels: a float32/float64 NumPy view (a CUDA tensor is
+    passed as is: the API copies it to the host), 16-bit tensors as float32 (the API takes
+    float32/float64 only; these are per-head numbers, a copy is nothing), or None."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} dtype {t.dtype} is not supported: use a floating dtype")
+    t = t.detach()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def _variants(window_left, window_right, alignment, softcap, alibi_slopes, sinks):
+    """The keywords of the NumPy-level API for the op's variant arguments."""
+    window = None if window_left is None and window_right is None else (window_left,
+                                                                         window_right)
+    return dict(window=window, alignment=alignment, softcap=softcap,
+                alibi_slopes=_small(alibi_slopes, "alibi_slopes"), sinks=_small(sinks, "sinks"))
+
+
 def _seed(seed):
     """The kernels' seed (an int in [0, 2**64)) from the op's 0-dim int64 tensor, or None."""
     return None if seed is None else int(seed.item()) % _U64
@@ -148,18 +182,27 @@ def _out_shape(query, key, value, enable_gqa):
 @torch.library.custom_op("sdpa_numba::attention_forward", mutates_args=())
 def attention_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                       dropout_p: float, is_causal: bool, scale: Optional[float],
-                      enable_gqa: bool, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                      enable_gqa: bool, seed: Optional[Tensor],
+                      window_left: Optional[int] = None, window_right: Optional[int] = None,
+                      alignment: str = "top_left", softcap: Optional[float] = None,
+                      alibi_slopes: Optional[Tensor] = None,
+                      sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of :func:`sdpa_numba.scaled_dot_product_attention` (``lse`` in the
-    compute dtype: float32 for float16/float32, float64 for float64)."""
+    compute dtype: float32 for float16/float32, float64 for float64). The window's sides are
+    ``window_left`` and ``window_right`` (both None: no window)."""
     out, lse = _forward(_operand(query, "query"), _operand(key, "key"),
                         _operand(value, "value"), _operand(attn_mask, "attn_mask", True),
                         dropout_p, is_causal, scale, enable_gqa, return_lse=True,
-                        seed=_seed(seed))
+                        seed=_seed(seed),
+                        **_variants(window_left, window_right, alignment, softcap,
+                                    alibi_slopes, sinks))
     return _tensor(out), _tensor(lse)
 
 
 @attention_forward.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+      window_left=None, window_right=None, alignment="top_left", softcap=None,
+      alibi_slopes=None, sinks=None):
     shape = _out_shape(query, key, value, enable_gqa)
     return (query.new_empty(shape),
             query.new_empty(shape[:-1], dtype=_lse_dtype(query.dtype)))
@@ -169,45 +212,71 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, see
 def attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
                        lse: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                        is_causal: bool, scale: Optional[float], enable_gqa: bool,
-                       seed: Optional[Tensor],
-                       mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmask)`` of :func:`sdpa_numba.scaled_dot_product_attention_backward`;
-    ``dmask`` is an empty tensor unless ``mask_grad``."""
+                       seed: Optional[Tensor], mask_grad: bool,
+                       window_left: Optional[int] = None, window_right: Optional[int] = None,
+                       alignment: str = "top_left", softcap: Optional[float] = None,
+                       alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None
+                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dmask, dsinks)`` of
+    :func:`sdpa_numba.scaled_dot_product_attention_backward`; ``dmask`` is an empty tensor
+    unless ``mask_grad``, ``dsinks`` one unless ``sinks`` is given (then the sinks' shape,
+    dtype and device). ALiBi slopes get no gradient."""
     grads = _backward(_operand(grad_out, "grad_out"), _operand(query, "query"),
                       _operand(key, "key"), _operand(value, "value"), _operand(out, "out"),
                       _operand(lse, "lse"), _operand(attn_mask, "attn_mask", True), dropout_p,
-                      is_causal, scale, enable_gqa, seed=_seed(seed), mask_grad=mask_grad)
+                      is_causal, scale, enable_gqa, seed=_seed(seed), mask_grad=mask_grad,
+                      **_variants(window_left, window_right, alignment, softcap,
+                                  alibi_slopes, sinks))
     dq, dk, dv = (_tensor(g) for g in grads[:3])
     dm = _tensor(grads[3]) if mask_grad else query.new_empty(0)
-    return dq, dk, dv, dm
+    if sinks is None:
+        return dq, dk, dv, dm, query.new_empty(0)
+    # the API returns d sinks last, a host array in the float dtype it was given
+    ds = torch.from_numpy(np.ascontiguousarray(grads[-1]))
+    return dq, dk, dv, dm, ds.to(device=sinks.device, dtype=sinks.dtype)
 
 
 @attention_backward.register_fake
 def _(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale,
-      enable_gqa, seed, mask_grad):
+      enable_gqa, seed, mask_grad, window_left=None, window_right=None, alignment="top_left",
+      softcap=None, alibi_slopes=None, sinks=None):
     def like(t):
         return t.new_empty(t.shape)  # contiguous, as the real kernel's results
 
     return (like(query), like(key), like(value),
-            like(attn_mask) if mask_grad else query.new_empty(0))
+            like(attn_mask) if mask_grad else query.new_empty(0),
+            like(sinks) if sinks is not None else query.new_empty(0))
 
 
 # ---------------------------------------------------------------- autograd
 
 
+_DEFAULTS = (None, None, "top_left", None, None, None)  # the op's variant arguments
+_SINKS = 14  # the index of ``sinks`` among the op's arguments
+
+
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed = inputs
+    # torch fills in the arguments left at their defaults (the padding below is only a
+    # guard); the backward returns one gradient (or None) per input (ctx.n_inputs)
+    ctx.n_inputs = len(inputs)
+    (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+     window_left, window_right, alignment, softcap, alibi_slopes, sinks) = (
+        tuple(inputs) + _DEFAULTS[len(inputs) - 9:])
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, seed)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, seed, alibi_slopes, sinks)
     ctx.args = (dropout_p, is_causal, scale, enable_gqa)
+    ctx.variants = (window_left, window_right, alignment, softcap)
 
 
 def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                     seed):
+                     seed, window_left=None, window_right=None, alignment="top_left",
+                     softcap=None, alibi_slopes=None, sinks=None):
     """The forward in plain torch operations, building the L x S probabilities: what the
-    double backward differentiates twice. Same semantics as the kernels (top-left causal,
-    fully masked rows give 0, the dropout mask of :mod:`sdpa_numba.dropout`)."""
+    double backward differentiates twice. Same semantics as the kernels (causal and the
+    window in the ``alignment``'s frame, the score formed as scale -> soft cap -> ALiBi ->
+    additive mask, then masked; sinks in every row's denominator; fully masked rows give 0;
+    the dropout mask of :mod:`sdpa_numba.dropout`)."""
     from .dropout import keep_mask
 
     dtype = query.dtype
@@ -222,17 +291,38 @@ def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else
                                       (1.0 / E ** 0.5 if E else 1.0))
     L, S = s.shape[-2:]
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(~attn_mask, -float("inf"))
-        else:
-            s = s + attn_mask.to(s.dtype)
+    # i' - j for every (i, j): the query's position in the alignment's frame minus the key's
+    offset = S - L if alignment == "bottom_right" else 0
+    rel = (torch.arange(L, device=s.device)[:, None] + offset
+           - torch.arange(S, device=s.device)[None, :])
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype)
+        s = s - slopes[..., None, None] * rel.abs().to(s.dtype)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        s = s + attn_mask.to(s.dtype)
+    keep = torch.ones(L, S, dtype=torch.bool, device=s.device)
+    right = window_right
     if is_causal:
-        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
-                          -float("inf"))
+        right = 0 if right is None else min(right, 0)
+    if window_left is not None:
+        keep &= rel <= window_left
+    if right is not None:
+        keep &= -rel <= right
+    s = s.masked_fill(~keep, -float("inf"))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        s = s.masked_fill(~attn_mask, -float("inf"))
     m = s.detach().amax(dim=-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    sink = None
+    if sinks is not None:  # (Hq,): one logit per head, joining each row's denominator
+        sink = sinks.to(s.dtype)[:, None, None]
+        m = torch.maximum(m, sink.detach().expand_as(m))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
     total = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - m)
     p = p / torch.where(total > 0, total, torch.ones_like(total))  # masked rows: 0
     if dropout_p > 0:
         keep = keep_mask(_seed(seed), dropout_p, tuple(p.shape[:-3]), p.shape[-3], L, S)
@@ -241,39 +331,63 @@ def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     return out.reshape(_out_shape(query, key, value, enable_gqa))
 
 
-def _double_backward(ctx, grad_out, query, key, value, attn_mask, seed):
+def _needs_sinks_grad(ctx, sinks):
+    """Whether autograd wants the sinks' gradient. (torch 2.13's needs_input_grad can be
+    shorter than the op's arguments, covering only those without defaults: then the saved
+    tensor's requires_grad says it.)"""
+    if sinks is None:
+        return False
+    if len(ctx.needs_input_grad) > _SINKS:
+        return bool(ctx.needs_input_grad[_SINKS])
+    return sinks.requires_grad
+
+
+def _double_backward(ctx, grad_out, query, key, value, attn_mask, seed, alibi_slopes, sinks):
     """First-order gradients that are themselves differentiable (``create_graph=True``):
     torch's autograd through :func:`_dense_attention`. O(L x S) memory, only on this path."""
     dropout_p, is_causal, scale, enable_gqa = ctx.args
-    need = list(ctx.needs_input_grad[:4])
+    need = list(ctx.needs_input_grad[:4]) + [_needs_sinks_grad(ctx, sinks)]
     need[3] = need[3] and attn_mask is not None and attn_mask.is_floating_point()
+    need[4] = need[4] and sinks is not None
     # views, so that q, k, v passed as one tensor still get one gradient each
-    inputs = [None if t is None else t.view_as(t) for t in (query, key, value, attn_mask)]
-    out = _dense_attention(*inputs, dropout_p, is_causal, scale, enable_gqa, seed)
+    inputs = [None if t is None else t.view_as(t)
+              for t in (query, key, value, attn_mask, sinks)]
+    out = _dense_attention(*inputs[:4], dropout_p, is_causal, scale, enable_gqa, seed,
+                           *ctx.variants, alibi_slopes=alibi_slopes, sinks=inputs[4])
     wanted = [t for t, n in zip(inputs, need) if n]
     grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True,
                                      allow_unused=True))
     result = [next(grads) if n else None for n in need]
     result = [torch.zeros_like(t) if n and g is None else g
               for t, n, g in zip(inputs, need, result)]
-    return (*result, None, None, None, None, None)
+    grads = [None] * ctx.n_inputs
+    grads[:4] = result[:4]
+    if need[4]:
+        grads[_SINKS] = result[4]
+    return tuple(grads)
 
 
 def _backward_formula(ctx, grad_out, grad_lse):
-    query, key, value, attn_mask, out, lse, seed = ctx.saved_tensors
+    query, key, value, attn_mask, out, lse, seed, alibi_slopes, sinks = ctx.saved_tensors
     dropout_p, is_causal, scale, enable_gqa = ctx.args
     # create_graph=True: autograd runs this with grad mode on and wants gradients with a
     # graph of their own, which the kernels cannot give: take them through torch instead.
     if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (grad_out, query, key, value, attn_mask)):
-        return _double_backward(ctx, grad_out, query, key, value, attn_mask, seed)
+            t is not None and t.requires_grad
+            for t in (grad_out, query, key, value, attn_mask, sinks)):
+        return _double_backward(ctx, grad_out, query, key, value, attn_mask, seed,
+                                alibi_slopes, sinks)
     need = ctx.needs_input_grad
     mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and need[3])
-    dq, dk, dv, dm = attention_backward(grad_out, query, key, value, out, lse, attn_mask,
-                                        dropout_p, is_causal, scale, enable_gqa, seed,
-                                        mask_grad)
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dm if mask_grad else None, None, None, None, None, None)
+    dq, dk, dv, dm, ds = attention_backward(grad_out, query, key, value, out, lse, attn_mask,
+                                            dropout_p, is_causal, scale, enable_gqa, seed,
+                                            mask_grad, *ctx.variants, alibi_slopes, sinks)
+    grads = [None] * ctx.n_inputs
+    grads[:4] = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                 dm if mask_grad else None)
+    if _needs_sinks_grad(ctx, sinks):
+        grads[_SINKS] = ds
+    return tuple(grads)
 
 
 attention_forward.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -326,27 +440,55 @@ def _vmap_loop(op, info, in_dims, args):
     return tuple(torch.stack(r) for r in zip(*results)), (0,) * len(results[0])
 
 
+def _all_dims(in_dims, args):
+    """``in_dims`` for every argument: the dispatcher leaves out trailing arguments equal to
+    their defaults (and their dims), which the vmap rule gets back as its defaults."""
+    return tuple(in_dims) + (None,) * (len(args) - len(in_dims))
+
+
+def _fold_alibi(info, alibi_slopes, d, R):
+    """ALiBi slopes under vmap: unbatched ones as they are (they broadcast against the scores'
+    batch dims from the right); batched ones with the vmapped dim first and ones after it, as
+    the folded scores' batch dims (the slopes' rank is the scores' minus 2)."""
+    if alibi_slopes is None or d is None:
+        return alibi_slopes
+    r = alibi_slopes.dim() - 1
+    return _fold(info.batch_size, (d,), (alibi_slopes,), (r + 2,), R)[0]
+
+
 def _forward_vmap(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                  enable_gqa, seed):
-    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
-    if dropout_p > 0:
+                  enable_gqa, seed, window_left=None, window_right=None, alignment="top_left",
+                  softcap=None, alibi_slopes=None, sinks=None):
+    variants = (window_left, window_right, alignment, softcap)
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+            *variants, alibi_slopes, sinks)
+    in_dims = _all_dims(in_dims, args)
+    # sinks are (Hq,) per call: batched ones cannot fold into the batch dims, so one call per
+    # index (unbatched ones too: simpler, and vmap's per-index sinks gradients need it)
+    if dropout_p > 0 or sinks is not None:
         return _vmap_loop(attention_forward, info, in_dims, args)
     tensors, dims = (query, key, value, attn_mask), in_dims[:4]
     shapes = [_logical(t, d) for t, d in zip(tensors, dims)]
     ranks = [None if s is None else len(s) for s in shapes]
     R = max(max(r for r in ranks if r is not None), 3)
     q, k, v, m = _fold(info.batch_size, dims, tensors, ranks, R)
-    out, lse = attention_forward(q, k, v, m, dropout_p, is_causal, scale, enable_gqa, None)
+    alibi = _fold_alibi(info, alibi_slopes, in_dims[13], R)
+    out, lse = attention_forward(q, k, v, m, dropout_p, is_causal, scale, enable_gqa, None,
+                                 *variants, alibi, None)
     logical = _out_shape(*(torch.empty(s, device="meta") for s in shapes[:3]), enable_gqa)
     B = info.batch_size
     return (out.reshape(B, *logical), lse.reshape(B, *logical[:-1])), (0, 0)
 
 
 def _backward_vmap(info, in_dims, grad_out, query, key, value, out, lse, attn_mask, dropout_p,
-                   is_causal, scale, enable_gqa, seed, mask_grad):
+                   is_causal, scale, enable_gqa, seed, mask_grad, window_left=None,
+                   window_right=None, alignment="top_left", softcap=None, alibi_slopes=None,
+                   sinks=None):
+    variants = (window_left, window_right, alignment, softcap)
     args = (grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale,
-            enable_gqa, seed, mask_grad)
-    if dropout_p > 0:
+            enable_gqa, seed, mask_grad, *variants, alibi_slopes, sinks)
+    in_dims = _all_dims(in_dims, args)
+    if dropout_p > 0 or sinks is not None:  # sinks: per-index gradients, as in the forward
         return _vmap_loop(attention_backward, info, in_dims, args)
     tensors = (grad_out, query, key, value, out, lse, attn_mask)
     dims = in_dims[:7]
@@ -356,13 +498,14 @@ def _backward_vmap(info, in_dims, grad_out, query, key, value, out, lse, attn_ma
     # lse has one dim less than out: pad it as out is padded (one more logical dim)
     ranks[5] += 1
     folded = _fold(info.batch_size, dims, tensors, ranks, R)
-    dq, dk, dv, dm = attention_backward(*folded, dropout_p, is_causal, scale, enable_gqa,
-                                        None, mask_grad)
+    alibi = _fold_alibi(info, alibi_slopes, in_dims[17], R)
+    dq, dk, dv, dm, ds = attention_backward(*folded, dropout_p, is_causal, scale, enable_gqa,
+                                            None, mask_grad, *variants, alibi, None)
     B = info.batch_size
     grads = [g.reshape(B, *s) for g, s in zip((dq, dk, dv), shapes[1:4])]
     if mask_grad:
-        return (*grads, dm.reshape(B, *shapes[6])), (0, 0, 0, 0)
-    return (*grads, dm), (0, 0, 0, None)
+        return (*grads, dm.reshape(B, *shapes[6]), ds), (0, 0, 0, 0, None)
+    return (*grads, dm, ds), (0, 0, 0, None, None)
 
 
 if hasattr(attention_forward, "register_vmap"):  # torch >= 2.5
@@ -387,8 +530,28 @@ def _check_no_func_grad(*tensors):
 
 
 
+NUMBA_LEVEL = (
+    "sdpa_numba.torch.scaled_dot_product_attention: {names} cannot cross a PyTorch operator's "
+    "schema (they are Numba functions and objects, not tensors or numbers): use the NumPy-level "
+    "sdpa_numba.scaled_dot_product_attention / scaled_dot_product_attention_backward (which "
+    "take them with NumPy arrays, and CUDA arrays: torch CUDA tensors included)")
+
+
+def _check_window(window):
+    """``window`` as the op's two sides, with the NumPy-level API's errors."""
+    from .problem.variants import check_window
+
+    check_window(window)  # TypeError / ValueError naming the argument
+    if window is None:
+        return None, None
+    return tuple(None if x is None else int(x) for x in window)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *, seed=None):
+                                 is_causal=False, scale=None, enable_gqa=False, *, seed=None,
+                                 window=None, alignment="top_left", softcap=None,
+                                 alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
+                                 mod_args=(), score_mod_grad=None, block_mask=None):
     """``torch.nn.functional.scaled_dot_product_attention`` on sdpa_numba's CPU or CUDA
     kernels, as a PyTorch operator: autograd (gradients for query, key, value and a float
     ``attn_mask``), ``torch.compile`` (no graph break), ``vmap``, meta tensors.
@@ -399,18 +562,46 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :func:`sdpa_numba.scaled_dot_product_attention` draws); None draws one from torch's
     generator, and the backward replays that mask. CPU tensors run on the CPU kernels, CUDA
     tensors on the CUDA kernels; float16, bfloat16 (needs ml_dtypes), float32, float64; 16-bit
-    inputs compute in float32. Double backward works: with ``create_graph=True`` the gradients are taken through
-    torch operations (L x S memory) so that they have second-order terms.
+    inputs compute in float32. Double backward works: with ``create_graph=True`` the gradients
+    are taken through torch operations (L x S memory) so that they have second-order terms.
+
+    The variants of :func:`sdpa_numba.scaled_dot_product_attention` that fit an operator
+    schema, keyword-only, same semantics:
+
+    * ``window=(left, right)``: query ``i`` sees keys ``i' - left <= j <= i' + right``
+      (``None`` on a side: unlimited), ``i' = i`` or, with ``alignment="bottom_right"``,
+      ``i + S - L`` (which also moves ``is_causal`` and ALiBi's diagonal);
+    * ``softcap=c``: scores ``c * tanh(s / c)`` (differentiable);
+    * ``alibi_slopes``: a tensor ``(Hq,)`` or ``(*batch, Hq)``; adds ``-slope * |i' - j|``
+      (no gradient for the slopes: they are constants in every model that uses them);
+    * ``sinks``: a tensor ``(Hq,)``, one logit per head in every row's softmax denominator
+      (gpt-oss's attention sinks); differentiable: autograd gives its gradient.
+
+    16-bit slopes or sinks are read in float32. ``score_mod``, ``mask_mod``, ``mod_args``,
+    ``score_mod_grad`` and ``block_mask`` raise NotImplementedError: Numba functions cannot
+    cross an operator's schema; the NumPy-level API takes them.
     """
+    numba_level = [name for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                                        ("score_mod_grad", score_mod_grad),
+                                        ("block_mask", block_mask)) if x is not None]
+    if mod_args != () and mod_args is not None:
+        numba_level.append("mod_args")
+    if numba_level:
+        raise NotImplementedError(NUMBA_LEVEL.format(names=", ".join(numba_level)))
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t is None:
             raise TypeError(f"{name} must be a torch.Tensor, got None")
         _check_tensor(t, name)
     _check_tensor(attn_mask, "attn_mask", mask=True)
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None:
+            _check_tensor(t, name)
+    window_left, window_right = _check_window(window)
     if not torch.compiler.is_compiling():
-        _check_no_func_grad(query, key, value, attn_mask)
+        _check_no_func_grad(query, key, value, attn_mask, sinks)
     out, _ = attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                               enable_gqa, _seed_tensor(seed, dropout_p))
+                               enable_gqa, _seed_tensor(seed, dropout_p), window_left,
+                               window_right, alignment, softcap, alibi_slopes, sinks)
     return out
 
 

@@ -232,13 +232,70 @@ def test_llama_parameter_gradients(dtype):
 # ---------------------------------------------------------------- what is not supported
 
 
-def test_gemma2_softcap_is_refused_clearly():
-    mine, _ = pair(gemma2_config(softcap=50.0), torch.float32, reference="eager", ours=ALIAS)
-    ids, mask = batch("right")
-    with pytest.raises(NotImplementedError,
-                       match=r"softcap=50\.0.*attn_logit_softcapping.*attn_implementation=\"eager\""):
-        with torch.no_grad():
-            mine(ids, attention_mask=mask)
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_gemma2_softcap_logits(side):
+    """Gemma-2 with soft-capping (the softcap variant) against eager, padded on either side
+    and unpadded (no mask: the sliding layers' window goes to the kernels as the window
+    variant). A cap of 1 with these weights changes the logits: checked."""
+    mine, ref = pair(gemma2_config(softcap=1.0), torch.float32, reference="eager", ours=ALIAS)
+    ids, mask = batch(side or "left", lengths=(11, 7, 3) if side else (11, 11, 11))
+    if side is None:
+        mask = None
+    with torch.no_grad():
+        got = mine(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+        uncapped = copy.deepcopy(ref.config)
+        uncapped.attn_logit_softcapping = None
+        wide = AutoModelForCausalLM.from_config(uncapped, attn_implementation="eager")
+        wide.load_state_dict(ref.state_dict())
+        wide = wide.eval()(ids, attention_mask=mask).logits
+    assert rel_err(got, want, mask) <= RTOL[torch.float32]
+    assert rel_err(wide, want, mask) > 1e-3
+
+
+def _windowed(L, S, window):
+    """transformers' sliding-window causal mask in the bottom-right frame: query i (position
+    i + S - L) sees keys j with i + S - L - window < j <= i + S - L."""
+    pos = torch.arange(L)[:, None] + S - L
+    j = torch.arange(S)[None, :]
+    return (j <= pos) & (j > pos - window)
+
+
+def test_sliding_window_softcap_and_sinks_without_a_mask():
+    """The function on its own with the variants: a sliding window (no mask: the window
+    variant) in prefill and decode (GQA not packed then), soft-capping, and gpt-oss's s_aux
+    sinks (its eager formula: the sink joins the softmax as one more logit, then dropped)."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g, dtype=torch.float64),
+               torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64),
+               torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64))
+    module = torch.nn.Module()
+    module.is_causal = True
+    q1 = q[:, :, -1:]
+    for query, window in ((q, 3), (q1, 4), (q, 20)):
+        want = F.scaled_dot_product_attention(
+            query, k, v, _windowed(query.shape[2], 9, window), enable_gqa=True)
+        out, _ = hf.attention_forward(module, query, k, v, None, sliding_window=window)
+        assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+    # soft cap: scores c * tanh(s / c), against a float additive form of it
+    s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8 ** -0.5
+    s = 0.7 * torch.tanh(s / 0.7)
+    s = s.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), -float("inf"))
+    want = torch.softmax(s, dim=-1) @ v.repeat_interleave(2, dim=1)
+    out, _ = hf.attention_forward(module, q, k, v, None, softcap=0.7)
+    assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+    # sinks (gpt-oss's eager_attention_forward), with a padding mask
+    sinks = torch.randn(4, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
+    mask[1, ..., :2] = False
+    mask[1, :, :2, 0] = True
+    s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8 ** -0.5
+    s = s.masked_fill(~mask, -float("inf"))
+    logits = torch.cat([s, sinks.reshape(1, 4, 1, 1).expand(2, 4, 9, 1)], dim=-1)
+    want = torch.softmax(logits, dim=-1)[..., :-1] @ v.repeat_interleave(2, dim=1)
+    out, _ = hf.attention_forward(module, q, k, v, mask, s_aux=sinks)
+    assert rel_err(out, want.transpose(1, 2)) <= 1e-12
 
 
 def test_sdpa_in_the_name_is_refused_by_models_without_sdpa():
@@ -250,8 +307,37 @@ def test_sdpa_in_the_name_is_refused_by_models_without_sdpa():
                                          attn_implementation="sdpa_numba")
 
 
-@pytest.mark.parametrize("kwargs, what", [({"s_aux": torch.zeros(4)}, "s_aux"),
-                                          ({"position_bias": torch.zeros(1, 4, 3, 3)},
+def test_gpt_oss_sinks_logits_and_gradients():
+    """A tiny gpt-oss (attention sinks as s_aux, sliding and full layers, GQA, MoE) against
+    eager, left-padded: logits, and the gradients of every layer's sinks (the sinks variant's
+    gradient through the operator). Random sinks of ~0.3 change the logits: checked."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=4, max_position_embeddings=64, initializer_range=0.3,
+                          pad_token_id=0)
+    mine, ref = pair(config, torch.float32, reference="eager", ours=ALIAS)
+    ids, mask = batch("left", lengths=(10, 6))
+    results = []
+    for model in (mine, ref):
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits
+        logits[mask.bool()].square().sum().backward()
+        sinks = [layer.self_attn.sinks.grad.clone() for layer in model.model.layers]
+        results.append((logits.detach(), sinks))
+    assert rel_err(results[0][0], results[1][0], mask) <= RTOL[torch.float32]
+    for got, want in zip(results[0][1], results[1][1]):
+        assert rel_err(got, want) <= 1e-4
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.zero_()
+        sinkless = ref(ids, attention_mask=mask).logits
+    assert rel_err(sinkless, results[1][0], mask) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs, what", [({"position_bias": torch.zeros(1, 4, 3, 3)},
                                            "position_bias")])
 def test_unsupported_attention_features_are_refused(kwargs, what):
     q = torch.randn(1, 4, 3, 8)

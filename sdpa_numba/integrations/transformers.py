@@ -20,18 +20,25 @@ which takes them, but no model runs them in the tests).
 What reaches the kernels, and where later work plugs in:
 
 * The mask: the boolean mask transformers builds for torch's SDPA (True = takes part), or None
-  where a plain causal (or no) mask suffices, which becomes ``is_causal``. Sliding windows
-  (Mistral, the local layers of Gemma-2, ...) arrive inside that dense mask: correct, but the
-  kernels visit every key block. :func:`_variants` is where ``sliding_window`` becomes the
-  ``window=(sliding_window - 1, 0)`` variant once the dense operator takes it, together with
-  :func:`attention_mask` returning the padding part only.
-* Soft-capped scores (Gemma-2's ``attn_logit_softcapping``) raise NotImplementedError, naming
-  the setting, until the operator takes ``softcap=``; :func:`_variants` is the place.
+  where a plain causal (or no) mask suffices, which becomes ``is_causal``.
+* Sliding windows (Mistral, the local layers of Gemma-2, ...): without a mask (``is_causal``)
+  the layer's ``sliding_window`` becomes the operator's ``window=(sliding_window - 1, 0)``
+  variant (bottom-right aligned; transformers' window: a query sees its ``sliding_window``
+  last keys, itself included), whose kernels skip the key blocks outside it. When
+  transformers builds a mask (padding, static caches), the window is inside that dense mask
+  and it alone is used: correct, but the kernels visit every key block. The window is not
+  also passed then, because the bottom-right frame is only right when the keys end at the
+  queries, which a static cache (empty slots after the prompt) breaks. (Sliding-window
+  caches keep fewer keys than positions, which the bottom-right frame gets right.)
+* Soft-capped scores (Gemma-2's ``attn_logit_softcapping``) go to the operator's
+  ``softcap=`` (forward and gradients).
+* Attention sinks (gpt-oss's ``s_aux``, one logit per query head) go to ``sinks=``, with
+  their gradient in training.
 * Decode steps (one query token against the cache) go through :func:`_decode`, which calls the
   dense operator for now; it is where the KV-cache decode path (``attention_with_kvcache``)
   goes.
-* Attention sinks (gpt-oss's ``s_aux``) and additive position biases (``position_bias``) raise
-  NotImplementedError, saying which implementation to use instead.
+* Additive position biases (``position_bias``) raise NotImplementedError, saying which
+  implementation to use instead.
 
 transformers >= 5.0 (its ``AttentionMaskInterface``) is needed; this module imports it (and
 torch) only when :func:`register` or the attention function runs. transformers decides whether
@@ -136,34 +143,30 @@ def attention_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def _variants(sliding_window, softcap):
-    """The operator's variant keywords for a layer's ``sliding_window`` and ``softcap``.
+def _variants(sliding_window, softcap, sinks=None, masked=False):
+    """The operator's variant keywords for a layer's ``sliding_window``, ``softcap`` and
+    attention sinks (``s_aux``).
 
-    Today: the window is already in the mask transformers built (:func:`attention_mask`), so
-    nothing is added; soft-capping raises NotImplementedError. When the dense operator takes
-    ``window=``, ``alignment=`` and ``softcap=``, this becomes::
-
-        variants = {"alignment": "bottom_right"}
-        if sliding_window is not None:
-            variants["window"] = (sliding_window - 1, 0)   # q sees its sliding_window last keys
-        if softcap is not None:
-            variants["softcap"] = softcap
+    transformers' sliding window (``masking_utils.sliding_window_overlay``): query position
+    ``q`` sees key positions ``kv > q - sliding_window``, i.e. its ``sliding_window`` last keys
+    including itself: ``window=(sliding_window - 1, 0)`` with the queries at the end of the
+    keys (``alignment="bottom_right"``). Only for a causal layer without a mask
+    (``masked=False``): a mask built by transformers already holds the window, in the right
+    frame even for static caches, where the bottom-right frame would be wrong (and a
+    bidirectional layer's window is not this one).
     """
+    variants = {}
+    if sliding_window is not None and not masked:
+        variants.update(window=(int(sliding_window) - 1, 0), alignment="bottom_right")
     if softcap is not None:
-        raise NotImplementedError(
-            f"sdpa_numba: this model soft-caps its attention scores (softcap={softcap}, the "
-            "config's attn_logit_softcapping), which the sdpa_numba integration does not "
-            "support yet: load the model with attn_implementation=\"eager\"")
-    return {}
+        variants["softcap"] = float(softcap)
+    if sinks is not None:
+        variants["sinks"] = sinks
+    return variants
 
 
 def _refuse_unsupported(kwargs):
     """NotImplementedError for what a model may pass that sdpa_numba does not compute yet."""
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            "sdpa_numba: this model's attention has sinks (s_aux, e.g. gpt-oss), which the "
-            "sdpa_numba integration does not support yet: load the model with "
-            "attn_implementation=\"eager\"")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
             "sdpa_numba: this model adds a position bias to its attention scores "
@@ -195,13 +198,16 @@ def _decode(query, key, value, mask, dropout, scale, gqa, variants):
     ``(batch, 1, 1, kv_length)``, applies to every row as it is; a per-head one is packed
     likewise.
 
-    Goes through the dense operator for now. This is where the KV-cache decode path
-    (``attention_with_kvcache``, split over the cache's length) goes once it exists; the dense
-    operator stays the path when gradients are wanted, as the decode path has no backward.
+    Windows and sinks are not packed (the packed rows would be positions for the window's
+    frame, and sinks are per query head). Goes through the dense operator for now. This is
+    where the KV-cache decode path (``attention_with_kvcache``, split over the cache's length)
+    goes once it exists; the dense operator stays the path when gradients are wanted, as the
+    decode path has no backward.
     """
     batch, q_heads, _, _ = query.shape
     kv_heads = key.shape[1]
-    if not gqa or (mask is not None and mask.dim() != 4):
+    if not gqa or (mask is not None and mask.dim() != 4) or "window" in variants \
+            or "sinks" in variants:
         return _dense(query, key, value, mask, dropout, scale, False, gqa, variants)
     group = q_heads // kv_heads
     packed_query = query.reshape(batch, kv_heads, group, query.shape[-1])
@@ -236,12 +242,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     is_causal : bool or None
         Overrides ``module.is_causal`` when given.
     sliding_window : int or None
-        The layer's window; already in ``attention_mask`` (see :func:`_variants`).
+        The layer's window: the ``window`` variant without a mask, else already in
+        ``attention_mask`` (see :func:`_variants`).
     softcap : float or None
-        Soft-capping of the scores: not supported yet (NotImplementedError).
+        Soft-capping of the scores (``softcap`` variant).
     **kwargs
-        Whatever else the model passes; ``s_aux`` and ``position_bias`` are refused
-        (NotImplementedError), ``output_attentions`` warns, the rest is ignored.
+        Whatever else the model passes; ``s_aux`` (attention sinks, ``(q_heads,)``) becomes
+        the ``sinks`` variant, ``position_bias`` is refused (NotImplementedError),
+        ``output_attentions`` warns, the rest is ignored.
 
     Returns
     -------
@@ -249,18 +257,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         ``(out, None)``: ``out`` of shape ``(batch, q_length, q_heads, head_dim)``
         (contiguous), and None for the attention weights, which are never formed.
     """
-    variants = _variants(sliding_window, softcap)
     _refuse_unsupported(kwargs)
     q_length = query.shape[2]
     gqa = query.shape[1] != key.shape[1]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    causal_layer = bool(is_causal)
     # As transformers' SDPA integration: causality comes from is_causal only when the mask
     # builder left it out (None), and never for one query token (it sees the whole cache).
     is_causal = bool(is_causal and attention_mask is None and q_length > 1)
     if is_causal and key.shape[2] > q_length:
         # a first chunk into a static cache: the slots after the prompt are empty
         key, value = key[:, :, :q_length], value[:, :, :q_length]
+    # without a mask the keys end at the queries (cut just above for a static cache): the
+    # window can go to the kernels bottom-right aligned
+    variants = _variants(sliding_window, softcap, kwargs.get("s_aux"),
+                         masked=attention_mask is not None or not causal_layer)
     if q_length == 1:
         out = _decode(query, key, value, attention_mask, dropout, scaling, gqa, variants)
     else:
