@@ -256,6 +256,18 @@ def test_window_with_bool_mask_dropout_and_float32():
     assert_close(got[:3], got[4], np.float32, what="float32")
 
 
+def test_softcap_alone_float32_with_dropout_and_causal():
+    """The soft cap with nothing else that changes scores takes the backward's lane-wise tile
+    pass (float32 tanh, the slope into its own tile): with dropout, causal tiles both on and
+    off the diagonal, and odd sizes (query and key padding)."""
+    rng = np.random.default_rng(5)
+    q, k, v, g = (x.astype(np.float32) for x in inputs(rng, 1, 2, 1, 75, 301, 16, 9))
+    rec = R.recipe(offset=301 - 75, softcap=4.0)
+    for dropout in (None, (0.2, 7)):
+        got = run(q, k, v, g, 0.6, rec, is_causal=True, dropout=dropout)
+        assert_close(got[:3], got[4], np.float32, what=f"dropout {dropout}")
+
+
 def test_additive_mask_grad_with_softcap_and_window():
     """dmask is the gradient of the final scores (after the soft cap), not of the capped ones'
     inputs; -inf in the mask and a fully masked row."""
