@@ -238,9 +238,9 @@ MUTANTS = [
       "return m_new, alpha * l + math.exp(sink - m_new), alpha",
       "return m_new, alpha * l, alpha",
       VAR_FWD, "sinks: the sink's exp is left out of the row's sum"),
-    M("softcap_slope_sign", R,
-      "g = 1 - t * t",
-      "g = 1 + t * t",
+    M("softcap_slope_sign", B,
+      "gt[t] = one - th * th",
+      "gt[t] = one + th * th",
       VAR_BWD, "soft cap backward: the derivative of tanh with the wrong sign"),
     # Serving: the decode kernel's causal alignment and the merge's weights.
     M("decode_causal_off_by_one", "sdpa_numba/cpu/decode.py",

@@ -266,7 +266,7 @@ def score_and_slope(r, s, b, h, i, j):
     if r.softcap > 0:
         c = cast(r.softcap, s)
         t = math.tanh(s / c)
-        g = 1 - t * t
+        g = cast(1.0, s) - t * t
         s = c * t
     s = alibi_bias(r, s, b, h, i, j)
     return user_score(r, s, b, h, i, j), g * user_score_grad(r, s, b, h, i, j)
