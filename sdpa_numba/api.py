@@ -236,10 +236,6 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
         empty blocks are skipped and full ones skip the per-element ``mask_mod``. It carries
         its ``mask_mod``, so ``mask_mod`` may be omitted.
 
-    The score of ``(b, h, i, j)`` is formed in this order: ``scale * q_i . k_j``, soft cap,
-    ALiBi, ``score_mod``, float ``attn_mask`` added; then the window (and causality), a bool
-    ``attn_mask`` and ``mask_mod`` mask it. See the variants page of the documentation.
-
     Returns
     -------
     out : array of the inputs' dtype and kind, shape (..., Hq, L, Ev)

@@ -483,6 +483,7 @@ def cmd_bench_decode(args, cases, out):
                      _fmt(r.get("rel_err_vs_torch"), ".1e"),
                      _fmt(r.get("speedup_vs_one_thread"), ".2f")])
     print(_render(head, rows, args.markdown), file=out)
+    return EXIT_OK
 
 
 def cmd_bench_variants(args, out):
