@@ -627,7 +627,7 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
         Written (compute dtype) when given (it too may be typed Optional): the gradient of an additive mask, i.e. of the
         final scores (``scale · q · k`` modified by the recipe, plus ``mask``). Full size:
         reduce broadcast dims yourself.
-    recipe : None or :class:`~sdpa_numba.score.recipe.Recipe`, optional
+    recipe : None or Recipe, optional
         The variants, as given to the forward (:func:`sdpa_numba.score.recipe.recipe`):
         window and alignment, soft cap, ALiBi, score_mod with its ``score_mod_grad``,
         mask_mod, block mask. None is plain attention, top-left causal with ``is_causal``;
