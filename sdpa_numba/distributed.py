@@ -38,8 +38,12 @@ zhuzilin/ring-flash-attention). Only keys, values and their gradients travel; sc
   row once, after the last step. Work a window leaves empty is skipped (the shards still
   travel). ``score_mod``/``mask_mod``/``block_mask`` are refused (they see one call's
   positions); so is a dense ``attn_mask``.
-* CUDA arrays are not supported yet (NotImplementedError): a CUDA-aware MPI could send device
-  buffers directly, see docs/distributed.md.
+* CUDA arrays (Numba device arrays, CuPy, torch CUDA tensors) run on the GPU launchers, their
+  partial results merged and summed on the device (:mod:`sdpa_numba.gpu.ring`). The shards
+  go to MPI as device buffers when the MPI library is CUDA-aware (:func:`mpi_cuda_aware`:
+  ``MPI.Query_cuda_support()``, overridden by ``SDPA_NUMBA_MPI_CUDA_AWARE=0/1``), else
+  through host buffers (a copy each way per message); the CUDA simulator's arrays are always
+  staged. See docs/distributed.md.
 
 mpi4py is imported when a function here is called, not when this module is imported.
 """
@@ -61,7 +65,7 @@ from .problem.variants import sinks_grad
 from .score.recipe import NO_LIMIT
 
 __all__ = ["ring_attention", "ring_attention_backward", "shard", "unshard", "shard_rows",
-           "LAYOUTS"]
+           "mpi_cuda_aware", "LAYOUTS", "CUDA_AWARE_ENV"]
 
 #: The sharding layouts along the sequence axis.
 LAYOUTS = ("contiguous", "zigzag")
@@ -757,9 +761,12 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
 
     Parameters
     ----------
-    q : ndarray, shape (..., Hq, L_local, E)
+    q : ndarray or CUDA array, shape (..., Hq, L_local, E)
         This rank's shard of the queries (rows in the order ``layout`` says, see
-        :func:`shard`). float16, bfloat16, float32 or float64, any strides.
+        :func:`shard`). float16, bfloat16, float32 or float64, any strides. NumPy arrays run
+        on the CPU; CUDA arrays (Numba device arrays, CuPy, torch CUDA tensors; all operands
+        on the device) on the GPU, with device buffers to MPI if it is CUDA-aware
+        (:func:`mpi_cuda_aware`), else staged through host buffers.
     k : ndarray, shape (..., H, S_local, E)
     v : ndarray, shape (..., H, S_local, Ev)
         This rank's shards of the keys and values. Leading dims broadcast as in
@@ -791,7 +798,7 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     Returns
     -------
     out : ndarray, shape (..., Hq, L_local, Ev)
-        This rank's shard of the output, the inputs' dtype.
+        This rank's shard of the output, the inputs' dtype (the query's kind of array).
     lse : ndarray, shape (..., Hq, L_local), only with ``return_lse=True``
         In the compute dtype (float32, or float64 for float64 inputs), the sinks included;
         pass it with ``out`` to :func:`ring_attention_backward`.
@@ -900,10 +907,11 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
     Returns
     -------
     grad_q, grad_k, grad_v : ndarray
-        The gradients of this rank's ``q``, ``k`` and ``v`` shards, their shapes and dtype.
+        The gradients of this rank's ``q``, ``k`` and ``v`` shards, their shapes and dtype
+        (the query's kind of array: on the device for CUDA inputs).
     grad_sinks : ndarray, only with ``sinks``
         The whole gradient of the sinks (the same on every rank), shape ``(Hq,)``, the sinks'
-        dtype: ``-sum exp(sink - lse) rowsum(grad_out * out)`` over every rank's rows, the
+        dtype, a NumPy array (also for CUDA inputs, as the dense backward): ``-sum exp(sink - lse) rowsum(grad_out * out)`` over every rank's rows, the
         ranks' sums added in rank order. The soft cap's gradient is analytic; ALiBi slopes
         get none, as in the dense backward.
 

@@ -260,7 +260,7 @@ def run_cuda_case(case):
     out_h, lse_h = ring_attention(ql, kl, vl, return_lse=True, **kw)
     g = rng.standard_normal(out_h.shape).astype(dt)
     grads_h = ring_attention_backward(g, ql, kl, vl, out_h, lse_h, **kw)
-    dev = [cuda.to_device(x) for x in (ql, kl, vl, g)]
+    dev = [cuda.to_device(np.ascontiguousarray(x)) for x in (ql, kl, vl, g)]
     out_d, lse_d = ring_attention(*dev[:3], return_lse=True, **kw)
     grads_d = ring_attention_backward(dev[3], *dev[:3], out_d, lse_d, **kw)
     host = [x.copy_to_host() for x in (out_d, lse_d, *grads_d[:3])]
