@@ -359,7 +359,8 @@ def _check_arrays(named):
 
 
 def _check_local(q, k, layout):
-    L, S = tuple(q.shape)[-2], tuple(k.shape)[-2]  # tuple(): the simulator's shapes index from 0 only
+    # tuple(): the CUDA simulator's shapes take no negative index
+    L, S = tuple(q.shape)[-2], tuple(k.shape)[-2]
     if layout == "zigzag" and (L % 2 or S % 2):
         raise ValueError(f"the zigzag layout needs shards of even length (two equal chunks "
                          f"each): query {q.shape}, key {k.shape}")
@@ -911,7 +912,8 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
         (the query's kind of array: on the device for CUDA inputs).
     grad_sinks : ndarray, only with ``sinks``
         The whole gradient of the sinks (the same on every rank), shape ``(Hq,)``, the sinks'
-        dtype, a NumPy array (also for CUDA inputs, as the dense backward): ``-sum exp(sink - lse) rowsum(grad_out * out)`` over every rank's rows, the
+        dtype, a NumPy array (also for CUDA inputs, as the dense backward):
+        ``-sum exp(sink - lse) rowsum(grad_out * out)`` over every rank's rows, the
         ranks' sums added in rank order. The soft cap's gradient is analytic; ALiBi slopes
         get none, as in the dense backward.
 
