@@ -720,6 +720,14 @@ def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mas
 
             arrays, restore = adopt(device, list(zip(names, arrays)))
             check_device_strides(list(zip(names, arrays)))
+            from ._bf16 import is_bfloat16
+
+            if any(is_bfloat16(x.dtype) for x in arrays):
+                # The ring's merge and sum kernels (sdpa_numba.gpu.ring) read and write plain
+                # floats; bfloat16 storage would need the kernels' storage views.
+                raise NotImplementedError("ring attention on bfloat16 CUDA arrays is not built "
+                                          "yet: pass float16, float32 or float64, or NumPy "
+                                          "arrays")
             # The simulator's arrays are host memory without __cuda_array_interface__.
             stage = is_simulated_mode() or not mpi_cuda_aware()
         else:
