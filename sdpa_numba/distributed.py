@@ -41,7 +41,7 @@ zhuzilin/ring-flash-attention). Only keys, values and their gradients travel; sc
 * CUDA arrays (Numba device arrays, CuPy, torch CUDA tensors) run on the GPU launchers, their
   partial results merged and summed on the device (:mod:`sdpa_numba.gpu.ring`). The shards
   go to MPI as device buffers when the MPI library is CUDA-aware (:func:`mpi_cuda_aware`:
-  ``MPI.Query_cuda_support()``, overridden by ``SDPA_NUMBA_MPI_CUDA_AWARE=0/1``), else
+  ``MPIX_Query_cuda_support``, overridden by ``SDPA_NUMBA_MPI_CUDA_AWARE=0/1``), else
   through host buffers (a copy each way per message); the CUDA simulator's arrays are always
   staged. See docs/distributed.md.
 
@@ -89,10 +89,11 @@ CUDA_AWARE_ENV = "SDPA_NUMBA_MPI_CUDA_AWARE"
 def mpi_cuda_aware():
     """Whether device buffers go to MPI directly (else through host buffers).
 
-    ``SDPA_NUMBA_MPI_CUDA_AWARE=1`` or ``0`` decides; unset, the MPI library is asked
-    (mpi4py's ``MPI.Query_cuda_support()``: MPI 4.1's ``MPIX_Query_cuda_support``, also in
-    MPICH and Open MPI builds with CUDA); a library that cannot say is taken as not
-    CUDA-aware. The CUDA simulator's arrays are host memory and always staged.
+    ``SDPA_NUMBA_MPI_CUDA_AWARE=1`` or ``0`` decides; unset, the MPI library is asked:
+    mpi4py's ``MPI.Query_cuda_support()`` where it has one, else the library's own
+    ``MPIX_Query_cuda_support()`` (an extension of Open MPI and MPICH, found in the ``libmpi``
+    this process loaded). A library that cannot say is taken as not CUDA-aware (staging:
+    slower, never wrong). The CUDA simulator's arrays are host memory and always staged.
     """
     env = os.environ.get(CUDA_AWARE_ENV)
     if env is not None and env.strip() != "":
@@ -100,12 +101,42 @@ def mpi_cuda_aware():
             raise ValueError(f"{CUDA_AWARE_ENV} must be 0 or 1, got {env!r}")
         return env.strip() == "1"
     query = getattr(_mpi(), "Query_cuda_support", None)
-    if query is None:
-        return False
+    if query is not None:
+        try:
+            return bool(query())
+        except Exception:  # an MPI library without the query (NotImplementedError in mpi4py)
+            return False
+    return bool(_mpix_query_cuda_support())
+
+
+_MPIX_ANSWER: list = []  # the library's answer, asked once per process
+
+
+def _mpix_query_cuda_support():
+    """``MPIX_Query_cuda_support()`` of the MPI library mpi4py loaded (mpi4py 4.1 does not
+    wrap it; the library is opened with local symbols, so it is found by its path among the
+    process's mappings: Linux only). None when the library cannot be asked."""
+    if _MPIX_ANSWER:
+        return _MPIX_ANSWER[0]
+    answer = None
     try:
-        return bool(query())
-    except Exception:  # an MPI library without the query (NotImplementedError in mpi4py)
-        return False
+        import ctypes
+
+        _mpi()  # initialized: the query must follow MPI_Init
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f
+                           if "/libmpi" in line and ".so" in line.split()[-1]})
+        for path in libs:
+            lib = ctypes.CDLL(path)
+            fn = getattr(lib, "MPIX_Query_cuda_support", None)
+            if fn is not None:
+                fn.restype, fn.argtypes = ctypes.c_int, []
+                answer = bool(fn())
+                break
+    except Exception:  # no /proc, no such symbol: cannot say
+        answer = None
+    _MPIX_ANSWER.append(answer)
+    return answer
 
 
 def _mpi():

@@ -334,6 +334,22 @@ def test_cuda_aware_detection_without_override(monkeypatch):
     assert distributed.mpi_cuda_aware() is expected
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_mpich_answers_the_cuda_query(monkeypatch):
+    """mpi4py 4.1 has no Query_cuda_support: the library's MPIX_Query_cuda_support is
+    found and asked (MPICH and Open MPI have it), and mpi_cuda_aware() says what it said."""
+    from mpi4py import MPI
+
+    if hasattr(MPI, "Query_cuda_support"):
+        pytest.skip("this mpi4py asks the library itself")
+    if "MPICH" not in MPI.Get_library_version():
+        pytest.skip("MPICH's libmpi is the one known here to export the query")
+    answer = distributed._mpix_query_cuda_support()
+    assert answer is not None, "MPIX_Query_cuda_support was not found in the loaded libmpi"
+    monkeypatch.delenv(distributed.CUDA_AWARE_ENV, raising=False)
+    assert distributed.mpi_cuda_aware() is answer
+
+
 #: The device cases of the worker's ``--cuda`` mode (tiny: the simulator runs every GPU thread
 #: in Python) and their tolerances against the host ring and the dense functions.
 CUDA_CASES = {"cuda-f64-causal-zigzag-gqa-window-softcap-sinks": 1e-12,
