@@ -38,8 +38,12 @@ zhuzilin/ring-flash-attention). Only keys, values and their gradients travel; sc
   row once, after the last step. Work a window leaves empty is skipped (the shards still
   travel). ``score_mod``/``mask_mod``/``block_mask`` are refused (they see one call's
   positions); so is a dense ``attn_mask``.
-* CUDA arrays are not supported yet (NotImplementedError): a CUDA-aware MPI could send device
-  buffers directly, see docs/distributed.md.
+* CUDA arrays (Numba device arrays, CuPy, torch CUDA tensors) run on the GPU launchers, their
+  partial results merged and summed on the device (:mod:`sdpa_numba.gpu.ring`). The shards
+  go to MPI as device buffers when the MPI library is CUDA-aware (:func:`mpi_cuda_aware`:
+  ``MPIX_Query_cuda_support``, overridden by ``SDPA_NUMBA_MPI_CUDA_AWARE=0/1``), else
+  through host buffers (a copy each way per message); the CUDA simulator's arrays are always
+  staged. See docs/distributed.md.
 
 mpi4py is imported when a function here is called, not when this module is imported.
 """
@@ -49,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import numbers
+import os
 from typing import Any
 
 import numpy as np
@@ -60,7 +65,7 @@ from .problem.variants import sinks_grad
 from .score.recipe import NO_LIMIT
 
 __all__ = ["ring_attention", "ring_attention_backward", "shard", "unshard", "shard_rows",
-           "LAYOUTS"]
+           "mpi_cuda_aware", "LAYOUTS", "CUDA_AWARE_ENV"]
 
 #: The sharding layouts along the sequence axis.
 LAYOUTS = ("contiguous", "zigzag")
@@ -75,6 +80,63 @@ _REFUSED = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "block_mask")
 
 # Message tags (on a private duplicate of the caller's communicator).
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 11, 12, 13, 14
+
+#: The environment variable that overrides the detection of a CUDA-aware MPI library:
+#: "1" passes device buffers to MPI, "0" stages them through host buffers.
+CUDA_AWARE_ENV = "SDPA_NUMBA_MPI_CUDA_AWARE"
+
+
+def mpi_cuda_aware():
+    """Whether device buffers go to MPI directly (else through host buffers).
+
+    ``SDPA_NUMBA_MPI_CUDA_AWARE=1`` or ``0`` decides; unset, the MPI library is asked:
+    mpi4py's ``MPI.Query_cuda_support()`` where it has one, else the library's own
+    ``MPIX_Query_cuda_support()`` (an extension of Open MPI and MPICH, found in the ``libmpi``
+    this process loaded). A library that cannot say is taken as not CUDA-aware (staging:
+    slower, never wrong). The CUDA simulator's arrays are host memory and always staged.
+    """
+    env = os.environ.get(CUDA_AWARE_ENV)
+    if env is not None and env.strip() != "":
+        if env.strip() not in ("0", "1"):
+            raise ValueError(f"{CUDA_AWARE_ENV} must be 0 or 1, got {env!r}")
+        return env.strip() == "1"
+    query = getattr(_mpi(), "Query_cuda_support", None)
+    if query is not None:
+        try:
+            return bool(query())
+        except Exception:  # an MPI library without the query (NotImplementedError in mpi4py)
+            return False
+    return bool(_mpix_query_cuda_support())
+
+
+_MPIX_ANSWER: list = []  # the library's answer, asked once per process
+
+
+def _mpix_query_cuda_support():
+    """``MPIX_Query_cuda_support()`` of the MPI library mpi4py loaded (mpi4py 4.1 does not
+    wrap it; the library is opened with local symbols, so it is found by its path among the
+    process's mappings: Linux only). None when the library cannot be asked."""
+    if _MPIX_ANSWER:
+        return _MPIX_ANSWER[0]
+    answer = None
+    try:
+        import ctypes
+
+        _mpi()  # initialized: the query must follow MPI_Init
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f
+                           if "/libmpi" in line and ".so" in line.split()[-1]})
+        for path in libs:
+            lib = ctypes.CDLL(path)
+            fn = getattr(lib, "MPIX_Query_cuda_support", None)
+            if fn is not None:
+                fn.restype, fn.argtypes = ctypes.c_int, []
+                answer = bool(fn())
+                break
+    except Exception:  # no /proc, no such symbol: cannot say
+        answer = None
+    _MPIX_ANSWER.append(answer)
+    return answer
 
 
 def _mpi():
@@ -174,8 +236,13 @@ def shard(x, comm=None, layout="contiguous", *, axis=-2):
 
 def _as_bytes(a):
     """A C-contiguous array's memory as a flat uint8 view: MPI moves bytes, whatever the
-    dtype (float16 and bfloat16 have no MPI datatype)."""
-    return a.reshape(-1).view(np.uint8)
+    dtype (float16 and bfloat16 have no MPI datatype). Device arrays stay on the device
+    (a Numba device array, which mpi4py takes by its ``__cuda_array_interface__``)."""
+    if isinstance(a, np.ndarray):
+        return a.reshape(-1).view(np.uint8)
+    from .gpu.arrays import as_strided
+
+    return as_strided(a, (a.size * a.dtype.itemsize,), (1,), np.uint8)
 
 
 def unshard(x_local, comm=None, layout="contiguous", *, axis=-2):
@@ -295,21 +362,36 @@ def _is_host_array(x):
     return isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__")
 
 
+def _device_kind(named):
+    """'host' for NumPy arrays, 'cuda' for CUDA arrays (Numba device arrays, real or
+    simulated, CuPy, torch CUDA tensors); TypeError for anything else or a mix."""
+    from .api import _is_device_array
+
+    kinds = {}
+    for name, x in named:
+        if _is_device_array(x):
+            kinds[name] = "cuda"
+        elif _is_host_array(x):
+            kinds[name] = "host"
+        else:
+            raise TypeError(f"{name} must be a NumPy array or a CUDA array, got "
+                            f"{type(x).__name__}")
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{n} on {k}" for n, k in kinds.items())
+        raise TypeError(f"inputs mix host and device arrays ({desc}): put them on one device")
+    return next(iter(kinds.values()))
+
+
 def _check_arrays(named):
     for name, x in named:
-        if hasattr(x, "__cuda_array_interface__"):
-            raise NotImplementedError(f"{name} is a CUDA array: ring attention runs on NumPy "
-                                      f"arrays only for now (a CUDA-aware MPI could send device "
-                                      f"buffers; see docs/distributed.md)")
-        if not _is_host_array(x):
-            raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
         least = 1 if name == "lse" else 2
         if x.ndim < least:
             raise ValueError(f"{name} must have at least {least} dims, got shape {x.shape}")
 
 
 def _check_local(q, k, layout):
-    L, S = q.shape[-2], k.shape[-2]
+    # tuple(): the CUDA simulator's shapes take no negative index
+    L, S = tuple(q.shape)[-2], tuple(k.shape)[-2]
     if layout == "zigzag" and (L % 2 or S % 2):
         raise ValueError(f"the zigzag layout needs shards of even length (two equal chunks "
                          f"each): query {q.shape}, key {k.shape}")
@@ -471,18 +553,117 @@ def _block_plan(q, k, v, ring, offset, left, right):
 
 
 def _attend(q, k, v, ring, offset, left, right):
-    """``(out, lse)`` of one dense call (the CPU launcher, with the ring's recipe)."""
-    from .cpu import launch
+    """``(out, lse)`` of one dense call (the CPU or GPU launcher, with the ring's recipe)."""
+    if ring.device == "cuda":
+        from .gpu import launch
+    else:
+        from .cpu import launch
 
     return launch.run(_block_plan(q, k, v, ring, offset, left, right), q, k, v, None, None)
 
 
 def _attend_backward(grad_out, q, k, v, out, lse, ring, offset, left, right):
     """``(dq, dk, dv)`` of one dense call, from the GLOBAL ``out`` and ``lse`` rows."""
-    from .cpu import launch_backward
+    if ring.device == "cuda":
+        from .gpu import launch_backward
+    else:
+        from .cpu import launch_backward
 
     p = _block_plan(q, k, v, ring, offset, left, right)
     return launch_backward.run_backward(p, grad_out, q, k, v, None, out, lse, None, False)[:3]
+
+
+class _HostOps:
+    """The ring's buffer operations on NumPy arrays."""
+
+    @staticmethod
+    def copy(x):
+        return np.ascontiguousarray(x).copy()
+
+    @staticmethod
+    def empty(shape, dtype):
+        return np.empty(shape, dtype)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def from_host(x):
+        return x
+
+    @staticmethod
+    def to_host(x):
+        return x
+
+    @staticmethod
+    def merge(out, lse, o, lo, qs, n_q):
+        """``(out, lse)`` with the state ``(o, lo)`` of rows ``qs`` merged in."""
+        if qs == slice(0, n_q):
+            return merge_attention_states(out, lse, o, lo)
+        o2, l2 = merge_attention_states(_rows(out, qs), _rows(lse, qs, -1), o, lo)
+        _rows(out, qs)[...] = o2
+        _rows(lse, qs, -1)[...] = l2
+        return out, lse
+
+    @staticmethod
+    def add(acc, x):
+        acc[...] += x
+
+    @staticmethod
+    def cast(x, dtype):
+        return x.astype(dtype)
+
+
+class _DeviceOps:
+    """The same on Numba device arrays (:mod:`sdpa_numba.gpu.ring`'s kernels)."""
+
+    @staticmethod
+    def copy(x):
+        from .gpu.ring import contiguous_copy
+
+        return contiguous_copy(x)
+
+    @staticmethod
+    def empty(shape, dtype):
+        from .gpu.arrays import device_array
+
+        return device_array(shape, dtype)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        from .gpu.ring import zeros
+
+        return zeros(shape, dtype)
+
+    @staticmethod
+    def from_host(x):
+        from numba import cuda
+
+        return cuda.to_device(np.ascontiguousarray(x))
+
+    @staticmethod
+    def to_host(x):
+        return x.copy_to_host()
+
+    @staticmethod
+    def merge(out, lse, o, lo, qs, n_q):
+        from .gpu.ring import merge_into
+
+        merge_into(_rows(out, qs), _rows(lse, qs, -1), o, lo)
+        return out, lse
+
+    @staticmethod
+    def add(acc, x):
+        from .gpu.ring import add_into
+
+        add_into(acc, x)
+
+    @staticmethod
+    def cast(x, dtype):
+        from .gpu.reduce import sum_to
+
+        return sum_to(x, tuple(x.shape), dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,6 +683,12 @@ class _Ring:
     L: int
     out_shape: tuple  # this rank's output shard
     dtype: Any
+    device: str       # "host" (NumPy arrays) or "cuda" (Numba device arrays)
+    stage: bool       # device buffers go through host buffers to MPI (not CUDA-aware)
+
+    @property
+    def ops(self):
+        return _DeviceOps if self.device == "cuda" else _HostOps
 
     def work(self, n_q, n_k, size, rank, src):
         return _work(self.layout, n_q, n_k, size, rank, src, self.goff, self.left,
@@ -512,11 +699,26 @@ class _Exchange:
     """Non-blocking exchange of a set of arrays with the ring's neighbours: send ours to
     ``rank + 1``, receive the same shapes from ``rank - 1`` into ``recv``."""
 
-    def __init__(self, coll, send, recv, tags):
+    def __init__(self, coll, send, recv, tags, ring):
         self.requests = []
+        self.unstage = []  # (device buffer, host buffer) to copy once the messages are in
         if coll.size == 1:
             return
         nxt, prev = (coll.rank + 1) % coll.size, (coll.rank - 1) % coll.size
+        if ring.device == "cuda":
+            if ring.stage:
+                # Through the host: the sent shards copied out now, the received ones copied
+                # in by wait(). Blocking copies on the default stream: they follow the kernels
+                # that wrote the buffers.
+                send = [s.copy_to_host() for s in send]
+                host = [np.empty(tuple(r.shape), r.dtype) for r in recv]
+                self.unstage = list(zip(recv, host))
+                recv = host
+            else:
+                from numba import cuda
+
+                # MPI reads the device buffers itself: the kernels writing them must be done.
+                cuda.synchronize()
         for s, r, tag in zip(send, recv, tags):
             self.requests.append(coll.comm.Irecv(_as_bytes(r), source=prev, tag=tag))
             self.requests.append(coll.comm.Isend(_as_bytes(s), dest=nxt, tag=tag))
@@ -525,6 +727,9 @@ class _Exchange:
         if self.requests:
             _mpi().Request.Waitall(self.requests)
             self.requests = []
+            for dev, host in self.unstage:
+                dev.copy_to_device(host)
+            self.unstage = []
 
 
 def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask, dropout_p,
@@ -532,14 +737,35 @@ def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mas
     """The local and the collective checks; every rank raises if one fails. Returns the
     validated call as a :class:`_Ring`."""
     error = None
+    device, restore = "host", None
     try:
         sharded = _check_variants(attn_mask, dropout_p, variants)
         _check_layout(layout)
         is_causal = check_flag("is_causal", is_causal)
         enable_gqa = check_flag("enable_gqa", enable_gqa)
+        device = _device_kind(list(zip(names, arrays)))
+        if device == "cuda":
+            from .api import adopt
+            from .gpu.arrays import is_simulated_mode
+            from .problem import check_device_strides
+
+            arrays, restore = adopt(device, list(zip(names, arrays)))
+            check_device_strides(list(zip(names, arrays)))
+            from ._bf16 import is_bfloat16
+
+            if any(is_bfloat16(x.dtype) for x in arrays):
+                # The ring's merge and sum kernels (sdpa_numba.gpu.ring) read and write plain
+                # floats; bfloat16 storage would need the kernels' storage views.
+                raise NotImplementedError("ring attention on bfloat16 CUDA arrays is not built "
+                                          "yet: pass float16, float32 or float64, or NumPy "
+                                          "arrays")
+            # The simulator's arrays are host memory without __cuda_array_interface__.
+            stage = is_simulated_mode() or not mpi_cuda_aware()
+        else:
+            stage = False
         _check_arrays(list(zip(names, arrays)))
         if extra is not None:
-            extra()
+            extra(arrays)
         q, k = arrays[names.index("query")], arrays[names.index("key")]
         _check_local(q, k, layout)
         from .problem import plan
@@ -553,16 +779,16 @@ def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mas
                      recipe=r._replace(sinks=None, offset=np.int64(0)),
                      goff=coll.size * int(r.offset), left=int(r.left), right=int(r.right),
                      sinks=None if r.sinks is None else r, hq=p.hq, batch=p.batch, L=p.L,
-                     out_shape=p.out_shape, dtype=p.dtype)
+                     out_shape=p.out_shape, dtype=p.dtype, device=device, stage=stage)
     except Exception as e:  # every rank must hear of it before anyone communicates
         error = e
     coll.agree(error, "before the first step (bad input)")
     sig = _signature(arrays, is_causal=is_causal, scale=ring.scale, enable_gqa=enable_gqa,
-                     layout=layout, window=(ring.left, ring.right), offset=ring.goff,
+                     device=device, layout=layout, window=(ring.left, ring.right), offset=ring.goff,
                      softcap=float(r.softcap), alibi_slopes=_digest(r.alibi),
                      sinks=_digest(r.sinks))
     _compare(coll, sig, names)
-    return ring
+    return ring, arrays, (restore or (lambda x: x))
 
 
 def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool = False,
@@ -575,9 +801,12 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
 
     Parameters
     ----------
-    q : ndarray, shape (..., Hq, L_local, E)
+    q : ndarray or CUDA array, shape (..., Hq, L_local, E)
         This rank's shard of the queries (rows in the order ``layout`` says, see
-        :func:`shard`). float16, bfloat16, float32 or float64, any strides.
+        :func:`shard`). float16, bfloat16, float32 or float64, any strides. NumPy arrays run
+        on the CPU; CUDA arrays (Numba device arrays, CuPy, torch CUDA tensors; all operands
+        on the device) on the GPU, with device buffers to MPI if it is CUDA-aware
+        (:func:`mpi_cuda_aware`), else staged through host buffers.
     k : ndarray, shape (..., H, S_local, E)
     v : ndarray, shape (..., H, S_local, Ev)
         This rank's shards of the keys and values. Leading dims broadcast as in
@@ -609,7 +838,7 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     Returns
     -------
     out : ndarray, shape (..., Hq, L_local, Ev)
-        This rank's shard of the output, the inputs' dtype.
+        This rank's shard of the output, the inputs' dtype (the query's kind of array).
     lse : ndarray, shape (..., Hq, L_local), only with ``return_lse=True``
         In the compute dtype (float32, or float64 for float64 inputs), the sinks included;
         pass it with ``out`` to :func:`ring_attention_backward`.
@@ -634,10 +863,11 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     comm = _comm(comm)
     coll = _Collective(comm)
     try:
-        ring = _prepare(
+        ring, (q, k, v), restore = _prepare(
             coll, [q, k, v], ["query", "key", "value"], is_causal, scale, enable_gqa, layout,
-            attn_mask, dropout_p, variants, extra=lambda: check_flag("return_lse", return_lse))
-        return _forward(coll, q, k, v, ring, bool(return_lse))
+            attn_mask, dropout_p, variants, extra=lambda _: check_flag("return_lse", return_lse))
+        out, lse = _forward(coll, q, k, v, ring)
+        return (restore(out), restore(lse)) if return_lse else restore(out)
     finally:
         coll.free()
 
@@ -646,25 +876,27 @@ def _sink_part(ring, out, lse):
     """The sinks as one more part to merge: ``out`` 0, ``lse`` the head's sink."""
     s = ring.sinks.sinks.reshape(ring.hq, 1)
     sink_lse = np.broadcast_to(s, (*ring.batch, ring.hq, ring.L)).reshape(lse.shape)
-    return np.zeros_like(out), np.ascontiguousarray(sink_lse, dtype=lse.dtype)
+    return (ring.ops.zeros(tuple(out.shape), out.dtype),
+            ring.ops.from_host(np.ascontiguousarray(sink_lse, dtype=lse.dtype)))
 
 
 def _nothing_seen(ring):
     """The result of rows that saw no key: ``out`` 0, ``lse`` -inf (as the dense API)."""
-    return (np.zeros(ring.out_shape, ring.dtype),
-            np.full(ring.out_shape[:-1], -np.inf, compute_dtype(ring.dtype)))
+    return (ring.ops.zeros(ring.out_shape, ring.dtype),
+            ring.ops.from_host(np.full(ring.out_shape[:-1], -np.inf, compute_dtype(ring.dtype))))
 
 
-def _forward(coll, q, k, v, ring, return_lse):
+def _forward(coll, q, k, v, ring):
     P, rank = coll.size, coll.rank
-    n_q, n_k = q.shape[-2], k.shape[-2]
+    n_q, n_k = tuple(q.shape)[-2], tuple(k.shape)[-2]
+    ops = ring.ops
     # Two key/value buffers: the one being computed (and sent on) and the one being received.
-    cur = [np.ascontiguousarray(k).copy(), np.ascontiguousarray(v).copy()]
-    nxt = [np.empty_like(cur[0]), np.empty_like(cur[1])]
+    cur = [ops.copy(k), ops.copy(v)]
+    nxt = [ops.empty(tuple(x.shape), x.dtype) for x in cur]
     out = lse = None
     for t in range(P):
         src = (rank - t) % P
-        exchange = _Exchange(coll, cur, nxt, (_TAG_K, _TAG_V)) if t < P - 1 else None
+        exchange = _Exchange(coll, cur, nxt, (_TAG_K, _TAG_V), ring) if t < P - 1 else None
         error = None
         try:
             for qs, ks, offset, left, right in ring.work(n_q, n_k, P, rank, src):
@@ -675,24 +907,20 @@ def _forward(coll, q, k, v, ring, return_lse):
                     continue
                 if out is None:  # no call so far covered every row: start from "no key"
                     out, lse = _nothing_seen(ring)
-                if qs == slice(0, n_q):
-                    out, lse = merge_attention_states(out, lse, o, l_)
-                else:
-                    o2, l2 = merge_attention_states(_rows(out, qs), _rows(lse, qs, -1), o, l_)
-                    _rows(out, qs)[...] = o2
-                    _rows(lse, qs, -1)[...] = l2
+                out, lse = ops.merge(out, lse, o, l_, qs, n_q)
             if t == P - 1:
                 if out is None:  # no row of this rank sees any key (a narrow window)
                     out, lse = _nothing_seen(ring)
                 if ring.sinks is not None:
-                    out, lse = merge_attention_states(out, lse, *_sink_part(ring, out, lse))
+                    out, lse = ops.merge(out, lse, *_sink_part(ring, out, lse),
+                                         slice(0, n_q), n_q)
         except Exception as e:  # finish the step's messages, then tell every rank
             error = e
         if exchange is not None:
             exchange.wait()
         coll.agree(error, f"at ring step {t}")
         cur, nxt = nxt, cur
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
@@ -719,10 +947,12 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
     Returns
     -------
     grad_q, grad_k, grad_v : ndarray
-        The gradients of this rank's ``q``, ``k`` and ``v`` shards, their shapes and dtype.
+        The gradients of this rank's ``q``, ``k`` and ``v`` shards, their shapes and dtype
+        (the query's kind of array: on the device for CUDA inputs).
     grad_sinks : ndarray, only with ``sinks``
         The whole gradient of the sinks (the same on every rank), shape ``(Hq,)``, the sinks'
-        dtype: ``-sum exp(sink - lse) rowsum(grad_out * out)`` over every rank's rows, the
+        dtype, a NumPy array (also for CUDA inputs, as the dense backward):
+        ``-sum exp(sink - lse) rowsum(grad_out * out)`` over every rank's rows, the
         ranks' sums added in rank order. The soft cap's gradient is analytic; ALiBi slopes
         get none, as in the dense backward.
 
@@ -745,40 +975,44 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
     coll = _Collective(comm)
     names = ["query", "key", "value", "grad_out", "out", "lse"]
 
-    def check_like():
+    def check_like(arrays):
         from .problem import plan
 
-        p0 = plan(q, k, v, None, bool(is_causal), scale, bool(enable_gqa))
-        for name, x, shape, dt in (("grad_out", grad_out, p0.out_shape, p0.dtype),
-                                   ("out", out, p0.out_shape, p0.dtype),
-                                   ("lse", lse, p0.out_shape[:-1], p0.compute_dtype)):
+        q_, k_, v_, grad_out_, out_, lse_ = arrays
+        p0 = plan(q_, k_, v_, None, bool(is_causal), scale, bool(enable_gqa))
+        for name, x, shape, dt in (("grad_out", grad_out_, p0.out_shape, p0.dtype),
+                                   ("out", out_, p0.out_shape, p0.dtype),
+                                   ("lse", lse_, p0.out_shape[:-1], p0.compute_dtype)):
             if tuple(x.shape) != tuple(shape) or x.dtype != dt:
                 raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dt}, got "
                                  f"{tuple(x.shape)} {x.dtype}")
 
     try:
-        ring = _prepare(
+        ring, arrays, restore = _prepare(
             coll, [q, k, v, grad_out, out, lse], names, is_causal, scale, enable_gqa, layout,
             attn_mask, dropout_p, variants, extra=check_like)
-        return _backward(coll, grad_out, q, k, v, out, lse, ring, variants.get("sinks"))
+        q, k, v, grad_out, out, lse = arrays
+        grads = _backward(coll, grad_out, q, k, v, out, lse, ring, variants.get("sinks"))
+        return (*(restore(g) for g in grads[:3]), *grads[3:])
     finally:
         coll.free()
 
 
 def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
     P, rank = coll.size, coll.rank
-    n_q, n_k = q.shape[-2], k.shape[-2]
+    n_q, n_k = tuple(q.shape)[-2], tuple(k.shape)[-2]
     ct = compute_dtype(q.dtype)
-    cur = [np.ascontiguousarray(k).copy(), np.ascontiguousarray(v).copy()]
-    nxt = [np.empty_like(cur[0]), np.empty_like(cur[1])]
+    ops = ring.ops
+    cur = [ops.copy(k), ops.copy(v)]
+    nxt = [ops.empty(tuple(x.shape), x.dtype) for x in cur]
     # dK/dV accumulators in the compute dtype: the one for the shard held now, the one coming.
-    acc = [np.zeros(k.shape, ct), np.zeros(v.shape, ct)]
-    acc_next = [np.empty_like(acc[0]), np.empty_like(acc[1])]
-    dq = np.zeros(q.shape, ct)
+    acc = [ops.zeros(tuple(k.shape), ct), ops.zeros(tuple(v.shape), ct)]
+    acc_next = [ops.empty(tuple(x.shape), ct) for x in acc]
+    dq = ops.zeros(tuple(q.shape), ct)
     grads_exchange = None  # the dK/dV accumulators in flight, for the next step
     for t in range(P):
         src = (rank - t) % P
-        exchange = _Exchange(coll, cur, nxt, (_TAG_K, _TAG_V)) if t < P - 1 else None
+        exchange = _Exchange(coll, cur, nxt, (_TAG_K, _TAG_V), ring) if t < P - 1 else None
         error = None
         parts = []
         try:
@@ -796,13 +1030,13 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
         if error is None:
             try:
                 for qs, ks, dq_p, dk_p, dv_p in parts:
-                    _rows(dq, qs)[...] += dq_p
-                    _rows(acc[0], ks)[...] += dk_p
-                    _rows(acc[1], ks)[...] += dv_p
+                    ops.add(_rows(dq, qs), dq_p)
+                    ops.add(_rows(acc[0], ks), dk_p)
+                    ops.add(_rows(acc[1], ks), dv_p)
             except Exception as e:
                 error = e
         # Send them on; after the last step's hop each shard's gradients reach their owner.
-        grads_exchange = _Exchange(coll, acc, acc_next, (_TAG_DK, _TAG_DV))
+        grads_exchange = _Exchange(coll, acc, acc_next, (_TAG_DK, _TAG_DV), ring)
         if exchange is not None:
             exchange.wait()
         if t == P - 1:
@@ -812,14 +1046,14 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
         cur, nxt = nxt, cur
     if P > 1:
         acc = acc_next  # our own shard's gradients, home after P hops
-    grads = (dq.astype(q.dtype), acc[0].astype(k.dtype), acc[1].astype(v.dtype))
+    grads = (ops.cast(dq, q.dtype), ops.cast(acc[0], k.dtype), ops.cast(acc[1], v.dtype))
     if ring.sinks is None:
         return grads
     # d sinks: each rank's rows (global out and lse, sinks included), summed over the ranks
     # in rank order (deterministic), in float64.
     error = part = None
     try:
-        part = sinks_grad(ring.sinks, grad_out, out, lse)
+        part = sinks_grad(ring.sinks, ops.to_host(grad_out), ops.to_host(out), ops.to_host(lse))
     except Exception as e:
         error = e
     coll.agree(error, "computing the sinks' gradient")

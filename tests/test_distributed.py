@@ -299,14 +299,89 @@ def test_work_skips_steps_a_narrow_window_leaves_empty():
         assert steps == ([0] if rank == 0 else [0, 1]), (rank, steps)
 
 
-def test_cuda_arrays_are_refused():
+def test_host_and_device_operands_mixed_are_refused():
     class FakeDevice:
         __cuda_array_interface__ = {}
         shape, ndim, dtype = (2, 4, 8), 3, np.dtype(np.float32)
 
     q = np.zeros((2, 4, 8), np.float32)
-    with pytest.raises(NotImplementedError, match="key is a CUDA array"):
+    with pytest.raises(TypeError, match="query on host, key on cuda"):
         distributed.ring_attention(q, FakeDevice(), q)
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), (" 1 ", True)])
+def test_cuda_aware_override(monkeypatch, value, expected):
+    monkeypatch.setenv(distributed.CUDA_AWARE_ENV, value)
+    assert distributed.mpi_cuda_aware() is expected
+
+
+def test_cuda_aware_override_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(distributed.CUDA_AWARE_ENV, "yes")
+    with pytest.raises(ValueError, match="SDPA_NUMBA_MPI_CUDA_AWARE must be 0 or 1"):
+        distributed.mpi_cuda_aware()
+
+
+def test_cuda_aware_detection_without_override(monkeypatch):
+    """Unset, the library is asked; MPICH's wheel here is not built with CUDA."""
+    from mpi4py import MPI
+
+    monkeypatch.delenv(distributed.CUDA_AWARE_ENV, raising=False)
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        expected = bool(query()) if query is not None else False
+    except Exception:  # noqa: BLE001 - a library without the query counts as not CUDA-aware
+        expected = False
+    assert distributed.mpi_cuda_aware() is expected
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_mpich_answers_the_cuda_query(monkeypatch):
+    """mpi4py 4.1 has no Query_cuda_support: the library's MPIX_Query_cuda_support is
+    found and asked (MPICH and Open MPI have it), and mpi_cuda_aware() says what it said."""
+    from mpi4py import MPI
+
+    if hasattr(MPI, "Query_cuda_support"):
+        pytest.skip("this mpi4py asks the library itself")
+    if "MPICH" not in MPI.Get_library_version():
+        pytest.skip("MPICH's libmpi is the one known here to export the query")
+    answer = distributed._mpix_query_cuda_support()
+    assert answer is not None, "MPIX_Query_cuda_support was not found in the loaded libmpi"
+    monkeypatch.delenv(distributed.CUDA_AWARE_ENV, raising=False)
+    assert distributed.mpi_cuda_aware() is answer
+
+
+#: The device cases of the worker's ``--cuda`` mode (tiny: the simulator runs every GPU thread
+#: in Python) and their tolerances against the host ring and the dense functions.
+CUDA_CASES = {"cuda-f64-causal-zigzag-gqa-window-softcap-sinks": 1e-12,
+              "cuda-f32-noncausal-contiguous": 1e-5}
+
+
+def test_cuda_arrays_under_the_simulator(tmp_path):
+    """``mpiexec -n 2`` of the worker's ``--cuda`` mode under the CUDA simulator (whose arrays
+    are always staged through host buffers): device forward and backward equal the host
+    ring's on the same shards, and the gathered results the dense functions'."""
+    path = tmp_path / "ring-cuda.json"
+    cmd = [mpiexec(), *(["-launcher", "fork"] if _is_mpich() else ["--oversubscribe"]),
+           "-n", "2", sys.executable, str(WORKER), str(path), "--cuda"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+           "NUMBA_ENABLE_CUDASIM": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop(distributed.CUDA_AWARE_ENV, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(path.read_text())
+    assert report["size"] == 2 and report["simulated"]
+    assert set(report["cases"]) == set(CUDA_CASES)
+    for case, tol in CUDA_CASES.items():
+        ranks = report["cases"][case]
+        assert len(ranks) == 2
+        for r in ranks:
+            assert r["device_results"] and r["inputs_unchanged"], (case, r)
+            assert all(kind == "FakeCUDAArray" for kind in r["kinds"][:4]), (case, r)
+            assert r["vs_host_ring"] <= tol, (case, r)
+            assert r["vs_dense"] <= tol, (case, r)
+            if "sinks" in case:
+                assert r["dsinks_vs_host_ring"] <= tol, (case, r)
 
 
 def test_comm_must_be_a_communicator():
