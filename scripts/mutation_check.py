@@ -80,8 +80,8 @@ def M(name, path, old, new, tests, description):
 MUTANTS = [
     # --- CPU forward: causal bounds and block skips
     M("causal_diagonal_off_by_one", F,
-      "lo = jj - r.right - r.offset - i_first",
-      "lo = jj - r.right - r.offset - i_first - 1",
+      "for i in range(min(max(i_begin - i_first, 0), BM)):",
+      "for i in range(min(max(i_begin - i_first - 1, 0), BM)):",
       FWD_CAUSAL, "causal mask lets query i see key i + 1"),
     M("causal_kv_end_short", F,
       "j_begin, kv_end = key_range(r, i0, i1 - 1, s_len)",
@@ -221,7 +221,11 @@ MUTANTS = [
     M("window_left_off_by_one", R,
       "return j >= ii - r.left and j <= ii + r.right",
       "return j > ii - r.left and j <= ii + r.right",
-      VAR_WINDOW, "window: a row misses the key at exactly i' - left"),
+      VAR_BWD, "window: a row misses the key at exactly i' - left"),
+    M("window_query_range", R,
+      "i_end = min(j_last - r.offset + r.left + 1, l_len)",
+      "i_end = min(j_last - r.offset + r.left, l_len)",
+      VAR_WINDOW, "window: the last row that sees a key (the forward's per-lane bound) one short"),
     M("window_key_range_left", R,
       "j_begin = max(i_first + r.offset - r.left, 0)",
       "j_begin = max(i_first + r.offset - r.left + 1, 0)",

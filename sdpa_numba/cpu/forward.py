@@ -39,7 +39,8 @@ from .scratch import LINE, aligned_empty, aligned_full
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, _absent, alibi_bias,
                             block_state, fold_sink, has_element_mask, kernel_recipe, key_range,
-                            modifies_scores, sink_logit, user_keeps, user_score, window_covers)
+                            modifies_scores, query_range, sink_logit, user_keeps, user_score,
+                            window_covers)
 from .storage import is_compute_dtype, load, store
 from .tanh import tanh
 from .tasks import next_task, task_queue
@@ -183,13 +184,12 @@ def _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, window, element):
         row = ptr_add(data_ptr(st), j * BM)
         jj = j0 + j
         if window:
-            # Lane i (row i_first + i) keeps key jj iff i' - left <= jj <= i' + right, with
-            # i' = i_first + i + offset: lanes lo..hi.
-            lo = jj - r.right - r.offset - i_first
-            hi = jj + r.left - r.offset - i_first
-            for i in range(min(max(lo, 0), BM)):
+            # The lanes (rows i_first + i) that see key jj: the window's query range, clamped
+            # to the tile's BM lanes.
+            i_begin, i_end = query_range(r, jj, jj, i_first + BM)
+            for i in range(min(max(i_begin - i_first, 0), BM)):
                 row[i] = neg_inf
-            for i in range(max(hi + 1, 0), BM):
+            for i in range(max(i_end - i_first, 0), BM):
                 row[i] = neg_inf
         if mask is not None:
             for i in range(n_real):
