@@ -59,6 +59,7 @@ R = "sdpa_numba/score/recipe.py"
 VAR_WINDOW = ["tests/test_variants.py", "-k", "window"]
 VAR_FWD = ["tests/test_variants.py"]
 VAR_BWD = ["tests/test_variants_backward.py"]
+CUDA_VAR = ["tests/cuda/test_cuda_variants.py"]
 KV = ["tests/test_kvcache.py"]
 MERGE = ["tests/test_merge.py"]
 
@@ -221,7 +222,7 @@ MUTANTS = [
     M("window_left_off_by_one", R,
       "return j >= ii - r.left and j <= ii + r.right",
       "return j > ii - r.left and j <= ii + r.right",
-      VAR_BWD, "window: a row misses the key at exactly i' - left"),
+      CUDA_VAR, "window: a row misses the key at exactly i' - left"),
     M("window_query_range", R,
       "i_end = min(j_last - r.offset + r.left + 1, l_len)",
       "i_end = min(j_last - r.offset + r.left, l_len)",

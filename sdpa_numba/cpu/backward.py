@@ -278,9 +278,10 @@ def _mask_scores(st, gt, nk, nv, j0, i0, mask, use_mask, r, b, h, elem, mods):
     for rr in range(nk):
         j = j0 + rr
         row = ptr_add(st, rr * BQ)
-        # query i0 + c sees key j iff j - right <= i0 + c + offset <= j + left
-        lo = min(max(j - r.right - r.offset - i0, 0), nv)
-        hi = max(min(j + r.left - r.offset - i0 + 1, nv), lo)
+        # the columns (queries i0 + c) that see key j: the window's query range
+        i_begin, i_end = query_range(r, j, j, i0 + nv)
+        lo = min(max(i_begin - i0, 0), nv)
+        hi = max(min(i_end - i0, nv), lo)
         for c in range(lo):
             row[c] = neg_inf
         for c in range(hi, nv):
