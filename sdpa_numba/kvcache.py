@@ -6,7 +6,6 @@ Everything is validated before anything is written: a bad argument leaves the ca
 The kernel is :func:`sdpa_numba.cpu.decode.decode`.
 """
 
-import math
 import numbers
 from typing import Any
 
@@ -16,7 +15,7 @@ from ._bf16 import is_bfloat16
 from ._runtime import compile_entry, kernel_launch
 from .host_arrays import adopt as adopt_host
 from .host_arrays import as_numpy
-from .problem.arguments import check_flag, shape_str
+from .problem.arguments import check_flag, check_scale, shape_str
 from .problem.dtypes import FLOATS, compute_dtype
 from .problem.out import host_address, may_overlap, may_self_overlap
 
@@ -303,14 +302,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     else:
         table = np.arange(B, dtype=np.int32).reshape(B, 1)
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(E) if E else 1.0
-    else:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    scale = check_scale(scale, E)
 
     out_shape = (B, Lq, Hq, Ev)
     if out is not None:

@@ -60,7 +60,7 @@ from .scratch import aligned_empty
 from ..block_mask import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL,
-                            block_state, has_element_mask, kernel_recipe, key_range,
+                            covered_block_state, has_element_mask, kernel_recipe, key_range,
                             modifies_scores,
                             query_range, score_and_slope, user_keeps, window_covers)
 from .storage import load
@@ -132,22 +132,7 @@ def pair_state(r, b, h, i0, nv, j0, nk):
     """
     if not has_block_mask(r):
         return BLOCK_PARTIAL if has_element_mask(r) else BLOCK_FULL
-    n_empty = 0
-    n_full = 0
-    n = 0
-    for qm in range(i0 // Q_BLOCK, (i0 + nv - 1) // Q_BLOCK + 1):
-        for km in range(j0 // K_BLOCK, (j0 + nk - 1) // K_BLOCK + 1):
-            st = block_state(r, b, h, qm, km)
-            n += 1
-            if st == BLOCK_EMPTY:
-                n_empty += 1
-            elif st == BLOCK_FULL:
-                n_full += 1
-    if n_empty == n:
-        return BLOCK_EMPTY
-    if n_full == n:
-        return BLOCK_FULL
-    return BLOCK_PARTIAL
+    return covered_block_state(r, b, h, i0, i0 + nv - 1, j0, j0 + nk - 1, Q_BLOCK, K_BLOCK)
 
 
 def given(x):

@@ -25,8 +25,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..options import INLINE
-from ..score.recipe import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, Recipe, block_state, \
-    modifies_scores, sink_logit
+from ..score.recipe import BLOCK_FULL, Recipe, covered_block_state, modifies_scores, sink_logit
 from .storage import load
 
 __all__ = ["compile_key", "arg_types", "kernel_args", "unpack", "masked", "tile_state",
@@ -166,22 +165,7 @@ def tile_state(r, has_block_mask, bq, bk, b, h, i_first, i_last, j_first, j_last
     need not match them). Device code."""
     if not has_block_mask:
         return BLOCK_FULL
-    n_empty = 0
-    n_full = 0
-    n = 0
-    for qb in range(i_first // bq, i_last // bq + 1):
-        for kb in range(j_first // bk, j_last // bk + 1):
-            st = block_state(r, b, h, qb, kb)
-            n += 1
-            if st == BLOCK_EMPTY:
-                n_empty += 1
-            elif st == BLOCK_FULL:
-                n_full += 1
-    if n_empty == n:
-        return BLOCK_EMPTY
-    if n_full == n:
-        return BLOCK_FULL
-    return BLOCK_PARTIAL
+    return covered_block_state(r, b, h, i_first, i_last, j_first, j_last, bq, bk)
 
 
 @njit(**INLINE)

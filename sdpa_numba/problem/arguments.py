@@ -2,6 +2,7 @@
 probability and the seed. Each returns the value in its canonical Python type or raises
 TypeError / ValueError naming the argument."""
 
+import math
 import numbers
 
 import numpy as np
@@ -19,6 +20,18 @@ def check_flag(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
+
+
+def check_scale(scale, E):
+    """``scale`` as a finite float; None gives ``1 / sqrt(E)`` (1 for ``E == 0``)."""
+    if scale is None:
+        return 1.0 / math.sqrt(E) if E else 1.0
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
 
 
 def check_dropout(dropout_p):

@@ -7,12 +7,11 @@ NumPy ``dtype``: host or device arrays), so that the CPU and CUDA back ends shar
 """
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from .arguments import check_flag, shape_str
+from .arguments import check_flag, check_scale, shape_str
 from .._bf16 import is_bfloat16
 from .dtypes import FLOATS, compute_dtype
 from .variants import variants_recipe
@@ -141,14 +140,7 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, backward
             raise ValueError(f"attn_mask of shape {shape_str(attn_mask)} does not broadcast "
                              f"to the scores' shape {scores} (..., Hq, L, S)")
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(E) if E else 1.0
-    else:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    scale = check_scale(scale, E)
 
     cdt = compute_dtype(dtype)
     r = variants_recipe(batch, hq, L, S, cdt, is_causal, backward=backward, **variants)

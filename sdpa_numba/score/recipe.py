@@ -169,6 +169,30 @@ def _block_state(r, b, h, qb, kb):
         qb, kb]
 
 
+@njit(**INLINE)
+def covered_block_state(r, b, h, i_first, i_last, j_first, j_last, bq, bk):
+    """The state of the tile of rows ``i_first..i_last`` and keys ``j_first..j_last``
+    (inclusive) under the recipe's block mask of ``bq`` x ``bk`` blocks: BLOCK_EMPTY if every
+    block it overlaps is empty, BLOCK_FULL if every one is full, else BLOCK_PARTIAL (the
+    kernels' tiles need not match the block mask's blocks)."""
+    n_empty = 0
+    n_full = 0
+    n = 0
+    for qb in range(i_first // bq, i_last // bq + 1):
+        for kb in range(j_first // bk, j_last // bk + 1):
+            st = block_state(r, b, h, qb, kb)
+            n += 1
+            if st == BLOCK_EMPTY:
+                n_empty += 1
+            elif st == BLOCK_FULL:
+                n_full += 1
+    if n_empty == n:
+        return BLOCK_EMPTY
+    if n_full == n:
+        return BLOCK_FULL
+    return BLOCK_PARTIAL
+
+
 # --- the score -----------------------------------------------------------------------------
 
 @njit(**INLINE)
