@@ -1,6 +1,7 @@
 """attention_with_kvcache on CUDA arrays (the CUDA twin of the decode kernel), under the
 simulator: against the CPU path and the per-sequence float64 reference."""
 
+import numba
 import numpy as np
 import pytest
 from numba import cuda
@@ -124,3 +125,67 @@ def test_cache_leftpad_skips_the_padding(rng, page_size):
     assert rel_err(res, ref) < 1e-13
     np.testing.assert_array_equal(res[2], 0)
     assert np.all(lse[2] == -np.inf)
+
+
+@numba.njit
+def _score_mod(s, b, h, i, j, bias):
+    return s + bias[b, h] * 0.01 * (i - j) + 0.1 * ((i + 2 * j) % 3)
+
+
+@numba.njit
+def _mask_mod(b, h, i, j, bias):
+    return (i + j + h + b) % 5 != 0
+
+
+VARIANTS = {
+    "window": lambda rng, B, Hq: {"window": (5, 0)},
+    "window_not_causal": lambda rng, B, Hq: {"window": (4, 2), "is_causal": False},
+    "softcap": lambda rng, B, Hq: {"softcap": 1.5},
+    "alibi_sinks": lambda rng, B, Hq: {
+        "alibi_slopes": np.abs(rng.standard_normal((B, Hq))) * 0.2,
+        "sinks": np.r_[rng.standard_normal(Hq - 1) + 2, -np.inf]},
+    "mods": lambda rng, B, Hq: {"score_mod": _score_mod, "mask_mod": _mask_mod,
+                                "mod_args": (rng.standard_normal((B, Hq)),)},
+}
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_against_the_reference_and_the_cpu(rng, variant, paged):
+    # Lq > 1, GQA, an append, left padding (one sequence entirely), several chunks.
+    B, Lq, Hq, H, E, Ev, S, ps = 3, 2, 4, 2, 4, 3, 30, 3
+    kw = VARIANTS[variant](rng, B, Hq)
+    is_causal = kw.pop("is_causal", True)
+    q = rng.standard_normal((B, Lq, Hq, E))
+    kc = rng.standard_normal((B, S, H, E))
+    vc = rng.standard_normal((B, S, H, Ev))
+    table, pkw = None, {}
+    if paged:
+        per = S // ps
+        table = rng.permutation(B * per).reshape(B, per).astype(np.int32)
+        pk = np.empty((B * per, ps, H, E))
+        pv = np.empty((B * per, ps, H, Ev))
+        for b in range(B):
+            for p in range(per):
+                pk[table[b, p]] = kc[b, p * ps:(p + 1) * ps]
+                pv[table[b, p]] = vc[b, p * ps:(p + 1) * ps]
+        kc, vc, pkw = pk, pv, {"block_table": table}
+    seqlens = np.array([26, 4, 7])
+    leftpad = np.array([3, 0, 8])
+    kn = rng.standard_normal((B, 1, H, E))
+    vn = rng.standard_normal((B, 1, H, Ev))
+    hk, hv = kc.copy(), vc.copy()
+    ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
+                          is_causal=is_causal, return_lse=True, **pkw, **kw)
+    dkw = {k: (tuple(dev(a) for a in x) if k == "mod_args" else
+               dev(x) if isinstance(x, np.ndarray) else x) for k, x in kw.items()}
+    res, lse = kvattn(dev(q), dev(kc), dev(vc), seqlens, k=dev(kn), v=dev(vn),
+                      cache_leftpad=leftpad, is_causal=is_causal, return_lse=True,
+                      **{k: dev(x) for k, x in pkw.items()}, **dkw)
+    res, lse = res.copy_to_host(), lse.copy_to_host()
+    check_against_reference(q, hk, hv, seqlens + 1, res, lse, is_causal, table=table,
+                            leftpad=leftpad, **kw)
+    assert rel_err(res, ref) < 1e-13
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(lse[~finite], ref_lse[~finite])
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-13)
