@@ -1,9 +1,11 @@
 """``attention_with_kvcache``: new query tokens against a key/value cache, contiguous or paged,
-with an optional in-place append of the new keys and values (FlashAttention's
-``flash_attn_with_kvcache`` layouts).
+with an optional in-place append of the new keys and values, left padding and the attention
+variants (FlashAttention's ``flash_attn_with_kvcache`` layouts).
 
 Everything is validated before anything is written: a bad argument leaves the cache untouched.
-The kernel is :func:`sdpa_numba.cpu.decode.decode`.
+The variants become the score seam's recipe (:func:`sdpa_numba.problem.variants.variants_recipe`) in the
+cache's frame, and :func:`key_bounds` the keys each sequence's kernel reads. The kernels are
+:func:`sdpa_numba.cpu.decode.decode` and :func:`sdpa_numba.gpu.decode.decode`.
 """
 
 import numbers

@@ -7,24 +7,10 @@ import pytest
 
 import sdpa_numba.kvcache as kvcache_module
 from checks import TOL, rel_err
-from kvcache_checks import check_against_reference, logical
+from kvcache_checks import (VARIANTS, check_against_reference, logical, paged_copy,
+                            paged_pair)
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_numba.cpu.decode import BN, CHUNK
-
-
-def paged_copy(rng, cache, page_size, extra_pages=3):
-    """A paged copy of a contiguous cache (B, S_max, ...): shuffled pages, unused pages of
-    garbage (NaN), and its block table."""
-    B, S = cache.shape[:2]
-    per = -(-S // page_size)
-    n_pages = B * per + extra_pages
-    paged = np.full((n_pages, page_size, *cache.shape[2:]), np.nan, cache.dtype)
-    order = rng.permutation(n_pages)[:B * per].reshape(B, per).astype(np.int32)
-    for b in range(B):
-        for p in range(per):
-            rows = cache[b, p * page_size:(p + 1) * page_size]
-            paged[order[b, p], :len(rows)] = rows
-    return paged, order
 
 
 def make(rng, B, Lq, Hq, H, E, Ev, S, dtype=np.float64):
@@ -71,13 +57,7 @@ def test_append_then_attend_contiguous(rng):
 def test_paged_cache_matches_reference_and_contiguous(rng, page_size):
     q, kc, vc = make(rng, 3, 2, 4, 2, 6, 5, CHUNK + 40)
     seqlens = np.array([CHUNK + 33, 0, 23])
-    pk, table = paged_copy(rng, kc, page_size)
-    pv = paged_copy(np.random.default_rng(0), vc, page_size)[0]
-    pv = np.full_like(pv, np.nan)  # the same page order as pk
-    for b in range(3):
-        for p in range(table.shape[1]):
-            rows = vc[b, p * page_size:(p + 1) * page_size]
-            pv[table[b, p], :len(rows)] = rows
+    pk, pv, table = paged_pair(rng, kc, vc, page_size)
     out, lse = kvattn(q, pk, pv, seqlens, block_table=table, return_lse=True)
     check_against_reference(q, kc, vc, seqlens, out, lse, True)
     out_c, lse_c = kvattn(q, kc, vc, seqlens, return_lse=True)
@@ -278,18 +258,7 @@ def test_cache_leftpad_skips_the_padding(rng, page_size):
     leftpad = np.array([0, 11, CHUNK + 33, 17, 11], np.int32)
     kn = rng.standard_normal((B, new, H, E))
     vn = rng.standard_normal((B, new, H, Ev))
-    table = None
-    if page_size is not None:
-        kc, table = paged_copy(rng, kc, page_size)
-        vc = paged_copy(np.random.default_rng(0), vc, page_size)[0]
-        # the same page order as kc's
-        vc2 = np.full_like(vc, np.nan)
-        contiguous_v = make(np.random.default_rng(1), B, Lq, Hq, H, E, Ev, 2 * CHUNK + 40)[2]
-        for b in range(B):
-            for p in range(table.shape[1]):
-                rows = contiguous_v[b, p * page_size:(p + 1) * page_size]
-                vc2[table[b, p], :len(rows)] = rows
-        vc = vc2
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
     kw = {} if table is None else {"block_table": table}
     pk, pv = poison_before(kc, table, leftpad), poison_before(vc, table, leftpad)
     out = np.full((B, Lq, Hq, Ev), np.nan)
@@ -337,46 +306,6 @@ def test_bad_cache_leftpad_is_refused_before_anything_is_written(rng):
 
 # --- variants ----------------------------------------------------------------------------------
 
-@numba.njit
-def _score_mod(s, b, h, i, j, bias):
-    # depends on every index: the batch, the query head, the position and the key
-    return s + bias[b, h] * 0.01 * (i - j) + 0.1 * ((i + 2 * j) % 3)
-
-
-@numba.njit
-def _mask_mod(b, h, i, j, bias):
-    return (i + j + h + b) % 5 != 0
-
-
-def _alibi(rng, B, Hq):
-    return np.abs(rng.standard_normal((B, Hq))) * 0.2
-
-
-VARIANTS = {
-    "window": lambda rng, B, Hq: {"window": (13, 0)},
-    "window_not_causal": lambda rng, B, Hq: {"window": (9, 4), "is_causal": False},
-    "softcap": lambda rng, B, Hq: {"softcap": 1.5, "window": (None, 0)},
-    "alibi_sinks": lambda rng, B, Hq: {"alibi_slopes": _alibi(rng, B, Hq),
-                                       "sinks": np.r_[rng.standard_normal(Hq - 1) + 2,
-                                                      -np.inf]},
-    "mods": lambda rng, B, Hq: {"score_mod": _score_mod, "mask_mod": _mask_mod,
-                                "mod_args": (rng.standard_normal((B, Hq)),)},
-}
-
-
-def _paged(rng, kc, vc, page_size):
-    """Paged copies of both caches with one shuffled block table."""
-    if page_size is None:
-        return kc, vc, None
-    pk, table = paged_copy(rng, kc, page_size)
-    pv = np.full((pk.shape[0], page_size, *vc.shape[2:]), np.nan, vc.dtype)
-    for b in range(kc.shape[0]):
-        for p in range(table.shape[1]):
-            rows = vc[b, p * page_size:(p + 1) * page_size]
-            pv[table[b, p], :len(rows)] = rows
-    return pk, pv, table
-
-
 @pytest.mark.parametrize("page_size", [None, 16, 5])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_against_the_reference(rng, variant, page_size):
@@ -386,7 +315,7 @@ def test_variants_against_the_reference(rng, variant, page_size):
     kw = VARIANTS[variant](rng, B, Hq)
     is_causal = kw.pop("is_causal", True)
     q, kc, vc = make(rng, B, Lq, Hq, H, E, Ev, CHUNK + 60)
-    kc, vc, table = _paged(rng, kc, vc, page_size)
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
     seqlens = np.array([CHUNK + 41, 37, 0, 8])
     leftpad = np.array([5, 0, 2, 10])
     kn = rng.standard_normal((B, new, H, E))

@@ -1,7 +1,6 @@
 """attention_with_kvcache on CUDA arrays (the CUDA twin of the decode kernel), under the
 simulator: against the CPU path and the per-sequence float64 reference."""
 
-import numba
 import numpy as np
 import pytest
 from numba import cuda
@@ -9,7 +8,7 @@ from numba import cuda
 import sdpa_numba.gpu.decode as gpu_decode
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_cuda_testing import dev, rel_err
-from kvcache_checks import check_against_reference
+from kvcache_checks import VARIANTS, check_against_reference, paged_pair
 
 
 @pytest.fixture(autouse=True)
@@ -93,17 +92,8 @@ def test_cache_leftpad_skips_the_padding(rng, page_size):
     leftpad = np.array([3, 19, 6], np.int32)
     kn = rng.standard_normal((B, 1, H, E))
     vn = rng.standard_normal((B, 1, H, Ev))
-    table, kw = None, {}
-    if page_size is not None:
-        per = S // page_size
-        table = rng.permutation(B * per).reshape(B, per).astype(np.int32)
-        pk = np.empty((B * per, page_size, H, E))
-        pv = np.empty((B * per, page_size, H, Ev))
-        for b in range(B):
-            for p in range(per):
-                pk[table[b, p]] = kc[b, p * page_size:(p + 1) * page_size]
-                pv[table[b, p]] = vc[b, p * page_size:(p + 1) * page_size]
-        kc, vc, kw = pk, pv, {"block_table": table}
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    kw = {} if table is None else {"block_table": table}
     hk, hv = kc.copy(), vc.copy()
     ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
                           return_lse=True, **kw)
@@ -127,28 +117,6 @@ def test_cache_leftpad_skips_the_padding(rng, page_size):
     assert np.all(lse[2] == -np.inf)
 
 
-@numba.njit
-def _score_mod(s, b, h, i, j, bias):
-    return s + bias[b, h] * 0.01 * (i - j) + 0.1 * ((i + 2 * j) % 3)
-
-
-@numba.njit
-def _mask_mod(b, h, i, j, bias):
-    return (i + j + h + b) % 5 != 0
-
-
-VARIANTS = {
-    "window": lambda rng, B, Hq: {"window": (5, 0)},
-    "window_not_causal": lambda rng, B, Hq: {"window": (4, 2), "is_causal": False},
-    "softcap": lambda rng, B, Hq: {"softcap": 1.5},
-    "alibi_sinks": lambda rng, B, Hq: {
-        "alibi_slopes": np.abs(rng.standard_normal((B, Hq))) * 0.2,
-        "sinks": np.r_[rng.standard_normal(Hq - 1) + 2, -np.inf]},
-    "mods": lambda rng, B, Hq: {"score_mod": _score_mod, "mask_mod": _mask_mod,
-                                "mod_args": (rng.standard_normal((B, Hq)),)},
-}
-
-
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_against_the_reference_and_the_cpu(rng, variant, paged):
@@ -159,17 +127,8 @@ def test_variants_against_the_reference_and_the_cpu(rng, variant, paged):
     q = rng.standard_normal((B, Lq, Hq, E))
     kc = rng.standard_normal((B, S, H, E))
     vc = rng.standard_normal((B, S, H, Ev))
-    table, pkw = None, {}
-    if paged:
-        per = S // ps
-        table = rng.permutation(B * per).reshape(B, per).astype(np.int32)
-        pk = np.empty((B * per, ps, H, E))
-        pv = np.empty((B * per, ps, H, Ev))
-        for b in range(B):
-            for p in range(per):
-                pk[table[b, p]] = kc[b, p * ps:(p + 1) * ps]
-                pv[table[b, p]] = vc[b, p * ps:(p + 1) * ps]
-        kc, vc, pkw = pk, pv, {"block_table": table}
+    kc, vc, table = paged_pair(rng, kc, vc, ps if paged else None)
+    pkw = {} if table is None else {"block_table": table}
     seqlens = np.array([26, 4, 7])
     leftpad = np.array([3, 0, 8])
     kn = rng.standard_normal((B, 1, H, E))
