@@ -236,7 +236,9 @@ def test_empty_batch_and_no_query_tokens(rng):
 
 def poison_before(cache, table, starts):
     """A copy of ``cache`` with NaN in the key rows ``j < starts[b]`` of each sequence ``b``
-    (``table`` None: contiguous): a kernel that read them would give NaN (0 * NaN in P V)."""
+    (``table`` None: contiguous): attended, they would give NaN. (That they are not read at
+    all is checked on the plan: a masked key's 0 * NaN in P V need not show in the compiled
+    kernel.)"""
     c = cache.copy()
     for b, n in enumerate(starts):
         j = np.arange(n)
@@ -334,8 +336,9 @@ def test_variants_against_the_reference(rng, variant, page_size):
 
 @pytest.mark.parametrize("left", [0, 1, BN - 1, BN, 100])
 def test_a_window_skips_the_keys_before_it_exactly(rng, left):
-    # Over a cache of several chunks, a window reads only its own keys: NaN in every other
-    # value row would show. Its edges are checked against the reference (keys i - left and
+    # Over a cache of several chunks, a window attends only its own keys: NaN in every other
+    # value row would show (that they are not read is checked on the plan, below). Its edges
+    # are checked against the reference (keys i - left and
     # i - left - 1 of each token), for decode (Lq 1) and speculative decoding (Lq 4).
     n = 3 * CHUNK + 17
     q, kc, vc = make(rng, 2, 4, 2, 1, 8, 8, n)
@@ -369,3 +372,34 @@ def test_variants_on_float32_and_the_alibi_forms(rng):
     np.testing.assert_array_equal(a[0], b[0])
     check_against_reference(q, kc, vc, seqlens, *a, True, tol=TOL[np.float32],
                             alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_the_plan_reads_only_the_window_and_past_the_padding(is_causal):
+    # The keys the kernels read: the CPU kernel's own plan and the host's (the CUDA launch's
+    # chunks), against the window's and the padding's bounds written out.
+    import importlib
+
+    from sdpa_numba.kvcache import key_bounds
+    from sdpa_numba.score import recipe as R
+
+    decode_module = importlib.import_module("sdpa_numba.cpu.decode")
+    kv_lens = np.array([8192, 8192, 300, 3, 0, 40])
+    leftpad = np.array([0, 8000, 10, 0, 0, 40])
+    lq = 4
+    for left, right in ((255, 0), (0, 2), (R.NO_LIMIT, R.NO_LIMIT), (7, R.NO_LIMIT)):
+        r = R.recipe(left=left, right=right)
+        right_c = min(right, 0) if is_causal else right
+        lo = np.maximum(np.maximum(kv_lens - lq - left, leftpad), 0)
+        hi = np.maximum(np.minimum(kv_lens - 1 + right_c + 1, kv_lens), lo)
+        first, k_lo, k_hi = decode_module._plan(kv_lens, leftpad, r._replace(right=np.int64(
+            right_c)), lq)
+        h_lo, h_hi = key_bounds(r, is_causal, kv_lens, leftpad, lq)
+        for got in ((k_lo, k_hi), (h_lo, h_hi)):
+            np.testing.assert_array_equal(got[0], lo)
+            np.testing.assert_array_equal(got[1], hi)
+        np.testing.assert_array_equal(np.diff(first), np.maximum(1, -(-(hi - lo) // CHUNK)))
+    # a decode step with a window of 256 over 8192 keys reads 256 of them, in one chunk
+    r = R.recipe(left=255, right=0)
+    first, k_lo, k_hi = decode_module._plan(kv_lens[:1], None, r, 1)
+    assert (k_lo[0], k_hi[0], first[1]) == (8192 - 256, 8192, 1)
