@@ -79,20 +79,30 @@ def _leftpad(kv_begin, b):
     return lambda kv_begin, b: kv_begin[b]
 
 
-@njit(**INLINE)
-def _modify(s, r, b, h, g, lq, kv_len, b0, n):
-    """The score seam on a block's scores ``s`` (rows of key/value head ``h``, row ``rr`` is
-    query head ``h * g + rr // lq`` at position ``kv_len - lq + rr % lq``): soft cap, ALiBi,
-    score_mod, then mask_mod (-inf where it is False)."""
+@njit(**CALLED)
+def _recipe_block(s, r, b, h, g, lq, kv_len, b0, n, cut):
+    """The score seam on a block's scores ``s`` (rows of key/value head ``h``; row ``rr`` is
+    query head ``h * g + rr // lq`` at position ``kv_len - lq + rr % lq``, keys ``b0 ..
+    b0 + n - 1``): soft cap, ALiBi, score_mod, then -inf where mask_mod is False or, if
+    ``cut``, outside the window. A call of its own, not inlined: the plain kernel's loops
+    around it compile as without it (inlined, the GQA decode lost ~20% on one thread)."""
+    no_inline()
     element = has_element_mask(r)
-    for rr in range(g * lq):
-        hq = h * g + rr // lq
-        i = kv_len - lq + rr % lq
-        for j in range(n):
-            x = modified_score(r, s[rr * BN + j], b, hq, i, b0 + j)
-            if element and not user_keeps(r, b, hq, i, b0 + j):
-                x = -np.inf
-            s[rr * BN + j] = x
+    if modifies_scores(r) or element:
+        for rr in range(g * lq):
+            hq = h * g + rr // lq
+            i = kv_len - lq + rr % lq
+            for j in range(n):
+                x = modified_score(r, s[rr * BN + j], b, hq, i, b0 + j)
+                if element and not user_keeps(r, b, hq, i, b0 + j):
+                    x = -np.inf
+                s[rr * BN + j] = x
+    if cut:
+        for rr in range(g * lq):
+            i = kv_len - lq + rr % lq
+            for j in range(n):
+                if not in_window(r, i, b0 + j):
+                    s[rr * BN + j] = -np.inf
 
 
 @njit(**INLINE)
@@ -195,16 +205,10 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                     for e in range(e_len):
                         x += qr[e] * load(kp[e])
                     s[rr * BN + j] = x
-            if modifies_scores(r) or has_element_mask(r):
-                _modify(s, r, b, h, g, lq, kv_len, b0, n)
-            # The window (and causality) per element only where it cuts the block: token t
-            # sits at position kv_len - lq + t.
-            if not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1):
-                for rr in range(rows):
-                    i = kv_len - lq + rr % lq
-                    for j in range(n):
-                        if not in_window(r, i, b0 + j):
-                            s[rr * BN + j] = -np.inf
+            # The window (and causality) per element only where it cuts the block.
+            cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
+            if cut or modifies_scores(r) or has_element_mask(r):
+                _recipe_block(s, r, b, h, g, lq, kv_len, b0, n, cut)
             for rr in range(rows):
                 i = h * rows + rr
                 m_new, alpha, total = softmax_row(ptr_add(sp, rr * BN), n, m[i])
