@@ -249,8 +249,10 @@ MUTANTS = [
       VAR_BWD, "soft cap backward: the derivative of tanh with the wrong sign"),
     # Serving: the decode kernel's window, left padding and sinks, and the merge's weights.
     M("decode_causal_off_by_one", "sdpa_numba/cpu/decode.py",
-      "i = kv_len - lq + rr % lq\n            for j in range(n):\n                if not in_window",
-      "i = kv_len - lq + rr % lq + 1\n            for j in range(n):\n                if not in_window",
+      "i = kv_len - lq + rr % lq\n            for j in range(n):\n"
+      "                if not in_window",
+      "i = kv_len - lq + rr % lq + 1\n            for j in range(n):\n"
+      "                if not in_window",
       KV, "decode: token t's window (causal: its last key) one position too far"),
     M("decode_reads_before_window", "sdpa_numba/cpu/decode.py",
       "lo[b] = max(j_begin, leftpad(kv_begin, b))",

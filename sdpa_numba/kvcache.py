@@ -3,8 +3,9 @@ with an optional in-place append of the new keys and values, left padding and th
 variants (FlashAttention's ``flash_attn_with_kvcache`` layouts).
 
 Everything is validated before anything is written: a bad argument leaves the cache untouched.
-The variants become the score seam's recipe (:func:`sdpa_numba.problem.variants.variants_recipe`) in the
-cache's frame, and :func:`key_bounds` the keys each sequence's kernel reads. The kernels are
+The variants become the score seam's recipe
+(:func:`sdpa_numba.problem.variants.variants_recipe`) in the cache's frame, and
+:func:`key_bounds` the keys each sequence's kernel reads. The kernels are
 :func:`sdpa_numba.cpu.decode.decode` and :func:`sdpa_numba.gpu.decode.decode`.
 """
 

@@ -33,7 +33,8 @@ def ref_sequence(q, k, v, causal, scale=None, b=0, leftpad=0, alibi_slopes=None,
                        attn_mask=mask, is_causal=causal, alignment="bottom_right", scale=scale,
                        enable_gqa=True, alibi_slopes=alibi_slopes,
                        score_mod=_shifted(score_mod, "score", b, n - lq),
-                       mask_mod=_shifted(mask_mod, "mask", b, n - lq), mod_args=mod_args, **variants)
+                       mask_mod=_shifted(mask_mod, "mask", b, n - lq), mod_args=mod_args,
+                       **variants)
     return o.transpose(1, 0, 2), lse
 
 
