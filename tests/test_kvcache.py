@@ -7,24 +7,10 @@ import pytest
 
 import sdpa_numba.kvcache as kvcache_module
 from checks import TOL, rel_err
-from kvcache_checks import check_against_reference, logical
+from kvcache_checks import (VARIANTS, check_against_reference, logical, paged_copy,
+                            paged_pair)
 from sdpa_numba import attention_with_kvcache as kvattn
-from sdpa_numba.cpu.decode import CHUNK
-
-
-def paged_copy(rng, cache, page_size, extra_pages=3):
-    """A paged copy of a contiguous cache (B, S_max, ...): shuffled pages, unused pages of
-    garbage (NaN), and its block table."""
-    B, S = cache.shape[:2]
-    per = -(-S // page_size)
-    n_pages = B * per + extra_pages
-    paged = np.full((n_pages, page_size, *cache.shape[2:]), np.nan, cache.dtype)
-    order = rng.permutation(n_pages)[:B * per].reshape(B, per).astype(np.int32)
-    for b in range(B):
-        for p in range(per):
-            rows = cache[b, p * page_size:(p + 1) * page_size]
-            paged[order[b, p], :len(rows)] = rows
-    return paged, order
+from sdpa_numba.cpu.decode import BN, CHUNK
 
 
 def make(rng, B, Lq, Hq, H, E, Ev, S, dtype=np.float64):
@@ -71,13 +57,7 @@ def test_append_then_attend_contiguous(rng):
 def test_paged_cache_matches_reference_and_contiguous(rng, page_size):
     q, kc, vc = make(rng, 3, 2, 4, 2, 6, 5, CHUNK + 40)
     seqlens = np.array([CHUNK + 33, 0, 23])
-    pk, table = paged_copy(rng, kc, page_size)
-    pv = paged_copy(np.random.default_rng(0), vc, page_size)[0]
-    pv = np.full_like(pv, np.nan)  # the same page order as pk
-    for b in range(3):
-        for p in range(table.shape[1]):
-            rows = vc[b, p * page_size:(p + 1) * page_size]
-            pv[table[b, p], :len(rows)] = rows
+    pk, pv, table = paged_pair(rng, kc, vc, page_size)
     out, lse = kvattn(q, pk, pv, seqlens, block_table=table, return_lse=True)
     check_against_reference(q, kc, vc, seqlens, out, lse, True)
     out_c, lse_c = kvattn(q, kc, vc, seqlens, return_lse=True)
@@ -196,10 +176,32 @@ def test_bad_input_is_refused_before_anything_is_written(rng):
             block_table=table * 1.0)
     refused(ValueError, r"beyond the cache's 9 slots per sequence \(max_pages \* page_size\)",
             q, pk, pk, np.array([7, 0]), k=kn, v=kn, block_table=table)
-    refused(NotImplementedError, "softcap", q, kc, vc, sl, softcap=30.0)
+    refused(ValueError, "alignment is 'bottom_right'", q, kc, vc, sl, alignment="top_left")
+    refused(ValueError, "alignment must be", q, kc, vc, sl, alignment="middle")
+    refused(NotImplementedError, "does not take a block_mask", q, kc, vc, sl,
+            block_mask=object())
+    refused(ValueError, "softcap must be finite and > 0", q, kc, vc, sl, softcap=-1.0)
+    refused(ValueError, "window's left side must be >= 0", q, kc, vc, sl, window=(-1, 0))
+    refused(ValueError, r"alibi_slopes of shape \(3\)", q, kc, vc, sl,
+            alibi_slopes=np.ones(3))
+    refused(ValueError, r"sinks of shape \(2, 4\)", q, kc, vc, sl, sinks=np.ones((2, 4)))
+    refused(TypeError, "mask_mod must return a bool", q, kc, vc, sl, mask_mod=_not_a_mask)
+    refused(ValueError, "mod_args are given without", q, kc, vc, sl, mod_args=(1.0,))
+    with pytest.raises(TypeError, match="score_mod_grad"):
+        kvattn(q, kc, vc, sl, score_mod_grad=_bias)  # no backward here: not a keyword
     refused(ValueError, "scale must be finite", q, kc, vc, sl, scale=np.inf)
     refused(ValueError, "out must have shape", q, kc, vc, sl, out=np.empty((2, 1, 4, 3)))
     refused(ValueError, "out overlaps q", q, kc, vc, sl, out=q)
+
+
+@numba.njit
+def _not_a_mask(b, h, i, j):
+    return 1.0
+
+
+@numba.njit
+def _bias(s, b, h, i, j):
+    return s
 
 
 def test_an_int_cache_seqlens_applies_to_every_sequence(rng):
@@ -228,3 +230,176 @@ def test_empty_batch_and_no_query_tokens(rng):
     q, kc, vc = make(rng, 0, 1, 4, 2, 6, 5, 8)
     out = kvattn(q, kc, vc, np.zeros(0, np.int64))
     assert out.shape == (0, 1, 4, 5)
+
+
+# --- cache_leftpad -----------------------------------------------------------------------------
+
+def poison_before(cache, table, starts):
+    """A copy of ``cache`` with NaN in the key rows ``j < starts[b]`` of each sequence ``b``
+    (``table`` None: contiguous): attended, they would give NaN. (That they are not read at
+    all is checked on the plan: a masked key's 0 * NaN in P V need not show in the compiled
+    kernel.)"""
+    c = cache.copy()
+    for b, n in enumerate(starts):
+        j = np.arange(n)
+        if table is None:
+            c[b, :n] = np.nan
+        else:
+            ps = c.shape[1]
+            c[table[b, j // ps], j % ps] = np.nan
+    return c
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 5])
+def test_cache_leftpad_skips_the_padding(rng, page_size):
+    # Padding: none, inside the first chunk, past a whole chunk (skipped chunks), all the keys
+    # but the appended ones, and every key (zeros, lse -inf).
+    B, Lq, Hq, H, E, Ev, new = 5, 3, 6, 2, 9, 7, 2
+    q, kc, vc = make(rng, B, Lq, Hq, H, E, Ev, 2 * CHUNK + 40)
+    seqlens = np.array([30, 40, 2 * CHUNK + 20, 17, 9])
+    leftpad = np.array([0, 11, CHUNK + 33, 17, 11], np.int32)
+    kn = rng.standard_normal((B, new, H, E))
+    vn = rng.standard_normal((B, new, H, Ev))
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    kw = {} if table is None else {"block_table": table}
+    pk, pv = poison_before(kc, table, leftpad), poison_before(vc, table, leftpad)
+    out = np.full((B, Lq, Hq, Ev), np.nan)
+    res, lse = kvattn(q, pk, pv, seqlens, k=kn, v=vn, cache_leftpad=leftpad, out=out,
+                      return_lse=True, **kw)
+    assert res is out
+    # The reference reads the clean caches with the same appended rows.
+    kvattn(q, kc, vc, seqlens, k=kn, v=vn, **kw)
+    check_against_reference(q, kc, vc, seqlens + new, out, lse, True, table=table,
+                            leftpad=leftpad)
+    np.testing.assert_array_equal(out[4], 0)
+    assert np.all(lse[4] == -np.inf)
+    assert np.isfinite(out[:4]).all()
+
+
+def test_cache_leftpad_not_causal_gqa_and_as_zero(rng):
+    q, kc, vc = make(rng, 3, 2, 4, 1, 8, 8, 60)
+    seqlens = np.array([60, 5, 33])
+    leftpad = np.array([7, 5, 0], np.int64)
+    out, lse = kvattn(q, kc, vc, seqlens, cache_leftpad=leftpad, is_causal=False,
+                      return_lse=True)
+    check_against_reference(q, kc, vc, seqlens, out, lse, False, leftpad=leftpad)
+    zero = kvattn(q, kc, vc, seqlens, cache_leftpad=np.zeros(3, np.int32), return_lse=True)
+    plain = kvattn(q, kc, vc, seqlens, return_lse=True)
+    for a, b in zip(zero, plain):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_cache_leftpad_is_refused_before_anything_is_written(rng):
+    q, kc, vc = make(rng, 2, 1, 4, 2, 4, 4, 8)
+    kn = rng.standard_normal((2, 1, 2, 4))
+    before = kc.copy()
+    sl = np.array([5, 4])
+    for bad, exc, match in (
+            (np.array([0.0, 1.0]), TypeError, "cache_leftpad must be an integer array"),
+            (np.array([0, 1, 2]), ValueError, r"cache_leftpad must have shape \(2,\)"),
+            (np.array([-1, 0]), ValueError, r"cache_leftpad\[0\] = -1 must be in \[0, "),
+            (np.array([0, 6]), ValueError,
+             r"cache_leftpad\[1\] = 6 must be in \[0, cache_seqlens\[1\] \+ Lq_new\] = "
+             r"\[0, 5\]")):
+        with pytest.raises(exc, match=match):
+            kvattn(q, kc, vc, sl, k=kn, v=kn, cache_leftpad=bad)
+        np.testing.assert_array_equal(kc, before)
+
+
+# --- variants ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [None, 16, 5])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_against_the_reference(rng, variant, page_size):
+    # Lq > 1, GQA, an append, left padding (one sequence padded entirely), a sequence of
+    # several chunks, one shorter than the query tokens.
+    B, Lq, Hq, H, E, Ev, new = 4, 3, 4, 2, 6, 5, 2
+    kw = VARIANTS[variant](rng, B, Hq)
+    is_causal = kw.pop("is_causal", True)
+    q, kc, vc = make(rng, B, Lq, Hq, H, E, Ev, CHUNK + 60)
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    seqlens = np.array([CHUNK + 41, 37, 0, 8])
+    leftpad = np.array([5, 0, 2, 10])
+    kn = rng.standard_normal((B, new, H, E))
+    vn = rng.standard_normal((B, new, H, Ev))
+    paged = {} if table is None else {"block_table": table}
+    out = np.full((B, Lq, Hq, Ev), np.nan)
+    res, lse = kvattn(q, kc, vc, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
+                      is_causal=is_causal, out=out, return_lse=True, **paged, **kw)
+    assert res is out
+    check_against_reference(q, kc, vc, seqlens + new, out, lse, is_causal, table=table,
+                            leftpad=leftpad, **kw)
+    if "sinks" not in kw:  # (a sink gives an empty row lse = sink)
+        np.testing.assert_array_equal(out[3], 0)
+        assert np.all(lse[3] == -np.inf)
+
+
+@pytest.mark.parametrize("left", [0, 1, BN - 1, BN, 100])
+def test_a_window_skips_the_keys_before_it_exactly(rng, left):
+    # Over a cache of several chunks, a window attends only its own keys: NaN in every other
+    # value row would show (that they are not read is checked on the plan, below). Its edges
+    # are checked against the reference (keys i - left and
+    # i - left - 1 of each token), for decode (Lq 1) and speculative decoding (Lq 4).
+    n = 3 * CHUNK + 17
+    q, kc, vc = make(rng, 2, 4, 2, 1, 8, 8, n)
+    seqlens = np.array([n, 2 * CHUNK])
+    poisoned_k, poisoned_v = kc.copy(), vc.copy()
+    for b, m in enumerate(seqlens):
+        first = m - 4 - left  # the first key token 0 sees
+        poisoned_k[b, :first] = np.nan
+        poisoned_v[b, :first] = np.nan
+    for lq in (4, 1):
+        qq = q[:, 4 - lq:]
+        out, lse = kvattn(qq, poisoned_k, poisoned_v, seqlens, window=(left, 0),
+                          return_lse=True)
+        check_against_reference(qq, kc, vc, seqlens, out, lse, True, window=(left, 0))
+
+
+def test_window_and_softcap_share_the_plain_compilation(rng):
+    q, kc, vc = make(rng, 1, 1, 2, 2, 4, 4, 20)
+    kvattn(q, kc, vc, 20)
+    n = len(kvcache_module._entries)
+    kvattn(q, kc, vc, 20, window=(3, 0), softcap=2.0)
+    assert len(kvcache_module._entries) == n
+
+
+def test_variants_on_float32_and_the_alibi_forms(rng):
+    q, kc, vc = make(rng, 2, 2, 4, 4, 8, 8, 50, np.float32)
+    seqlens = np.array([50, 21])
+    slopes = np.abs(rng.standard_normal(4)).astype(np.float32)
+    a = kvattn(q, kc, vc, seqlens, alibi_slopes=slopes, return_lse=True)
+    b = kvattn(q, kc, vc, seqlens, alibi_slopes=np.tile(slopes, (2, 1)), return_lse=True)
+    np.testing.assert_array_equal(a[0], b[0])
+    check_against_reference(q, kc, vc, seqlens, *a, True, tol=TOL[np.float32],
+                            alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_the_plan_reads_only_the_window_and_past_the_padding(is_causal):
+    # The keys the kernels read: the CPU kernel's own plan and the host's (the CUDA launch's
+    # chunks), against the window's and the padding's bounds written out.
+    import importlib
+
+    from sdpa_numba.kvcache import key_bounds
+    from sdpa_numba.score import recipe as R
+
+    decode_module = importlib.import_module("sdpa_numba.cpu.decode")
+    kv_lens = np.array([8192, 8192, 300, 3, 0, 40])
+    leftpad = np.array([0, 8000, 10, 0, 0, 40])
+    lq = 4
+    for left, right in ((255, 0), (0, 2), (R.NO_LIMIT, R.NO_LIMIT), (7, R.NO_LIMIT)):
+        r = R.recipe(left=left, right=right)
+        right_c = min(right, 0) if is_causal else right
+        lo = np.maximum(np.maximum(kv_lens - lq - left, leftpad), 0)
+        hi = np.maximum(np.minimum(kv_lens - 1 + right_c + 1, kv_lens), lo)
+        first, k_lo, k_hi = decode_module._plan(kv_lens, leftpad, r._replace(right=np.int64(
+            right_c)), lq)
+        h_lo, h_hi = key_bounds(r, is_causal, kv_lens, leftpad, lq)
+        for got in ((k_lo, k_hi), (h_lo, h_hi)):
+            np.testing.assert_array_equal(got[0], lo)
+            np.testing.assert_array_equal(got[1], hi)
+        np.testing.assert_array_equal(np.diff(first), np.maximum(1, -(-(hi - lo) // CHUNK)))
+    # a decode step with a window of 256 over 8192 keys reads 256 of them, in one chunk
+    r = R.recipe(left=255, right=0)
+    first, k_lo, k_hi = decode_module._plan(kv_lens[:1], None, r, 1)
+    assert (k_lo[0], k_hi[0], first[1]) == (8192 - 256, 8192, 1)

@@ -8,7 +8,7 @@ from numba import cuda
 import sdpa_numba.gpu.decode as gpu_decode
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_cuda_testing import dev, rel_err
-from kvcache_checks import check_against_reference
+from kvcache_checks import VARIANTS, check_against_reference, paged_pair
 
 
 @pytest.fixture(autouse=True)
@@ -79,3 +79,72 @@ def test_mixing_host_and_device_arrays_is_refused(rng):
     kc = rng.standard_normal((1, 5, 2, 4))
     with pytest.raises(TypeError, match="mix host and device"):
         kvattn(dev(q), kc, dev(kc), np.array([3]))
+
+
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_cache_leftpad_skips_the_padding(rng, page_size):
+    # Padding inside the first chunk, past whole chunks, and of every key (zeros, -inf).
+    B, Lq, Hq, H, E, Ev, S = 3, 2, 4, 2, 4, 3, 30
+    q = rng.standard_normal((B, Lq, Hq, E))
+    kc = rng.standard_normal((B, S, H, E))
+    vc = rng.standard_normal((B, S, H, Ev))
+    seqlens = np.array([9, 27, 5])
+    leftpad = np.array([3, 19, 6], np.int32)
+    kn = rng.standard_normal((B, 1, H, E))
+    vn = rng.standard_normal((B, 1, H, Ev))
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    kw = {} if table is None else {"block_table": table}
+    hk, hv = kc.copy(), vc.copy()
+    ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
+                          return_lse=True, **kw)
+    # NaN in the padding of the device caches: read, it would show (0 * NaN in P V).
+    pk, pv = hk.copy(), hv.copy()
+    for b in range(B):
+        j = np.arange(leftpad[b])
+        if table is None:
+            pk[b, j], pv[b, j] = np.nan, np.nan
+        else:
+            pk[table[b, j // page_size], j % page_size] = np.nan
+            pv[table[b, j // page_size], j % page_size] = np.nan
+    res, lse = kvattn(dev(q), dev(pk), dev(pv), seqlens, k=dev(kn), v=dev(vn),
+                      cache_leftpad=dev(leftpad), return_lse=True,
+                      **{k: dev(x) for k, x in kw.items()})
+    res, lse = res.copy_to_host(), lse.copy_to_host()
+    check_against_reference(q, hk, hv, seqlens + 1, res, lse, True, table=table,
+                            leftpad=leftpad)
+    assert rel_err(res, ref) < 1e-13
+    np.testing.assert_array_equal(res[2], 0)
+    assert np.all(lse[2] == -np.inf)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_against_the_reference_and_the_cpu(rng, variant, paged):
+    # Lq > 1, GQA, an append, left padding (one sequence entirely), several chunks.
+    B, Lq, Hq, H, E, Ev, S, ps = 3, 2, 4, 2, 4, 3, 30, 3
+    kw = VARIANTS[variant](rng, B, Hq)
+    is_causal = kw.pop("is_causal", True)
+    q = rng.standard_normal((B, Lq, Hq, E))
+    kc = rng.standard_normal((B, S, H, E))
+    vc = rng.standard_normal((B, S, H, Ev))
+    kc, vc, table = paged_pair(rng, kc, vc, ps if paged else None)
+    pkw = {} if table is None else {"block_table": table}
+    seqlens = np.array([26, 4, 7])
+    leftpad = np.array([3, 0, 8])
+    kn = rng.standard_normal((B, 1, H, E))
+    vn = rng.standard_normal((B, 1, H, Ev))
+    hk, hv = kc.copy(), vc.copy()
+    ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
+                          is_causal=is_causal, return_lse=True, **pkw, **kw)
+    dkw = {k: (tuple(dev(a) for a in x) if k == "mod_args" else
+               dev(x) if isinstance(x, np.ndarray) else x) for k, x in kw.items()}
+    res, lse = kvattn(dev(q), dev(kc), dev(vc), seqlens, k=dev(kn), v=dev(vn),
+                      cache_leftpad=leftpad, is_causal=is_causal, return_lse=True,
+                      **{k: dev(x) for k, x in pkw.items()}, **dkw)
+    res, lse = res.copy_to_host(), lse.copy_to_host()
+    check_against_reference(q, hk, hv, seqlens + 1, res, lse, is_causal, table=table,
+                            leftpad=leftpad, **kw)
+    assert rel_err(res, ref) < 1e-13
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(lse[~finite], ref_lse[~finite])
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-13)
