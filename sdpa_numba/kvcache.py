@@ -18,6 +18,7 @@ from .host_arrays import as_numpy
 from .problem.arguments import check_flag, check_scale, shape_str
 from .problem.dtypes import FLOATS, compute_dtype
 from .problem.out import host_address, may_overlap, may_self_overlap
+from .score import recipe as R
 
 __all__ = ["attention_with_kvcache"]
 
@@ -38,20 +39,41 @@ def _is_device(x):
         "FakeCUDAArray", "DeviceNDArray")
 
 
-def _entry(parallel, dtype):
+def _entry(parallel, dtype, recipe_t):
+    """The compiled decode for a storage dtype and recipe type (plain, windowed and soft-capped
+    calls share the plain recipe's type: their numbers are run-time values)."""
     from numba import types
 
     from .cpu.decode import decode, decode_serial
     from .cpu.launch import arr, kernel_types
 
-    key = (parallel, dtype)
+    key = (parallel, dtype, recipe_t)
     if key not in _entries:
         st, ct, _ = kernel_types(dtype, "none")
         sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True),
                arr(types.int32, 2, True), arr(types.int64, 1, True), types.boolean,
-               types.float64, arr(st, 4, False), arr(ct, 3, False))
+               types.float64, arr(st, 4, False), arr(ct, 3, False), recipe_t,
+               arr(types.int64, 1, True))
         _entries[key] = compile_entry(decode if parallel else decode_serial, sig)
     return _entries[key]
+
+
+def key_bounds(r, is_causal, kv_lens, leftpad, lq):
+    """``(lo, hi)``, int64 arrays (B,): the keys ``[lo[b], hi[b])`` that some query token of
+    sequence ``b`` sees under recipe ``r`` (tokens at positions ``kv_lens[b] - lq ..
+    kv_lens[b] - 1``) from ``leftpad[b]`` on: the keys a kernel reads. Host code, with the
+    score seam's :func:`~sdpa_numba.score.recipe.key_range` (as the CPU kernel's plan)."""
+    from .score.recipe import key_range
+
+    if is_causal:
+        r = r._replace(right=min(r.right, 0))
+    lo = np.zeros(len(kv_lens), np.int64) if leftpad is None else leftpad.copy()
+    hi = np.asarray(kv_lens, np.int64).copy()
+    for b, n in enumerate(hi.tolist()):
+        j_begin, j_end = key_range.py_func(r, n - lq, n - 1, n)
+        lo[b] = max(j_begin, lo[b])
+        hi[b] = max(j_end, lo[b])
+    return lo, hi
 
 
 def _host(name, x):
@@ -64,8 +86,8 @@ def _host(name, x):
     return as_numpy(name, x)
 
 
-def _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, is_causal, scale, out,
-              out_shape, dtype, return_lse, restore):
+def _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, bounds, r, is_causal,
+              scale, out, out_shape, dtype, return_lse, restore):
     """The CUDA path, once everything is checked: append on the device, then decode."""
     from numba import cuda
 
@@ -77,8 +99,8 @@ def _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, is_causal
     result = device_array(out_shape, dtype) if out is None else out
     B, Lq, Hq, _ = out_shape
     lse = device_array((B, Hq, Lq), compute_dtype(dtype))
-    decode(q, k_cache, v_cache, cuda.to_device(table), kv_lens, is_causal, scale,
-                   result, lse)
+    decode(q, k_cache, v_cache, cuda.to_device(table), kv_lens, is_causal, scale, result, lse,
+           bounds=bounds)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result
 
@@ -104,8 +126,9 @@ def _check_int(name, x):
 
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *,
                            k: Any = None, v: Any = None, block_table: Any = None,
-                           is_causal: bool = True, scale: float | None = None,
-                           return_lse: bool = False, out: Any = None, **variants: Any) -> Any:
+                           cache_leftpad: Any = None, is_causal: bool = True,
+                           scale: float | None = None, return_lse: bool = False, out: Any = None,
+                           **variants: Any) -> Any:
     """Attention of new query tokens against a key/value cache (decode, chunked prefill,
     speculative decoding), with FlashAttention's ``flash_attn_with_kvcache`` layouts.
 
@@ -134,6 +157,13 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         ``block_table[b, j // page_size]``. The entries of the pages a sequence uses must be
         in ``[0, num_pages)`` (the rest are not read); sequences may share pages they read,
         but a page that receives appended keys must belong to one sequence alone.
+    cache_leftpad : array of ints, shape (B,), keyword-only, optional
+        Where each sequence's cache starts (FlashAttention's ``cache_leftpad``, for left-padded
+        batches): keys ``j < cache_leftpad[b]`` of sequence ``b`` are neither read nor attended.
+        Positions (causality, windows, ALiBi, score_mod's ``i`` and ``j``) stay the cache's:
+        key ``j`` is at position ``j`` whatever the padding. ``0 <= cache_leftpad[b] <=
+        cache_seqlens[b] + Lq_new``; equal to it, the sequence has no keys (zeros, lse -inf).
+        Host or device array (read on the host). None: 0.
     is_causal : bool, keyword-only
         Bottom-right aligned (default True): with ``n = cache_seqlens[b] + Lq_new`` keys,
         query token ``t`` sees keys ``j <= n - Lq + t``, i.e. the cache and the new tokens up
@@ -191,6 +221,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     # cache_seqlens and block_table are read on the host (checks, and the split into chunks),
     # whichever device they are on.
     cache_seqlens = _host("cache_seqlens", cache_seqlens)
+    if cache_leftpad is not None:
+        cache_leftpad = _host("cache_leftpad", cache_leftpad)
     block_table = None if block_table is None else _host("block_table", block_table)
     if device == "cuda":
         from .gpu.arrays import adopt as adopt_device
@@ -222,6 +254,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     _check_float("v_cache", v_cache, dtype)
     B, Lq, Hq, E = q.shape
     n_pages, page_size, H, Ek = k_cache.shape
+    leftpad = None
     Ev = v_cache.shape[3]
     if Ek != E:
         raise ValueError(f"k_cache's last dim must equal q's: q {shape_str(q)}, k_cache "
@@ -262,6 +295,17 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                              f"({B}, {lq_new}, {H}, {Ev}), got {shape_str(k)} and "
                              f"{shape_str(v)}")
     kv_lens = seqlens + lq_new
+    if cache_leftpad is not None:
+        _check_int("cache_leftpad", cache_leftpad)
+        if cache_leftpad.shape != (B,):
+            raise ValueError(f"cache_leftpad must have shape ({B},) (q's batch), got "
+                             f"{shape_str(cache_leftpad)}")
+        leftpad = cache_leftpad.astype(np.int64)
+        bad = (leftpad < 0) | (leftpad > kv_lens)
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, "
+                             f"cache_seqlens[{b}] + Lq_new] = [0, {kv_lens[b]}]")
 
     if paged:
         _check_ndim("block_table", block_table, 2, "(B, max_pages)")
@@ -334,9 +378,11 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
             pages, slots = table[bidx, pos // page_size], pos % page_size
         else:
             pages, slots = bidx, pos
+    r = R.DENSE
+    bounds = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
     if device == "cuda":
-        return _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, is_causal,
-                         scale, out, out_shape, dtype, return_lse, restore)
+        return _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, bounds, r,
+                         is_causal, scale, out, out_shape, dtype, return_lse, restore)
     if pages is not None:
         k_cache[pages, slots] = k.reshape(B * lq_new, H, E)
         v_cache[pages, slots] = v.reshape(B * lq_new, H, Ev)
@@ -346,10 +392,12 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     result = np.empty(out_shape, dtype) if out is None else out
     lse = np.empty((B, Hq, Lq), compute_dtype(dtype))
     if result.size or lse.size:
-        work = int(kv_lens.sum()) * H * (E + Ev) * dtype.itemsize
+        from .cpu.launch import recipe_type
+
+        work = int((bounds[1] - bounds[0]).sum()) * H * (E + Ev) * dtype.itemsize
         with kernel_launch():
-            entry = _entry(work >= SERIAL_BYTES, dtype)
+            entry = _entry(work >= SERIAL_BYTES, dtype, recipe_type(r))
             entry(storage_view(q), storage_view(k_cache), storage_view(v_cache), table,
-                  kv_lens, is_causal, scale, storage_view(result), lse)
+                  kv_lens, is_causal, scale, storage_view(result), lse, r, bounds[0])
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

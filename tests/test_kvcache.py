@@ -228,3 +228,86 @@ def test_empty_batch_and_no_query_tokens(rng):
     q, kc, vc = make(rng, 0, 1, 4, 2, 6, 5, 8)
     out = kvattn(q, kc, vc, np.zeros(0, np.int64))
     assert out.shape == (0, 1, 4, 5)
+
+
+# --- cache_leftpad -----------------------------------------------------------------------------
+
+def poison_before(cache, table, starts):
+    """A copy of ``cache`` with NaN in the key rows ``j < starts[b]`` of each sequence ``b``
+    (``table`` None: contiguous): a kernel that read them would give NaN (0 * NaN in P V)."""
+    c = cache.copy()
+    for b, n in enumerate(starts):
+        j = np.arange(n)
+        if table is None:
+            c[b, :n] = np.nan
+        else:
+            ps = c.shape[1]
+            c[table[b, j // ps], j % ps] = np.nan
+    return c
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 5])
+def test_cache_leftpad_skips_the_padding(rng, page_size):
+    # Padding: none, inside the first chunk, past a whole chunk (skipped chunks), all the keys
+    # but the appended ones, and every key (zeros, lse -inf).
+    B, Lq, Hq, H, E, Ev, new = 5, 3, 6, 2, 9, 7, 2
+    q, kc, vc = make(rng, B, Lq, Hq, H, E, Ev, 2 * CHUNK + 40)
+    seqlens = np.array([30, 40, 2 * CHUNK + 20, 17, 9])
+    leftpad = np.array([0, 11, CHUNK + 33, 17, 11], np.int32)
+    kn = rng.standard_normal((B, new, H, E))
+    vn = rng.standard_normal((B, new, H, Ev))
+    table = None
+    if page_size is not None:
+        kc, table = paged_copy(rng, kc, page_size)
+        vc = paged_copy(np.random.default_rng(0), vc, page_size)[0]
+        # the same page order as kc's
+        vc2 = np.full_like(vc, np.nan)
+        contiguous_v = make(np.random.default_rng(1), B, Lq, Hq, H, E, Ev, 2 * CHUNK + 40)[2]
+        for b in range(B):
+            for p in range(table.shape[1]):
+                rows = contiguous_v[b, p * page_size:(p + 1) * page_size]
+                vc2[table[b, p], :len(rows)] = rows
+        vc = vc2
+    kw = {} if table is None else {"block_table": table}
+    pk, pv = poison_before(kc, table, leftpad), poison_before(vc, table, leftpad)
+    out = np.full((B, Lq, Hq, Ev), np.nan)
+    res, lse = kvattn(q, pk, pv, seqlens, k=kn, v=vn, cache_leftpad=leftpad, out=out,
+                      return_lse=True, **kw)
+    assert res is out
+    # The reference reads the clean caches with the same appended rows.
+    kvattn(q, kc, vc, seqlens, k=kn, v=vn, **kw)
+    check_against_reference(q, kc, vc, seqlens + new, out, lse, True, table=table,
+                            leftpad=leftpad)
+    np.testing.assert_array_equal(out[4], 0)
+    assert np.all(lse[4] == -np.inf)
+    assert np.isfinite(out[:4]).all()
+
+
+def test_cache_leftpad_not_causal_gqa_and_as_zero(rng):
+    q, kc, vc = make(rng, 3, 2, 4, 1, 8, 8, 60)
+    seqlens = np.array([60, 5, 33])
+    leftpad = np.array([7, 5, 0], np.int64)
+    out, lse = kvattn(q, kc, vc, seqlens, cache_leftpad=leftpad, is_causal=False,
+                      return_lse=True)
+    check_against_reference(q, kc, vc, seqlens, out, lse, False, leftpad=leftpad)
+    zero = kvattn(q, kc, vc, seqlens, cache_leftpad=np.zeros(3, np.int32), return_lse=True)
+    plain = kvattn(q, kc, vc, seqlens, return_lse=True)
+    for a, b in zip(zero, plain):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_cache_leftpad_is_refused_before_anything_is_written(rng):
+    q, kc, vc = make(rng, 2, 1, 4, 2, 4, 4, 8)
+    kn = rng.standard_normal((2, 1, 2, 4))
+    before = kc.copy()
+    sl = np.array([5, 4])
+    for bad, exc, match in (
+            (np.array([0.0, 1.0]), TypeError, "cache_leftpad must be an integer array"),
+            (np.array([0, 1, 2]), ValueError, r"cache_leftpad must have shape \(2,\)"),
+            (np.array([-1, 0]), ValueError, r"cache_leftpad\[0\] = -1 must be in \[0, "),
+            (np.array([0, 6]), ValueError,
+             r"cache_leftpad\[1\] = 6 must be in \[0, cache_seqlens\[1\] \+ Lq_new\] = "
+             r"\[0, 5\]")):
+        with pytest.raises(exc, match=match):
+            kvattn(q, kc, vc, sl, k=kn, v=kn, cache_leftpad=bad)
+        np.testing.assert_array_equal(kc, before)

@@ -19,8 +19,13 @@ once per call, for every query head of its GQA group and every query token at on
   page_size], j % page_size)`` of a cache ``(num_pages, page_size, H, E)``. A contiguous cache
   ``(B, S_max, H, E)`` is the paged cache with ``page_size = S_max`` and ``block_table[b] = [b]``:
   one kernel body serves both (:func:`block_offsets`).
-* **Causal** is bottom-right aligned: query token ``t`` of ``Lq`` sees keys
-  ``j <= kv_len - Lq + t``.
+* **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
+  query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
+  at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
+  (:func:`~sdpa_numba.score.recipe.key_range`) and the left padding's (``kv_begin``) keys are
+  not chunked at all, so a window of 256 keys over a long cache reads ~256 keys. Soft cap,
+  ALiBi and score_mod change scores (``modified_score``), window and mask_mod mask them, and a
+  head's sink joins each row's denominator in the merge of the chunks.
 
 Serial entry points (``*_serial``) run on the calling thread: small calls, where waking the
 thread pool would cost more than the work, and callers that parallelize themselves. Kernels
@@ -30,8 +35,14 @@ trust their arguments; the caches' last dim must be contiguous (unit stride).
 import numpy as np
 from numba import njit, prange
 
+from numba import types
+from numba.extending import overload
+
 from ..score.merge import merge_finish, merge_max, merge_weight
-from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add
+from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_range,
+                            modified_score, modifies_scores, sink_logit, user_keeps,
+                            window_covers)
+from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stash, unstash
 from .online_softmax import softmax_row
 from .options import CALLED, INLINE, KERNEL
 from .scratch import aligned_empty
@@ -49,10 +60,39 @@ BN = 32
 
 
 @njit(**INLINE)
-def n_chunks(kv_len):
-    """The chunks of a sequence of ``kv_len`` keys (at least one, so that a sequence with no
-    keys still gets its rows written: 0 and lse -inf)."""
-    return max(1, (kv_len + CHUNK - 1) // CHUNK)
+def n_chunks(n_keys):
+    """The chunks of a range of ``n_keys`` keys (at least one, so that a sequence with no
+    keys to read still gets its rows written: 0 and lse -inf)."""
+    return max(1, (n_keys + CHUNK - 1) // CHUNK)
+
+
+def leftpad(kv_begin, b):
+    """Sequence ``b``'s first key, ``kv_begin[b]``, or 0 without ``kv_begin`` (jitted code
+    only)."""
+    raise NotImplementedError("leftpad is only callable from jitted code")
+
+
+@overload(leftpad)
+def _leftpad(kv_begin, b):
+    if isinstance(kv_begin, (types.NoneType, types.Omitted)):
+        return lambda kv_begin, b: 0
+    return lambda kv_begin, b: kv_begin[b]
+
+
+@njit(**INLINE)
+def _modify(s, r, b, h, g, lq, kv_len, b0, n):
+    """The score seam on a block's scores ``s`` (rows of key/value head ``h``, row ``rr`` is
+    query head ``h * g + rr // lq`` at position ``kv_len - lq + rr % lq``): soft cap, ALiBi,
+    score_mod, then mask_mod (-inf where it is False)."""
+    element = has_element_mask(r)
+    for rr in range(g * lq):
+        hq = h * g + rr // lq
+        i = kv_len - lq + rr % lq
+        for j in range(n):
+            x = modified_score(r, s[rr * BN + j], b, hq, i, b0 + j)
+            if element and not user_keeps(r, b, hq, i, b0 + j):
+                x = -np.inf
+            s[rr * BN + j] = x
 
 
 @njit(**INLINE)
@@ -77,10 +117,11 @@ def block_offsets(block_table, b, j0, n, page_size, kps, kss, vps, vss, koff, vo
 
 
 @njit(**CALLED)
-def _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, j1,
-           part_out, part_lse):
-    """Attention of all query rows of sequence ``b`` over its keys ``[j0, j1)``: normalized
-    partial output ``part_out (Hq * Lq, Ev)`` (row ``hq * Lq + t``) and ``part_lse``."""
+def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
+           part_lse):
+    """Attention of all query rows of sequence ``b`` over its keys ``[j0, j1)`` under recipe
+    ``r`` (causality folded in): normalized partial output ``part_out (Hq * Lq, Ev)`` (row
+    ``hq * Lq + t``) and ``part_lse``."""
     # One compiled body for the serial and the parallel kernel: inlined into each, LLVM may
     # vectorize (and contract to FMAs) differently, and the two would differ in the last bit.
     no_inline()
@@ -103,9 +144,9 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, j
     qs = aligned_empty(hq * lq * e_len, part_lse.dtype)
     for h in range(hq):
         for t in range(lq):
-            r = h * lq + t
+            x = h * lq + t
             for e in range(e_len):
-                qs[r * e_len + e] = cast(load(q[b, t, h, e]) * scale, zero)
+                qs[x * e_len + e] = cast(load(q[b, t, h, e]) * scale, zero)
     acc = aligned_empty(hq * lq * max(ev, 1), part_lse.dtype)
     acc[:] = 0
     m = np.full(hq * lq, -np.inf, part_lse.dtype)
@@ -122,14 +163,14 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, j
         n = min(BN, j1 - b0)
         block_offsets(block_table, b, b0, n, page_size, kps, kss, vps, vss, koff, voff)
         for h in range(h_len):
-            # Scores s[r, j] of the rows of head h (r = hg * lq + t) against the block's keys.
+            # Scores s[rr, j] of the rows of head h (rr = hg * lq + t) against the block's keys.
             for j in range(n):
                 kp = ptr_add(kbase, koff[j] + h * khs)
-                r = 0
+                rr = 0
                 # Four rows at once (GQA, Lq > 1): each key element is loaded once for them
                 # (CPU time of one thread, B1 Hq32 H8 S256 D128 in cache: 22 -> 25 GFLOP/s).
-                while r + 4 <= rows:
-                    q0 = ptr_add(qp, (h * rows + r) * e_len)
+                while rr + 4 <= rows:
+                    q0 = ptr_add(qp, (h * rows + rr) * e_len)
                     q1 = ptr_add(q0, e_len)
                     q2 = ptr_add(q1, e_len)
                     q3 = ptr_add(q2, e_len)
@@ -143,26 +184,30 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, j
                         x1 += q1[e] * kv
                         x2 += q2[e] * kv
                         x3 += q3[e] * kv
-                    s[r * BN + j] = x0
-                    s[(r + 1) * BN + j] = x1
-                    s[(r + 2) * BN + j] = x2
-                    s[(r + 3) * BN + j] = x3
-                    r += 4
-                for r in range(r, rows):
-                    qr = ptr_add(qp, (h * rows + r) * e_len)
+                    s[rr * BN + j] = x0
+                    s[(rr + 1) * BN + j] = x1
+                    s[(rr + 2) * BN + j] = x2
+                    s[(rr + 3) * BN + j] = x3
+                    rr += 4
+                for rr in range(rr, rows):
+                    qr = ptr_add(qp, (h * rows + rr) * e_len)
                     x = zero
                     for e in range(e_len):
                         x += qr[e] * load(kp[e])
-                    s[r * BN + j] = x
-            if is_causal:  # bottom-right: token t sees keys j <= kv_len - lq + t
-                for r in range(rows):
-                    last = kv_len - lq + r % lq
+                    s[rr * BN + j] = x
+            if modifies_scores(r) or has_element_mask(r):
+                _modify(s, r, b, h, g, lq, kv_len, b0, n)
+            # The window (and causality) per element only where it cuts the block: token t
+            # sits at position kv_len - lq + t.
+            if not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1):
+                for rr in range(rows):
+                    i = kv_len - lq + rr % lq
                     for j in range(n):
-                        if b0 + j > last:
-                            s[r * BN + j] = -np.inf
-            for r in range(rows):
-                i = h * rows + r
-                m_new, alpha, total = softmax_row(ptr_add(sp, r * BN), n, m[i])
+                        if not in_window(r, i, b0 + j):
+                            s[rr * BN + j] = -np.inf
+            for rr in range(rows):
+                i = h * rows + rr
+                m_new, alpha, total = softmax_row(ptr_add(sp, rr * BN), n, m[i])
                 m[i] = m_new
                 l[i] = alpha * l[i] + total
                 if alpha != 1:  # rescaled here; rare once the row's maximum has settled
@@ -171,9 +216,9 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, j
                         ar[d] *= alpha
             for j in range(n):  # each value row once, for all the head's rows
                 vp = ptr_add(vbase, voff[j] + h * vhs)
-                for r in range(rows):
-                    p = s[r * BN + j]
-                    ar = ptr_add(ap, (h * rows + r) * ev)
+                for rr in range(rows):
+                    p = s[rr * BN + j]
+                    ar = ptr_add(ap, (h * rows + rr) * ev)
                     for d in range(ev):
                         ar[d] += p * load(vp[d])
     keep_alive((k_cache, v_cache, qs, s, acc))
@@ -190,26 +235,29 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, j
 
 
 @njit(**INLINE)
-def _task(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, first, t, part_out,
+def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t, part_out,
           part_lse):
-    """Task ``t``: chunk ``t - first[b]`` of the sequence ``b`` it belongs to."""
+    """Task ``t``: chunk ``t - first[b]`` of the keys ``[lo[b], hi[b])`` of the sequence ``b``
+    it belongs to."""
     b = np.searchsorted(first, t, side="right") - 1
     c = t - first[b]
-    j0 = c * CHUNK
-    j1 = min(kv_lens[b], j0 + CHUNK)
-    _chunk(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, b, j0, max(j0, j1),
+    j0 = lo[b] + c * CHUNK
+    j1 = min(hi[b], j0 + CHUNK)
+    _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, max(j0, j1),
            part_out[t], part_lse[t])
 
 
 @njit(**CALLED)
-def _merge(first, part_out, part_lse, out, lse, b, i):
-    """Row ``i = hq * Lq + t`` of sequence ``b``: its chunks merged by lse, in chunk order."""
+def _merge(first, part_out, part_lse, out, lse, b, i, r):
+    """Row ``i = hq * Lq + t`` of sequence ``b``: its chunks merged by lse, in chunk order,
+    with query head ``hq``'s sink logit (recipe ``r``) as one more part of output 0."""
     no_inline()  # as _chunk
     lq = out.shape[1]
     ev = out.shape[3]
     h, t = i // lq, i % lq
     c0, c1 = first[b], first[b + 1]
-    if c1 - c0 == 1:  # one chunk: already the result
+    sink = sink_logit(r, h)
+    if c1 - c0 == 1 and sink == -np.inf:  # one chunk: already the result
         for d in range(ev):
             out[b, t, h, d] = store(part_out[c0, i, d], out)
         lse[b, h, t] = part_lse[c0, i]
@@ -217,9 +265,12 @@ def _merge(first, part_out, part_lse, out, lse, b, i):
     mx = -np.inf
     for c in range(c0, c1):
         mx = merge_max(mx, part_lse[c, i])
+    mx = merge_max(mx, sink)
     total = 0.0
     for c in range(c0, c1):
         total += merge_weight(part_lse[c, i], mx)
+    if sink != -np.inf:  # no value row: it weighs in the total only
+        total += merge_weight(sink, mx)
     x, inv = merge_finish(mx, total)
     w = np.empty(c1 - c0, lse.dtype)
     for c in range(c0, c1):
@@ -234,18 +285,28 @@ def _merge(first, part_out, part_lse, out, lse, b, i):
 
 
 @njit(**INLINE)
-def _plan(kv_lens):
-    """``first[b]``: the first task of sequence ``b`` (``first[B]``: the number of tasks)."""
+def _plan(kv_lens, kv_begin, r, lq):
+    """``(first, lo, hi)``: the keys ``[lo[b], hi[b])`` any query token of sequence ``b`` sees
+    (the window's :func:`~sdpa_numba.score.recipe.key_range` over positions ``kv_len - lq ..
+    kv_len - 1``, from ``kv_begin[b]`` on), and ``first[b]``, the first task (chunk of those
+    keys) of sequence ``b`` (``first[B]``: the number of tasks). Depends on the lengths only."""
     b_len = kv_lens.shape[0]
     first = np.empty(b_len + 1, np.int64)
+    lo = np.empty(b_len, np.int64)
+    hi = np.empty(b_len, np.int64)
     first[0] = 0
     for b in range(b_len):
-        first[b + 1] = first[b] + n_chunks(kv_lens[b])
-    return first
+        n = kv_lens[b]
+        j_begin, j_end = key_range(r, n - lq, n - 1, n)
+        lo[b] = max(j_begin, leftpad(kv_begin, b))
+        hi[b] = max(j_end, lo[b])
+        first[b + 1] = first[b] + n_chunks(hi[b] - lo[b])
+    return first, lo, hi
 
 
 @njit(parallel=True, **KERNEL)
-def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse):
+def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, recipe=None,
+           kv_begin=None):
     """Attention of ``Lq`` new query tokens against a paged key/value cache, parallel over
     (sequence, chunk of keys) tasks.
 
@@ -269,6 +330,14 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         Written.
     lse : ndarray, shape (B, Hq, Lq)
         Written, in the compute dtype (float32, or float64 for float64 storage).
+    recipe : None or Recipe, optional
+        The variants (:func:`sdpa_numba.score.recipe.recipe`), in the cache's frame: token
+        ``t`` is row ``i = kv_lens[b] - Lq + t`` (plus the recipe's ``offset``, which the
+        public layer leaves 0), key ``j`` is ``j``; ``b`` the batch index, ``h`` the query
+        head. ALiBi slopes and sinks in the compute dtype; no block mask. None: plain.
+    kv_begin : None or ndarray of int64, shape (B,), optional
+        The first key of each sequence (left padding, ``<= kv_lens[b]``): keys before it are
+        neither read nor attended. None: 0.
 
     Notes
     -----
@@ -277,34 +346,42 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     which checks them). The result does not depend on the thread count, and equals
     :func:`decode_serial`'s bitwise.
     """
-    first = _plan(kv_lens)
+    rc = kernel_recipe(recipe, is_causal)
+    first, lo, hi = _plan(kv_lens, kv_begin, rc, q.shape[1])
     n_tasks = first[-1]
     rows = q.shape[2] * q.shape[1]
     part_out = np.empty((n_tasks, rows, out.shape[3]), lse.dtype)
     part_lse = np.empty((n_tasks, rows), lse.dtype)
+    # The recipe crosses into the parallel loops by address (see _llvm.stash).
+    p_r = stash(rc)
     queue = task_queue()
     for _ in prange(n_tasks):
+        r = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            _task(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, first, t,
+            _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
                   part_out, part_lse)
             t = next_task(queue, n_tasks)
     b_len = kv_lens.shape[0]
     for br in prange(b_len * rows):
-        _merge(first, part_out, part_lse, out, lse, br // rows, br % rows)
+        r = unstash(p_r)
+        _merge(first, part_out, part_lse, out, lse, br // rows, br % rows, r)
+    keep_alive(rc)
 
 
 @njit(**KERNEL)
-def decode_serial(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse):
+def decode_serial(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse,
+                  recipe=None, kv_begin=None):
     """:func:`decode` on the calling thread (the same arguments; bitwise the same result)."""
-    first = _plan(kv_lens)
+    r = kernel_recipe(recipe, is_causal)
+    first, lo, hi = _plan(kv_lens, kv_begin, r, q.shape[1])
     n_tasks = first[-1]
     rows = q.shape[2] * q.shape[1]
     part_out = np.empty((n_tasks, rows, out.shape[3]), lse.dtype)
     part_lse = np.empty((n_tasks, rows), lse.dtype)
     for t in range(n_tasks):
-        _task(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, first, t,
+        _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
               part_out, part_lse)
     for b in range(kv_lens.shape[0]):
         for i in range(rows):
-            _merge(first, part_out, part_lse, out, lse, b, i)
+            _merge(first, part_out, part_lse, out, lse, b, i, r)

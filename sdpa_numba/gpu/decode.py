@@ -45,8 +45,8 @@ def _make_kernels(ct, rows, bn):
     RB, NB = rows, bn
 
     @cuda.jit(fastmath=FASTMATH)
-    def chunk_kernel(q, k_cache, v_cache, block_table, kv_lens, task_b, task_c, chunk,
-                     is_causal, scale, part_out, part_lse):
+    def chunk_kernel(q, k_cache, v_cache, block_table, kv_lens, kv_lo, kv_hi, task_b, task_c,
+                     chunk, is_causal, scale, part_out, part_lse):
         task = cuda.blockIdx.x
         b = task_b[task]
         c = task_c[task]
@@ -63,8 +63,8 @@ def _make_kernels(ct, rows, bn):
         nr = min(RB, rows - r0)
         page_size = k_cache.shape[1]
         kv_len = kv_lens[b]
-        j0 = c * chunk
-        j1 = min(kv_len, j0 + chunk)
+        j0 = kv_lo[b] + c * chunk
+        j1 = min(kv_hi[b], j0 + chunk)
 
         sm = cuda.shared.array(0, CT)
         q_at = 0
@@ -167,10 +167,11 @@ def _kernels_for(ct):
     return _kernels[key]
 
 
-def plan_chunks(kv_lens, chunk=CHUNK):
+def plan_chunks(n_keys, chunk=CHUNK):
     """``(first, task_b, task_c)`` on the host: the first task of each sequence (and the
-    total), and each task's sequence and chunk. A sequence with no keys still has one task."""
-    n = np.maximum(1, -(-np.asarray(kv_lens, np.int64) // chunk))
+    total), and each task's sequence and chunk of its ``n_keys`` keys to read. A sequence with
+    no keys still has one task."""
+    n = np.maximum(1, -(-np.asarray(n_keys, np.int64) // chunk))
     first = np.zeros(len(n) + 1, np.int64)
     np.cumsum(n, out=first[1:])
     task_b = np.repeat(np.arange(len(n)), n)
@@ -179,7 +180,7 @@ def plan_chunks(kv_lens, chunk=CHUNK):
 
 
 def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, stream=0,
-           chunk=None, threads=None):
+           chunk=None, threads=None, bounds=None):
     """Launch attention of ``Lq`` new tokens against a paged key/value cache (device arrays).
 
     Parameters
@@ -202,6 +203,10 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         on scheduling.
     threads : int, optional
         Threads per block of the chunk kernel (default :data:`THREADS`); any count works.
+    bounds : (lo, hi) of host int64 arrays, shape (B,), optional
+        The keys ``[lo[b], hi[b])`` of sequence ``b`` to read (left padding, a window's keys:
+        :func:`sdpa_numba.kvcache.key_bounds`); keys outside are not attended. Default: all,
+        ``[0, kv_lens[b])``.
 
     Notes
     -----
@@ -216,7 +221,11 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         return
     ct = np.dtype(lse.dtype)
     chunk = CHUNK if chunk is None else chunk
-    first, task_b, task_c = plan_chunks(kv_lens, chunk)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    if bounds is None:
+        bounds = (np.zeros_like(kv_lens), kv_lens)
+    lo, hi = (np.asarray(x, np.int64) for x in bounds)
+    first, task_b, task_c = plan_chunks(hi - lo, chunk)
     n_tasks = int(first[-1])
     rows = hq // h * lq
     n_tiles = -(-rows // ROWS)
@@ -224,11 +233,11 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     part_lse = device_array((n_tasks, hq * lq), ct)
     chunk_kernel, merge_kernel = _kernels_for(ct)
     shared = ROWS * (e + ev + BN + 3) * ct.itemsize
-    kv = cuda.to_device(np.asarray(kv_lens, np.int64), stream=stream)
+    kv, d_lo, d_hi = (cuda.to_device(x, stream=stream) for x in (kv_lens, lo, hi))
     tb = cuda.to_device(task_b.astype(np.int64), stream=stream)
     tc = cuda.to_device(task_c.astype(np.int64), stream=stream)
     chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](
-        q, k_cache, v_cache, block_table, kv, tb, tc, int(chunk), bool(is_causal),
+        q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk), bool(is_causal),
         float(scale), part_out, part_lse)
     n = B * hq * lq
     mt = 32 if is_simulated_mode() else 128

@@ -79,3 +79,48 @@ def test_mixing_host_and_device_arrays_is_refused(rng):
     kc = rng.standard_normal((1, 5, 2, 4))
     with pytest.raises(TypeError, match="mix host and device"):
         kvattn(dev(q), kc, dev(kc), np.array([3]))
+
+
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_cache_leftpad_skips_the_padding(rng, page_size):
+    # Padding inside the first chunk, past whole chunks, and of every key (zeros, -inf).
+    B, Lq, Hq, H, E, Ev, S = 3, 2, 4, 2, 4, 3, 30
+    q = rng.standard_normal((B, Lq, Hq, E))
+    kc = rng.standard_normal((B, S, H, E))
+    vc = rng.standard_normal((B, S, H, Ev))
+    seqlens = np.array([9, 27, 5])
+    leftpad = np.array([3, 19, 6], np.int32)
+    kn = rng.standard_normal((B, 1, H, E))
+    vn = rng.standard_normal((B, 1, H, Ev))
+    table, kw = None, {}
+    if page_size is not None:
+        per = S // page_size
+        table = rng.permutation(B * per).reshape(B, per).astype(np.int32)
+        pk = np.empty((B * per, page_size, H, E))
+        pv = np.empty((B * per, page_size, H, Ev))
+        for b in range(B):
+            for p in range(per):
+                pk[table[b, p]] = kc[b, p * page_size:(p + 1) * page_size]
+                pv[table[b, p]] = vc[b, p * page_size:(p + 1) * page_size]
+        kc, vc, kw = pk, pv, {"block_table": table}
+    hk, hv = kc.copy(), vc.copy()
+    ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
+                          return_lse=True, **kw)
+    # NaN in the padding of the device caches: read, it would show (0 * NaN in P V).
+    pk, pv = hk.copy(), hv.copy()
+    for b in range(B):
+        j = np.arange(leftpad[b])
+        if table is None:
+            pk[b, j], pv[b, j] = np.nan, np.nan
+        else:
+            pk[table[b, j // page_size], j % page_size] = np.nan
+            pv[table[b, j // page_size], j % page_size] = np.nan
+    res, lse = kvattn(dev(q), dev(pk), dev(pv), seqlens, k=dev(kn), v=dev(vn),
+                      cache_leftpad=dev(leftpad), return_lse=True,
+                      **{k: dev(x) for k, x in kw.items()})
+    res, lse = res.copy_to_host(), lse.copy_to_host()
+    check_against_reference(q, hk, hv, seqlens + 1, res, lse, True, table=table,
+                            leftpad=leftpad)
+    assert rel_err(res, ref) < 1e-13
+    np.testing.assert_array_equal(res[2], 0)
+    assert np.all(lse[2] == -np.inf)
