@@ -34,9 +34,11 @@ What reaches the kernels, and where later work plugs in:
   ``softcap=`` (forward and gradients).
 * Attention sinks (gpt-oss's ``s_aux``, one logit per query head) go to ``sinks=``, with
   their gradient in training.
-* Decode steps (one query token against the cache) go through :func:`_decode`, which calls the
-  dense operator for now; it is where the KV-cache decode path (``attention_with_kvcache``)
-  goes.
+* Decode steps (one query token against the cache) go through :func:`_decode` to the KV-cache
+  decode operator (``torch.ops.sdpa_numba.attention_with_kvcache``), reading transformers'
+  cache tensors in place; the mask becomes each sequence's run of keys (``cache_leftpad``,
+  ``cache_seqlens``). Gradients, dropout, variants the decode kernel lacks and masks of other
+  forms keep the dense operator.
 * Additive position biases (``position_bias``) raise NotImplementedError, saying which
   implementation to use instead.
 
@@ -188,6 +190,12 @@ def _dense(query, key, value, mask, dropout, scale, is_causal, gqa, variants):
         scale=scale, enable_gqa=gqa, **variants)
 
 
+#: The variants the KV-cache decode kernel takes, passed to it as they are (a sliding window
+#: becomes each sequence's first key instead); decode steps with others (soft-capping, sinks)
+#: take the dense path.
+_DECODE_VARIANTS = ()
+
+
 def _key_range(mask, batch, kv_length):
     """Each sequence's keys as one run ``[start, end)``, from a decode step's mask, or None
     when the mask is not of that form.
@@ -242,8 +250,9 @@ def _decode(query, key, value, mask, dropout, scale, gqa, variants):
     (``is_causal=False``). The mask becomes each sequence's run of keys (:func:`_key_range`):
     left padding is ``cache_leftpad``, a static cache's empty tail ``cache_seqlens``. A sliding
     layer without a mask sees its ``sliding_window`` last keys (the window variant's
-    bottom-right frame: the keys end at the query), so its run starts there. Soft-capping and
-    sinks go to the decode kernel's variants.
+    bottom-right frame: the keys end at the query), so its run starts there. The variants the
+    decode kernel does not take yet (:data:`_DECODE_VARIANTS`: soft-capping, sinks) keep the
+    dense path.
 
     The dense operator stays the path when gradients are wanted (the decode operator has no
     backward), with dropout, and for masks that are not one run of keys per sequence. There,
@@ -290,7 +299,10 @@ def _decode_kvcache(query, key, value, mask, dropout, scale, variants):
     start, end = run
     if "window" in variants:  # (sliding_window - 1, 0), bottom-right: the last keys
         start = torch.clamp(end - (variants["window"][0] + 1), min=0).maximum(start)
-    extra = {name: variants[name] for name in ("softcap", "sinks") if name in variants}
+    if any(name not in _DECODE_VARIANTS for name in variants if name not in ("window",
+                                                                           "alignment")):
+        return None
+    extra = {name: variants[name] for name in _DECODE_VARIANTS if name in variants}
     if bool(torch.any(start > 0)):
         extra["cache_leftpad"] = start
     out = sdpa_torch.attention_with_kvcache(
