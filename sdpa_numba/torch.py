@@ -19,7 +19,9 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
   cache_seqlens, k=None, v=None, block_table=None, cache_leftpad=None, is_causal=True,
   scale=None, window_left=None, window_right=None, alignment=None, softcap=None,
   alibi_slopes=None, sinks=None) -> (out, lse)``, which declares the caches mutated (the
-  append) and has no autograd (an inference operator), and
+  append) and has no autograd (an inference operator), its read-only twin
+  ``torch.ops.sdpa_numba.attention_with_kvcache_read`` (the same without ``k`` and ``v``: no
+  declared mutation, whose dispatch is cheaper), and
   ``torch.ops.sdpa_numba.merge_attention_states(out_a, lse_a, out_b=None, lse_b=None)
   -> (out, lse)``, with autograd; wrapped by :func:`attention_with_kvcache` and
   :func:`merge_attention_states`;
@@ -72,6 +74,7 @@ from .problem import compute_dtype
 
 __all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
            "attention_with_kvcache", "merge_attention_states", "attention_with_kvcache_op",
+           "attention_with_kvcache_read_op",
            "merge_attention_states_op", "SDPAFunction"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -548,6 +551,24 @@ def _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slope
                                        alibi_slopes, sinks).items() if x is not None}
 
 
+def _kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                     is_causal, scale, window_left, window_right, alignment, softcap,
+                     alibi_slopes, sinks):
+    """The body of both KV-cache operators: :func:`sdpa_numba.attention_with_kvcache` on
+    NumPy views (or CUDA tensors), ``(out, lse)`` as tensors. Variants left at None are not
+    passed (the API's defaults apply)."""
+    variants = _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes,
+                                 sinks)
+    if cache_leftpad is not None:
+        variants["cache_leftpad"] = _index(cache_leftpad, "cache_leftpad")
+    out, lse = _kvcache(_operand(q, "q"), _operand(k_cache, "k_cache"),
+                        _operand(v_cache, "v_cache"), _index(cache_seqlens, "cache_seqlens"),
+                        k=_operand(k, "k"), v=_operand(v, "v"),
+                        block_table=_index(block_table, "block_table"), is_causal=is_causal,
+                        scale=scale, return_lse=True, **variants)
+    return _tensor(out), _tensor(lse)
+
+
 @torch.library.custom_op("sdpa_numba::attention_with_kvcache",
                          mutates_args=("k_cache", "v_cache"))
 def attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -563,25 +584,40 @@ def attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute dtype). Writes ``k`` and ``v`` into the
     caches when given (the caches are the op's mutated arguments). No autograd: an inference
     operator. Variants left at None are not passed (the API's defaults apply)."""
-    variants = _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes,
-                                 sinks)
-    if cache_leftpad is not None:
-        variants["cache_leftpad"] = _index(cache_leftpad, "cache_leftpad")
-    out, lse = _kvcache(_operand(q, "q"), _operand(k_cache, "k_cache"),
-                        _operand(v_cache, "v_cache"), _index(cache_seqlens, "cache_seqlens"),
-                        k=_operand(k, "k"), v=_operand(v, "v"),
-                        block_table=_index(block_table, "block_table"), is_causal=is_causal,
-                        scale=scale, return_lse=True, **variants)
-    return _tensor(out), _tensor(lse)
+    return _kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                            cache_leftpad, is_causal, scale, window_left, window_right,
+                            alignment, softcap, alibi_slopes, sinks)
 
 
-@attention_with_kvcache_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, cache_leftpad=None,
-      is_causal=True, scale=None, window_left=None, window_right=None, alignment=None,
-      softcap=None, alibi_slopes=None, sinks=None):
+@torch.library.custom_op("sdpa_numba::attention_with_kvcache_read", mutates_args=())
+def attention_with_kvcache_read_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                   cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
+                                   cache_leftpad: Optional[Tensor] = None,
+                                   is_causal: bool = True, scale: Optional[float] = None,
+                                   window_left: Optional[int] = None,
+                                   window_right: Optional[int] = None,
+                                   alignment: Optional[str] = None,
+                                   softcap: Optional[float] = None,
+                                   alibi_slopes: Optional[Tensor] = None,
+                                   sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_with_kvcache_op` without the append (no ``k``, ``v``): it only reads
+    the caches, so it declares no mutation. (A decode step that attends to a cache filled
+    elsewhere, as transformers' are, takes this one: torch 2.13 dispatches a custom operator
+    that declares mutated arguments through a Python kernel that costs ~0.1-0.2 ms a call
+    with this many arguments, as much as the decode kernel itself on a short cache.)"""
+    return _kvcache_forward(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
+                            cache_leftpad, is_causal, scale, window_left, window_right,
+                            alignment, softcap, alibi_slopes, sinks)
+
+
+def _kvcache_fake(q, k_cache, v_cache, *args, **kwargs):
     B, Lq, Hq, _ = q.shape
     return (q.new_empty((B, Lq, Hq, v_cache.shape[-1])),
             q.new_empty((B, Hq, Lq), dtype=_lse_dtype(q.dtype)))
+
+
+attention_with_kvcache_op.register_fake(_kvcache_fake)
+attention_with_kvcache_read_op.register_fake(_kvcache_fake)
 
 
 def _lse_operand(t, name):
@@ -751,7 +787,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
                            alibi_slopes=None, sinks=None):
     """:func:`sdpa_numba.attention_with_kvcache` on torch tensors, as the PyTorch operator
     ``torch.ops.sdpa_numba.attention_with_kvcache`` (``torch.compile`` traces it with no graph
-    break; meta tensors get shapes).
+    break; meta tensors get shapes), or without ``k`` and ``v`` as
+    ``torch.ops.sdpa_numba.attention_with_kvcache_read``, which only reads the caches.
 
     New query tokens against a key/value cache, contiguous or paged (FlashAttention's
     ``flash_attn_with_kvcache`` layouts), with an optional in-place append of ``k`` and ``v``
@@ -820,9 +857,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
             raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {tuple(q.shape)}")
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int64)
     window_left, window_right = _check_window(window)
-    out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                         cache_leftpad, is_causal, scale, window_left,
-                                         window_right, alignment, softcap, alibi_slopes, sinks)
+    variants = (window_left, window_right, alignment, softcap, alibi_slopes, sinks)
+    if k is None and v is None:  # nothing to append: the operator that declares no mutation
+        out, lse = attention_with_kvcache_read_op(q, k_cache, v_cache, cache_seqlens,
+                                                  block_table, cache_leftpad, is_causal, scale,
+                                                  *variants)
+    else:
+        out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v,
+                                             block_table, cache_leftpad, is_causal, scale,
+                                             *variants)
     return (out, lse) if return_lse else out
 
 

@@ -163,15 +163,22 @@ def test_kvcache_opcheck_and_meta():
                           (q, k_cache, v_cache, lens, k, v), {"scale": 0.5},
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_static"))
+    torch.library.opcheck(ops.attention_with_kvcache_read.default,
+                          (q, k_cache, v_cache, lens + 2), {"is_causal": False},
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_static"))
     meta = [t.to("meta") for t in (q, k_cache, v_cache)]
-    out, lse = ops.attention_with_kvcache(*meta, lens.to("meta"))
-    assert out.shape == (3, 2, 6, 5) and lse.shape == (3, 6, 2) and out.device.type == "meta"
+    for op in (ops.attention_with_kvcache, ops.attention_with_kvcache_read):
+        out, lse = op(*meta, lens.to("meta"))
+        assert out.shape == (3, 2, 6, 5) and lse.shape == (3, 6, 2)
+        assert out.device.type == "meta"
 
 
 def test_kvcache_compiled_decode_step_no_graph_break():
-    """A decode step (project the new token, append it, attend, project out) under
-    torch.compile(fullgraph=True): one graph, the same output as eager and the same caches
-    (the append survives functionalization)."""
+    """A decode step (project the new token, append it, attend, project out; then attend
+    again without appending, the read-only operator) under torch.compile(fullgraph=True): one
+    graph, the same output as eager and the same caches (the append survives
+    functionalization, and the second call reads the appended cache)."""
     g = torch.Generator().manual_seed(7)
     B, H, Hq, E, S = 2, 2, 4, 8, 9
     wq, wk, wv = randn(g, 16, Hq * E), randn(g, 16, H * E), randn(g, 16, H * E)
@@ -180,7 +187,8 @@ def test_kvcache_compiled_decode_step_no_graph_break():
         q = (x @ wq).view(B, 1, Hq, E)
         k, v = (x @ wk).view(B, 1, H, E), (x @ wv).view(B, 1, H, E)
         out = snt.attention_with_kvcache(q, k_cache, v_cache, lens, k=k, v=v)
-        return out.reshape(B, 1, Hq * E).sum(-1)
+        again = snt.attention_with_kvcache(q, k_cache, v_cache, lens + 1, is_causal=False)
+        return out.reshape(B, 1, Hq * E).sum(-1), again
 
     x = randn(g, B, 1, 16)
     caches = randn(g, B, S, H, E), randn(g, B, S, H, E)
@@ -193,6 +201,8 @@ def test_kvcache_compiled_decode_step_no_graph_break():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     got = compiled(x, *caches, lens)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1].reshape(B, 1, Hq * E).sum(-1), got[0], rtol=1e-12,
+                               atol=1e-12)
     for c, e in zip(caches, eager_caches):
         assert torch.equal(c, e)
     assert torch.equal(caches[0][1, 6], (x[1] @ wk).view(H, E))
