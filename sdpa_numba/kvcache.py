@@ -1,9 +1,11 @@
 """``attention_with_kvcache``: new query tokens against a key/value cache, contiguous or paged,
-with an optional in-place append of the new keys and values (FlashAttention's
-``flash_attn_with_kvcache`` layouts).
+with an optional in-place append of the new keys and values, left padding and the attention
+variants (FlashAttention's ``flash_attn_with_kvcache`` layouts).
 
 Everything is validated before anything is written: a bad argument leaves the cache untouched.
-The kernel is :func:`sdpa_numba.cpu.decode.decode`.
+The variants become the score seam's recipe (:func:`sdpa_numba.problem.variants.variants_recipe`) in the
+cache's frame, and :func:`key_bounds` the keys each sequence's kernel reads. The kernels are
+:func:`sdpa_numba.cpu.decode.decode` and :func:`sdpa_numba.gpu.decode.decode`.
 """
 
 import numbers
@@ -18,7 +20,7 @@ from .host_arrays import as_numpy
 from .problem.arguments import check_flag, check_scale, shape_str
 from .problem.dtypes import FLOATS, compute_dtype
 from .problem.out import host_address, may_overlap, may_self_overlap
-from .score import recipe as R
+from .problem.variants import check_alignment, variants_recipe
 
 __all__ = ["attention_with_kvcache"]
 
@@ -100,7 +102,7 @@ def _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, bounds, r
     B, Lq, Hq, _ = out_shape
     lse = device_array((B, Hq, Lq), compute_dtype(dtype))
     decode(q, k_cache, v_cache, cuda.to_device(table), kv_lens, is_causal, scale, result, lse,
-           bounds=bounds)
+           bounds=bounds, recipe=r)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result
 
@@ -128,7 +130,10 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                            k: Any = None, v: Any = None, block_table: Any = None,
                            cache_leftpad: Any = None, is_causal: bool = True,
                            scale: float | None = None, return_lse: bool = False, out: Any = None,
-                           **variants: Any) -> Any:
+                           window: Any = None, alignment: str = "bottom_right",
+                           softcap: float | None = None, alibi_slopes: Any = None,
+                           sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
+                           mod_args: Any = (), block_mask: Any = None) -> Any:
     """Attention of new query tokens against a key/value cache (decode, chunked prefill,
     speculative decoding), with FlashAttention's ``flash_attn_with_kvcache`` layouts.
 
@@ -175,9 +180,33 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         layout), in the compute dtype (float64 for float64, else float32).
     out : ndarray, shape (B, Lq, Hq, Ev), keyword-only, optional
         A buffer of q's dtype, written in place and returned.
-    **variants
-        The attention variants (windows, softcap, ALiBi, sinks, score_mod, ...) are not built
-        here yet: any raises NotImplementedError.
+    window : (left, right), keyword-only, optional
+        Sliding window in the cache's frame: query token ``t`` sits at position ``i = n - Lq +
+        t`` (``n = cache_seqlens[b] + Lq_new``) and sees keys ``i - left <= j <= i + right``
+        (each side an int >= 0 or None: unlimited; with ``is_causal`` the right side is 0).
+        Keys outside every token's window are not read: a decode step with ``window=(255,
+        0)`` over a cache of 8192 keys reads 256 of them.
+    alignment : "bottom_right", keyword-only
+        The cache's frame is bottom-right aligned (as above), always: "top_left" is refused
+        (a query token's place is fixed by the cache, not by a choice of frame).
+    softcap : float > 0, keyword-only, optional
+        Scores become ``softcap * tanh(score / softcap)`` (before ALiBi and score_mod).
+    alibi_slopes : array, shape (Hq,) or (B, Hq), keyword-only, optional
+        Subtracts ``slope[b, h] * |i - j|`` (positions as for ``window``); float32/float64.
+    sinks : array, shape (Hq,), keyword-only, optional
+        One logit per query head that joins every row's softmax denominator (no value row);
+        ``-inf``: no sink for that head.
+    score_mod, mask_mod : Numba @njit functions, keyword-only, optional
+        ``score_mod(score, b, h, i, j, *mod_args) -> float`` and ``mask_mod(b, h, i, j,
+        *mod_args) -> bool`` (True: the key takes part), compiled into the kernel (on CUDA
+        arrays, as device functions). ``b`` is the batch index (the sequence), ``h`` the query
+        head, ``i`` the query token's position in the cache's frame, ``n - Lq + t``, and ``j``
+        the key's position in the cache (left padding does not shift it).
+    mod_args : tuple, keyword-only, optional
+        Extra arguments of score_mod / mask_mod (arrays on q's side, numbers).
+    block_mask : None, keyword-only
+        Refused (NotImplementedError): a block mask is made for one (L, S), while each
+        sequence of a cache has its own length, growing at every step; use ``mask_mod``.
 
     Returns
     -------
@@ -189,7 +218,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     TypeError, ValueError
         For bad input, naming the argument, before anything is read or written.
     NotImplementedError
-        For the attention variants (not built yet).
+        For ``block_mask``.
 
     Notes
     -----
@@ -198,9 +227,16 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     by lse (split-KV); the result is bitwise the same for any thread count. A sequence with no
     keys (or a token that sees none) gives zeros and ``lse = -inf``.
     """
-    if variants:
-        raise NotImplementedError(f"attention_with_kvcache does not support "
-                                  f"{', '.join(sorted(variants))} yet (only is_causal)")
+    if block_mask is not None:
+        raise NotImplementedError(
+            "attention_with_kvcache does not take a block_mask: a block mask is made for one "
+            "(L, S), while each sequence of the cache has its own length, growing at every "
+            "step; pass its mask_mod instead")
+    if isinstance(alignment, str) and alignment == "top_left":
+        raise ValueError("attention_with_kvcache's alignment is 'bottom_right' (query token t "
+                         "sits at position cache_seqlens[b] + Lq_new - Lq + t): 'top_left' "
+                         "has no meaning for a cache")
+    check_alignment(alignment)
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
              ("out", out)]
     for name in ("q", "k_cache", "v_cache"):
@@ -347,6 +383,11 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         table = np.arange(B, dtype=np.int32).reshape(B, 1)
 
     scale = check_scale(scale, E)
+    # Positions go to the kernels in the cache's frame (offset 0): top-left is that frame.
+    r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal, window=window,
+                        alignment="top_left", softcap=softcap, alibi_slopes=alibi_slopes,
+                        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                        mod_args=mod_args)
 
     out_shape = (B, Lq, Hq, Ev)
     if out is not None:
@@ -378,7 +419,6 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
             pages, slots = table[bidx, pos // page_size], pos % page_size
         else:
             pages, slots = bidx, pos
-    r = R.DENSE
     bounds = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
     if device == "cuda":
         return _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, bounds, r,

@@ -1,6 +1,7 @@
 """Shared checks of attention_with_kvcache (the CPU and the CUDA suites): per-sequence float64
 references of decode against a contiguous or paged cache, with the variants and left padding."""
 
+import numba
 import numpy as np
 
 from checks import TOL, rel_err
@@ -57,3 +58,60 @@ def check_against_reference(q, kc, vc, seqlens, out, lse, causal, table=None, to
         np.testing.assert_array_equal(lse[b][~finite], rl[~finite])
         np.testing.assert_allclose(lse[b][finite], rl[finite],
                                    rtol=1e-12 if q.dtype == np.float64 else 1e-5)
+
+
+def paged_copy(rng, cache, page_size, extra_pages=3):
+    """A paged copy of a contiguous cache (B, S_max, ...): shuffled pages, unused pages of
+    garbage (NaN), and its block table."""
+    B, S = cache.shape[:2]
+    per = -(-S // page_size)
+    n_pages = B * per + extra_pages
+    paged = np.full((n_pages, page_size, *cache.shape[2:]), np.nan, cache.dtype)
+    order = rng.permutation(n_pages)[:B * per].reshape(B, per).astype(np.int32)
+    for b in range(B):
+        for p in range(per):
+            rows = cache[b, p * page_size:(p + 1) * page_size]
+            paged[order[b, p], :len(rows)] = rows
+    return paged, order
+
+
+def paged_pair(rng, kc, vc, page_size):
+    """Paged copies of both caches with one shuffled block table."""
+    if page_size is None:
+        return kc, vc, None
+    pk, table = paged_copy(rng, kc, page_size)
+    pv = np.full((pk.shape[0], page_size, *vc.shape[2:]), np.nan, vc.dtype)
+    for b in range(kc.shape[0]):
+        for p in range(table.shape[1]):
+            rows = vc[b, p * page_size:(p + 1) * page_size]
+            pv[table[b, p], :len(rows)] = rows
+    return pk, pv, table
+
+
+@numba.njit
+def _score_mod(s, b, h, i, j, bias):
+    # depends on every index: the batch, the query head, the position and the key
+    return s + bias[b, h] * 0.01 * (i - j) + 0.1 * ((i + 2 * j) % 3)
+
+
+@numba.njit
+def _mask_mod(b, h, i, j, bias):
+    return (i + j + h + b) % 5 != 0
+
+
+def _alibi(rng, B, Hq):
+    return np.abs(rng.standard_normal((B, Hq))) * 0.2
+
+
+#: Each variant's keywords for a batch of B sequences and Hq query heads (windows short enough
+#: to cut the small problems of the CUDA tests too).
+VARIANTS = {
+    "window": lambda rng, B, Hq: {"window": (5, 0)},
+    "window_not_causal": lambda rng, B, Hq: {"window": (4, 2), "is_causal": False},
+    "softcap": lambda rng, B, Hq: {"softcap": 1.5, "window": (None, 0)},
+    "alibi_sinks": lambda rng, B, Hq: {"alibi_slopes": _alibi(rng, B, Hq),
+                                       "sinks": np.r_[rng.standard_normal(Hq - 1) + 2,
+                                                      -np.inf]},
+    "mods": lambda rng, B, Hq: {"score_mod": _score_mod, "mask_mod": _mask_mod,
+                                "mod_args": (rng.standard_normal((B, Hq)),)},
+}

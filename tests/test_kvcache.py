@@ -7,24 +7,10 @@ import pytest
 
 import sdpa_numba.kvcache as kvcache_module
 from checks import TOL, rel_err
-from kvcache_checks import check_against_reference, logical
+from kvcache_checks import (VARIANTS, check_against_reference, logical, paged_copy,
+                            paged_pair)
 from sdpa_numba import attention_with_kvcache as kvattn
-from sdpa_numba.cpu.decode import CHUNK
-
-
-def paged_copy(rng, cache, page_size, extra_pages=3):
-    """A paged copy of a contiguous cache (B, S_max, ...): shuffled pages, unused pages of
-    garbage (NaN), and its block table."""
-    B, S = cache.shape[:2]
-    per = -(-S // page_size)
-    n_pages = B * per + extra_pages
-    paged = np.full((n_pages, page_size, *cache.shape[2:]), np.nan, cache.dtype)
-    order = rng.permutation(n_pages)[:B * per].reshape(B, per).astype(np.int32)
-    for b in range(B):
-        for p in range(per):
-            rows = cache[b, p * page_size:(p + 1) * page_size]
-            paged[order[b, p], :len(rows)] = rows
-    return paged, order
+from sdpa_numba.cpu.decode import BN, CHUNK
 
 
 def make(rng, B, Lq, Hq, H, E, Ev, S, dtype=np.float64):
@@ -71,13 +57,7 @@ def test_append_then_attend_contiguous(rng):
 def test_paged_cache_matches_reference_and_contiguous(rng, page_size):
     q, kc, vc = make(rng, 3, 2, 4, 2, 6, 5, CHUNK + 40)
     seqlens = np.array([CHUNK + 33, 0, 23])
-    pk, table = paged_copy(rng, kc, page_size)
-    pv = paged_copy(np.random.default_rng(0), vc, page_size)[0]
-    pv = np.full_like(pv, np.nan)  # the same page order as pk
-    for b in range(3):
-        for p in range(table.shape[1]):
-            rows = vc[b, p * page_size:(p + 1) * page_size]
-            pv[table[b, p], :len(rows)] = rows
+    pk, pv, table = paged_pair(rng, kc, vc, page_size)
     out, lse = kvattn(q, pk, pv, seqlens, block_table=table, return_lse=True)
     check_against_reference(q, kc, vc, seqlens, out, lse, True)
     out_c, lse_c = kvattn(q, kc, vc, seqlens, return_lse=True)
@@ -196,10 +176,32 @@ def test_bad_input_is_refused_before_anything_is_written(rng):
             block_table=table * 1.0)
     refused(ValueError, r"beyond the cache's 9 slots per sequence \(max_pages \* page_size\)",
             q, pk, pk, np.array([7, 0]), k=kn, v=kn, block_table=table)
-    refused(NotImplementedError, "softcap", q, kc, vc, sl, softcap=30.0)
+    refused(ValueError, "alignment is 'bottom_right'", q, kc, vc, sl, alignment="top_left")
+    refused(ValueError, "alignment must be", q, kc, vc, sl, alignment="middle")
+    refused(NotImplementedError, "does not take a block_mask", q, kc, vc, sl,
+            block_mask=object())
+    refused(ValueError, "softcap must be finite and > 0", q, kc, vc, sl, softcap=-1.0)
+    refused(ValueError, "window's left side must be >= 0", q, kc, vc, sl, window=(-1, 0))
+    refused(ValueError, r"alibi_slopes of shape \(3\)", q, kc, vc, sl,
+            alibi_slopes=np.ones(3))
+    refused(ValueError, r"sinks of shape \(2, 4\)", q, kc, vc, sl, sinks=np.ones((2, 4)))
+    refused(TypeError, "mask_mod must return a bool", q, kc, vc, sl, mask_mod=_not_a_mask)
+    refused(ValueError, "mod_args are given without", q, kc, vc, sl, mod_args=(1.0,))
+    with pytest.raises(TypeError, match="score_mod_grad"):
+        kvattn(q, kc, vc, sl, score_mod_grad=_bias)  # no backward here: not a keyword
     refused(ValueError, "scale must be finite", q, kc, vc, sl, scale=np.inf)
     refused(ValueError, "out must have shape", q, kc, vc, sl, out=np.empty((2, 1, 4, 3)))
     refused(ValueError, "out overlaps q", q, kc, vc, sl, out=q)
+
+
+@numba.njit
+def _not_a_mask(b, h, i, j):
+    return 1.0
+
+
+@numba.njit
+def _bias(s, b, h, i, j):
+    return s
 
 
 def test_an_int_cache_seqlens_applies_to_every_sequence(rng):
@@ -256,18 +258,7 @@ def test_cache_leftpad_skips_the_padding(rng, page_size):
     leftpad = np.array([0, 11, CHUNK + 33, 17, 11], np.int32)
     kn = rng.standard_normal((B, new, H, E))
     vn = rng.standard_normal((B, new, H, Ev))
-    table = None
-    if page_size is not None:
-        kc, table = paged_copy(rng, kc, page_size)
-        vc = paged_copy(np.random.default_rng(0), vc, page_size)[0]
-        # the same page order as kc's
-        vc2 = np.full_like(vc, np.nan)
-        contiguous_v = make(np.random.default_rng(1), B, Lq, Hq, H, E, Ev, 2 * CHUNK + 40)[2]
-        for b in range(B):
-            for p in range(table.shape[1]):
-                rows = contiguous_v[b, p * page_size:(p + 1) * page_size]
-                vc2[table[b, p], :len(rows)] = rows
-        vc = vc2
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
     kw = {} if table is None else {"block_table": table}
     pk, pv = poison_before(kc, table, leftpad), poison_before(vc, table, leftpad)
     out = np.full((B, Lq, Hq, Ev), np.nan)
@@ -311,3 +302,70 @@ def test_bad_cache_leftpad_is_refused_before_anything_is_written(rng):
         with pytest.raises(exc, match=match):
             kvattn(q, kc, vc, sl, k=kn, v=kn, cache_leftpad=bad)
         np.testing.assert_array_equal(kc, before)
+
+
+# --- variants ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [None, 16, 5])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_against_the_reference(rng, variant, page_size):
+    # Lq > 1, GQA, an append, left padding (one sequence padded entirely), a sequence of
+    # several chunks, one shorter than the query tokens.
+    B, Lq, Hq, H, E, Ev, new = 4, 3, 4, 2, 6, 5, 2
+    kw = VARIANTS[variant](rng, B, Hq)
+    is_causal = kw.pop("is_causal", True)
+    q, kc, vc = make(rng, B, Lq, Hq, H, E, Ev, CHUNK + 60)
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    seqlens = np.array([CHUNK + 41, 37, 0, 8])
+    leftpad = np.array([5, 0, 2, 10])
+    kn = rng.standard_normal((B, new, H, E))
+    vn = rng.standard_normal((B, new, H, Ev))
+    paged = {} if table is None else {"block_table": table}
+    out = np.full((B, Lq, Hq, Ev), np.nan)
+    res, lse = kvattn(q, kc, vc, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
+                      is_causal=is_causal, out=out, return_lse=True, **paged, **kw)
+    assert res is out
+    check_against_reference(q, kc, vc, seqlens + new, out, lse, is_causal, table=table,
+                            leftpad=leftpad, **kw)
+    if "sinks" not in kw:  # (a sink gives an empty row lse = sink)
+        np.testing.assert_array_equal(out[3], 0)
+        assert np.all(lse[3] == -np.inf)
+
+
+@pytest.mark.parametrize("left", [0, 1, BN - 1, BN, 100])
+def test_a_window_skips_the_keys_before_it_exactly(rng, left):
+    # Over a cache of several chunks, a window reads only its own keys: NaN in every other
+    # value row would show. Its edges are checked against the reference (keys i - left and
+    # i - left - 1 of each token), for decode (Lq 1) and speculative decoding (Lq 4).
+    n = 3 * CHUNK + 17
+    q, kc, vc = make(rng, 2, 4, 2, 1, 8, 8, n)
+    seqlens = np.array([n, 2 * CHUNK])
+    poisoned_k, poisoned_v = kc.copy(), vc.copy()
+    for b, m in enumerate(seqlens):
+        first = m - 4 - left  # the first key token 0 sees
+        poisoned_k[b, :first] = np.nan
+        poisoned_v[b, :first] = np.nan
+    for lq in (4, 1):
+        qq = q[:, 4 - lq:]
+        out, lse = kvattn(qq, poisoned_k, poisoned_v, seqlens, window=(left, 0),
+                          return_lse=True)
+        check_against_reference(qq, kc, vc, seqlens, out, lse, True, window=(left, 0))
+
+
+def test_window_and_softcap_share_the_plain_compilation(rng):
+    q, kc, vc = make(rng, 1, 1, 2, 2, 4, 4, 20)
+    kvattn(q, kc, vc, 20)
+    n = len(kvcache_module._entries)
+    kvattn(q, kc, vc, 20, window=(3, 0), softcap=2.0)
+    assert len(kvcache_module._entries) == n
+
+
+def test_variants_on_float32_and_the_alibi_forms(rng):
+    q, kc, vc = make(rng, 2, 2, 4, 4, 8, 8, 50, np.float32)
+    seqlens = np.array([50, 21])
+    slopes = np.abs(rng.standard_normal(4)).astype(np.float32)
+    a = kvattn(q, kc, vc, seqlens, alibi_slopes=slopes, return_lse=True)
+    b = kvattn(q, kc, vc, seqlens, alibi_slopes=np.tile(slopes, (2, 1)), return_lse=True)
+    np.testing.assert_array_equal(a[0], b[0])
+    check_against_reference(q, kc, vc, seqlens, *a, True, tol=TOL[np.float32],
+                            alibi_slopes=slopes)

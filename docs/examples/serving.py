@@ -42,6 +42,27 @@ for step in range(5):  # one new token per sequence per step
                            np.transpose(values[b], (1, 0, 2)), enable_gqa=True)
         assert np.allclose(out[b], ref.transpose(1, 0, 2), atol=1e-5)
 
+# --- A left-padded batch with a sliding window ----------------------------------------------
+# Prompts of 50 and 30 tokens, left-padded to one length: sequence 1's first 20 slots are
+# padding. cache_leftpad says where each cache starts; positions stay the cache's. A window of
+# the 40 keys before each token: this step reads keys 10 .. 50 of sequence 0 and 20 .. 50 of
+# sequence 1, whatever the cache's length.
+S = 64
+k_cache = rng.standard_normal((B, S, H, E), dtype=np.float32)
+v_cache = rng.standard_normal((B, S, H, E), dtype=np.float32)
+cache_seqlens = np.array([50, 50], np.int32)
+cache_leftpad = np.array([0, 20], np.int32)
+q = rng.standard_normal((B, 1, Hq, E), dtype=np.float32)
+k1 = rng.standard_normal((B, 1, H, E), dtype=np.float32)
+v1 = rng.standard_normal((B, 1, H, E), dtype=np.float32)
+out = sdpa_numba.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k1, v=v1,
+                                        cache_leftpad=cache_leftpad, window=(40, 0))
+for b in range(B):  # the new token sits at position 50
+    j0 = max(50 - 40, cache_leftpad[b])
+    ref, _ = attention(q[b].transpose(1, 0, 2), k_cache[b, j0:51].transpose(1, 0, 2),
+                       v_cache[b, j0:51].transpose(1, 0, 2), enable_gqa=True)
+    assert np.allclose(out[b], ref.transpose(1, 0, 2), atol=1e-5)
+
 # --- A split over key ranges, merged by lse ------------------------------------------------
 # Attention over disjoint key sets (two devices' shards, two chunks of a long cache) combines
 # exactly: each part's output weighted by exp(lse_part - lse).
@@ -56,4 +77,5 @@ out, lse = sdpa_numba.merge_attention_states(*part_a, *part_b)
 ref, ref_lse = attention(q, k, v, enable_gqa=True)
 assert np.allclose(out, ref, atol=1e-12) and np.allclose(lse, ref_lse, atol=1e-12)
 
-print("serving: the decode loop and the merged split match the float64 reference")
+print("serving: the decode loop, the windowed left-padded batch and the merged split match "
+      "the float64 reference")

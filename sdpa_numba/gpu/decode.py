@@ -16,7 +16,10 @@ row tile (once per call for ``Hq / H * Lq <= ROWS``):
 
 A chunk's rows end normalized as a partial ``(out, lse)``; a second kernel merges each row's
 chunks by lse in chunk order (:func:`sdpa_numba.gpu.merge_rows`), so the result does not depend
-on how the blocks are scheduled. Kernels trust their arguments.
+on how the blocks are scheduled. Scores go through the score seam (:mod:`sdpa_numba.score.recipe`,
+carried by :mod:`.variants`) as on the CPU: token ``t`` sits at position ``kv_len - Lq + t``;
+soft cap, ALiBi and score_mod change scores, window and mask_mod mask them, and each head's sink
+joins the merge. Kernels trust their arguments.
 """
 
 import math
@@ -25,10 +28,13 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..score.merge import merge_weights
+from ..score.recipe import DENSE, keeps, modified_score, window_covers
 from .arrays import device_array, is_simulated_mode
 from .merge import merge_rows
 from .options import FASTMATH
 from .storage import load, store, storage_view
+from .variants import compile_key, kernel_args, modifies, sink_of, unpack
 
 #: Query rows per thread block, at most; keys per key block; threads per block.
 ROWS = 8
@@ -40,13 +46,16 @@ CHUNK = 512
 _kernels = {}
 
 
-def _make_kernels(ct, rows, bn):
+def _make_kernels(ct, rows, bn, parts):
     CT = ct
     RB, NB = rows, bn
+    SCORE_MOD, MASK_MOD = parts[3], parts[4]
+    ELEMENT_MASK = MASK_MOD is not None
 
     @cuda.jit(fastmath=FASTMATH)
     def chunk_kernel(q, k_cache, v_cache, block_table, kv_lens, kv_lo, kv_hi, task_b, task_c,
-                     chunk, is_causal, scale, part_out, part_lse):
+                     chunk, scale, part_out, part_lse, offset, left, right, softcap, r_boff,
+                     alibi_t, sinks_t, bm_t, bq, bk, mod_args):
         task = cuda.blockIdx.x
         b = task_b[task]
         c = task_c[task]
@@ -65,6 +74,9 @@ def _make_kernels(ct, rows, bn):
         kv_len = kv_lens[b]
         j0 = kv_lo[b] + c * chunk
         j1 = min(kv_hi[b], j0 + chunk)
+        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
+                    MASK_MOD, None, mod_args)
+        mod_on = modifies(rc)
 
         sm = cuda.shared.array(0, CT)
         q_at = 0
@@ -95,13 +107,21 @@ def _make_kernels(ct, rows, bn):
                 page[j] = block_table[b, (kb + j) // page_size]
                 slot[j] = (kb + j) % page_size
             cuda.syncthreads()
+            # Per-element window tests only where the window cuts the block (token t sits at
+            # position kv_len - lq + t), or a mask_mod may mask.
+            test = ELEMENT_MASK or not window_covers(rc, kv_len - lq, kv_len - 1, kb, kb + n - 1)
             for x in range(tid, nr * NB, NT):
                 r, j = x // NB, x % NB
                 if j < n:
                     s = zero
                     for e in range(e_len):
                         s += sm[q_at + r * e_len + e] * CT(load(k_cache[page[j], slot[j], h, e]))
-                    if is_causal and kb + j > kv_len - lq + (r0 + r) % lq:
+                    rr = r0 + r
+                    hq_r = h * g + rr // lq
+                    i = kv_len - lq + rr % lq
+                    if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
+                        s = CT(modified_score(rc, s, b, hq_r, i, kb + j))
+                    if test and not keeps(rc, b, hq_r, i, kb + j):
                         s = neg_inf
                     sm[s_at + r * NB + j] = s
             cuda.syncthreads()
@@ -142,7 +162,8 @@ def _make_kernels(ct, rows, bn):
             part_lse[task, i] = sm[m_at + r] + math.log(l) if l != zero else neg_inf
 
     @cuda.jit(fastmath=FASTMATH)
-    def merge_kernel(first, part_out, part_lse, out, lse):
+    def merge_kernel(first, part_out, part_lse, out, lse, offset, left, right, softcap, r_boff,
+                     alibi_t, sinks_t, bm_t, bq, bk, mod_args):
         x = cuda.grid(1)
         lq, hq, ev = out.shape[1], out.shape[2], out.shape[3]
         rows = hq * lq
@@ -153,17 +174,23 @@ def _make_kernels(ct, rows, bn):
         # Merged in place into the first chunk's row (merge_rows allows that), then stored.
         x_lse = merge_rows(part_out[c0:c1, i], part_lse[c0:c1, i], part_out[c0, i])
         h, t = i // lq, i % lq
+        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
+                    MASK_MOD, None, mod_args)
+        sink = sink_of(rc, h)
+        w = 1.0
+        if sink != -math.inf:  # one more part, of output 0: it weighs in the lse only
+            w, _, x_lse = merge_weights(x_lse, sink)
         for d in range(ev):
-            out[b, t, h, d] = store(part_out[c0, i, d], out)
+            out[b, t, h, d] = store(part_out[c0, i, d] * w, out)
         lse[b, h, t] = x_lse
 
     return chunk_kernel, merge_kernel
 
 
-def _kernels_for(ct):
-    key = (np.dtype(ct), ROWS, BN)
+def _kernels_for(ct, parts):
+    key = (np.dtype(ct), ROWS, BN, parts)
     if key not in _kernels:
-        _kernels[key] = _make_kernels(numba.from_dtype(key[0]), ROWS, BN)
+        _kernels[key] = _make_kernels(numba.from_dtype(key[0]), ROWS, BN, parts)
     return _kernels[key]
 
 
@@ -180,7 +207,7 @@ def plan_chunks(n_keys, chunk=CHUNK):
 
 
 def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, stream=0,
-           chunk=None, threads=None, bounds=None):
+           chunk=None, threads=None, bounds=None, recipe=None):
     """Launch attention of ``Lq`` new tokens against a paged key/value cache (device arrays).
 
     Parameters
@@ -206,7 +233,11 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     bounds : (lo, hi) of host int64 arrays, shape (B,), optional
         The keys ``[lo[b], hi[b])`` of sequence ``b`` to read (left padding, a window's keys:
         :func:`sdpa_numba.kvcache.key_bounds`); keys outside are not attended. Default: all,
-        ``[0, kv_lens[b])``.
+        ``[0, kv_lens[b])`` (with a window, pass its bounds: it is not applied to them here).
+    recipe : Recipe, optional
+        The variants (:func:`sdpa_numba.score.recipe.recipe`), in the cache's frame: token ``t``
+        is row ``i = kv_lens[b] - Lq + t`` (plus the recipe's offset), key ``j`` is ``j``; its
+        arrays (slopes, sinks, ``mod_args``) host or device arrays; no block mask. None: plain.
 
     Notes
     -----
@@ -231,18 +262,22 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     n_tiles = -(-rows // ROWS)
     part_out = device_array((n_tasks, hq * lq, ev), ct)
     part_lse = device_array((n_tasks, hq * lq), ct)
-    chunk_kernel, merge_kernel = _kernels_for(ct)
+    rc = DENSE if recipe is None else recipe
+    if is_causal and rc.right > 0:
+        rc = rc._replace(right=np.int64(0))
+    r_args = kernel_args(rc, to_device=lambda x: cuda.to_device(x, stream=stream))
+    chunk_kernel, merge_kernel = _kernels_for(ct, compile_key(rc))
     shared = ROWS * (e + ev + BN + 3) * ct.itemsize
     kv, d_lo, d_hi = (cuda.to_device(x, stream=stream) for x in (kv_lens, lo, hi))
     tb = cuda.to_device(task_b.astype(np.int64), stream=stream)
     tc = cuda.to_device(task_c.astype(np.int64), stream=stream)
     chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](
-        q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk), bool(is_causal),
-        float(scale), part_out, part_lse)
+        q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk), float(scale),
+        part_out, part_lse, *r_args)
     n = B * hq * lq
     mt = 32 if is_simulated_mode() else 128
     merge_kernel[-(-n // mt), mt, stream](
-        cuda.to_device(first, stream=stream), part_out, part_lse, out, lse)
+        cuda.to_device(first, stream=stream), part_out, part_lse, out, lse, *r_args)
 
 
 @cuda.jit

@@ -8,7 +8,7 @@ from numba import cuda
 import sdpa_numba.gpu.decode as gpu_decode
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_cuda_testing import dev, rel_err
-from kvcache_checks import check_against_reference
+from kvcache_checks import VARIANTS, check_against_reference, paged_pair
 
 
 @pytest.fixture(autouse=True)
@@ -92,17 +92,8 @@ def test_cache_leftpad_skips_the_padding(rng, page_size):
     leftpad = np.array([3, 19, 6], np.int32)
     kn = rng.standard_normal((B, 1, H, E))
     vn = rng.standard_normal((B, 1, H, Ev))
-    table, kw = None, {}
-    if page_size is not None:
-        per = S // page_size
-        table = rng.permutation(B * per).reshape(B, per).astype(np.int32)
-        pk = np.empty((B * per, page_size, H, E))
-        pv = np.empty((B * per, page_size, H, Ev))
-        for b in range(B):
-            for p in range(per):
-                pk[table[b, p]] = kc[b, p * page_size:(p + 1) * page_size]
-                pv[table[b, p]] = vc[b, p * page_size:(p + 1) * page_size]
-        kc, vc, kw = pk, pv, {"block_table": table}
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    kw = {} if table is None else {"block_table": table}
     hk, hv = kc.copy(), vc.copy()
     ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
                           return_lse=True, **kw)
@@ -124,3 +115,36 @@ def test_cache_leftpad_skips_the_padding(rng, page_size):
     assert rel_err(res, ref) < 1e-13
     np.testing.assert_array_equal(res[2], 0)
     assert np.all(lse[2] == -np.inf)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_against_the_reference_and_the_cpu(rng, variant, paged):
+    # Lq > 1, GQA, an append, left padding (one sequence entirely), several chunks.
+    B, Lq, Hq, H, E, Ev, S, ps = 3, 2, 4, 2, 4, 3, 30, 3
+    kw = VARIANTS[variant](rng, B, Hq)
+    is_causal = kw.pop("is_causal", True)
+    q = rng.standard_normal((B, Lq, Hq, E))
+    kc = rng.standard_normal((B, S, H, E))
+    vc = rng.standard_normal((B, S, H, Ev))
+    kc, vc, table = paged_pair(rng, kc, vc, ps if paged else None)
+    pkw = {} if table is None else {"block_table": table}
+    seqlens = np.array([26, 4, 7])
+    leftpad = np.array([3, 0, 8])
+    kn = rng.standard_normal((B, 1, H, E))
+    vn = rng.standard_normal((B, 1, H, Ev))
+    hk, hv = kc.copy(), vc.copy()
+    ref, ref_lse = kvattn(q, hk, hv, seqlens, k=kn, v=vn, cache_leftpad=leftpad,
+                          is_causal=is_causal, return_lse=True, **pkw, **kw)
+    dkw = {k: (tuple(dev(a) for a in x) if k == "mod_args" else
+               dev(x) if isinstance(x, np.ndarray) else x) for k, x in kw.items()}
+    res, lse = kvattn(dev(q), dev(kc), dev(vc), seqlens, k=dev(kn), v=dev(vn),
+                      cache_leftpad=leftpad, is_causal=is_causal, return_lse=True,
+                      **{k: dev(x) for k, x in pkw.items()}, **dkw)
+    res, lse = res.copy_to_host(), lse.copy_to_host()
+    check_against_reference(q, hk, hv, seqlens + 1, res, lse, is_causal, table=table,
+                            leftpad=leftpad, **kw)
+    assert rel_err(res, ref) < 1e-13
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(lse[~finite], ref_lse[~finite])
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-13)
