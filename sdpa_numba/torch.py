@@ -891,8 +891,6 @@ def merge_attention_states(out_a, lse_a, out_b=None, lse_b=None):
     ------
     TypeError, ValueError
         Bad input, naming the argument.
-    NotImplementedError
-        CUDA tensors (the NumPy-level function has no CUDA path yet).
     """
     if (out_b is None) != (lse_b is None):
         raise TypeError("merge_attention_states takes (out_a, lse_a, out_b, lse_b) or "

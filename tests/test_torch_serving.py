@@ -104,23 +104,23 @@ def test_kvcache_strided_cache_views():
 
 def test_kvcache_variants_are_passed_by_their_api_names(monkeypatch):
     """The variants reach the NumPy-level API under its keywords (window as a pair), and only
-    those given; cache_leftpad as an integer array."""
+    those given; cache_leftpad as an integer array; the results are the API's, bitwise."""
     seen = []
     real = snt._kvcache
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
-        return real(*args, **{k: x for k, x in kwargs.items()
-                              if k not in ("window", "alignment", "softcap", "alibi_slopes",
-                                           "sinks", "cache_leftpad")})
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(snt, "_kvcache", spy)
     q, k_cache, v_cache, _, _, lens = kv_problem(4, B=2)
+    lens = lens[:2]
     slopes, sinks = torch.rand(6, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
-    snt.attention_with_kvcache(q, k_cache, v_cache, lens[:2], window=(3, None),
-                               alignment="bottom_right", softcap=2.5, alibi_slopes=slopes,
-                               sinks=sinks, cache_leftpad=torch.tensor([1, 0]))
-    snt.attention_with_kvcache(q, k_cache, v_cache, lens[:2])
+    leftpad = torch.tensor([1, 0])
+    out = snt.attention_with_kvcache(q, k_cache, v_cache, lens, window=(3, None),
+                                     alignment="bottom_right", softcap=2.5,
+                                     alibi_slopes=slopes, sinks=sinks, cache_leftpad=leftpad)
+    snt.attention_with_kvcache(q, k_cache, v_cache, lens)
     variants, plain = seen
     assert variants["window"] == (3, None) and variants["alignment"] == "bottom_right"
     assert variants["softcap"] == 2.5
@@ -129,6 +129,11 @@ def test_kvcache_variants_are_passed_by_their_api_names(monkeypatch):
     np.testing.assert_array_equal(variants["cache_leftpad"], [1, 0])
     assert not set(plain) & {"window", "alignment", "softcap", "alibi_slopes", "sinks",
                              "cache_leftpad"}
+    want = sdpa_numba.attention_with_kvcache(
+        q.numpy(), k_cache.numpy(), v_cache.numpy(), lens.numpy(), window=(3, None),
+        alignment="bottom_right", softcap=2.5, alibi_slopes=slopes.numpy(),
+        sinks=sinks.numpy(), cache_leftpad=leftpad.numpy())
+    np.testing.assert_array_equal(out.numpy(), want)
 
 
 def test_kvcache_errors_leave_the_cache_untouched():

@@ -470,9 +470,9 @@ def test_decode_steps_go_to_the_kvcache_operator(monkeypatch):
 
 
 def test_decode_step_variants(monkeypatch):
-    """A sliding layer without a mask sees its last sliding_window keys on the KV-cache
-    operator (the run's start); soft-capping and sinks, which the decode kernel does not take
-    yet, keep the dense path, left-padded: all against torch's SDPA or the eager formulas."""
+    """On the KV-cache operator: a sliding layer without a mask sees its last sliding_window
+    keys (the run's start), soft-capping and sinks pass as its variants, left-padded: all
+    against torch's SDPA or the eager formulas."""
     F = torch.nn.functional
     g = torch.Generator().manual_seed(5)
     q1, k, v = (torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64),
@@ -499,7 +499,10 @@ def test_decode_step_variants(monkeypatch):
     want = torch.softmax(logits, dim=-1)[..., :-1] @ v.repeat_interleave(2, dim=1)
     out, _ = hf.attention_forward(module, q1, k, v, pad, s_aux=sinks)
     assert rel_err(out, want.transpose(1, 2)) <= 1e-12
-    assert len(spy.kvcache) == 1 and len(spy.dense) == 2
+    assert len(spy.kvcache) == 3 and not spy.dense
+    (_, capped), (_, sunk) = spy.kvcache[1:]
+    assert capped["softcap"] == 0.7 and capped["cache_leftpad"].tolist() == [0, 6]
+    assert sunk["sinks"] is sinks
 
 
 def test_key_range_forms():

@@ -37,8 +37,8 @@ What reaches the kernels, and where later work plugs in:
 * Decode steps (one query token against the cache) go through :func:`_decode` to the KV-cache
   decode operator (``torch.ops.sdpa_numba.attention_with_kvcache``), reading transformers'
   cache tensors in place; the mask becomes each sequence's run of keys (``cache_leftpad``,
-  ``cache_seqlens``). Gradients, dropout, variants the decode kernel lacks and masks of other
-  forms keep the dense operator.
+  ``cache_seqlens``), soft-capping and sinks its variants. Gradients, dropout and masks of
+  other forms keep the dense operator.
 * Additive position biases (``position_bias``) raise NotImplementedError, saying which
   implementation to use instead.
 
@@ -190,10 +190,9 @@ def _dense(query, key, value, mask, dropout, scale, is_causal, gqa, variants):
         scale=scale, enable_gqa=gqa, **variants)
 
 
-#: The variants the KV-cache decode kernel takes, passed to it as they are (a sliding window
-#: becomes each sequence's first key instead); decode steps with others (soft-capping, sinks)
-#: take the dense path.
-_DECODE_VARIANTS = ()
+#: The variants passed to the KV-cache decode kernel as they are (a sliding window becomes
+#: each sequence's first key instead); decode steps with others take the dense path.
+_DECODE_VARIANTS = ("softcap", "sinks")
 
 
 def _key_range(mask, batch, kv_length):
@@ -250,9 +249,8 @@ def _decode(query, key, value, mask, dropout, scale, gqa, variants):
     (``is_causal=False``). The mask becomes each sequence's run of keys (:func:`_key_range`):
     left padding is ``cache_leftpad``, a static cache's empty tail ``cache_seqlens``. A sliding
     layer without a mask sees its ``sliding_window`` last keys (the window variant's
-    bottom-right frame: the keys end at the query), so its run starts there. The variants the
-    decode kernel does not take yet (:data:`_DECODE_VARIANTS`: soft-capping, sinks) keep the
-    dense path.
+    bottom-right frame: the keys end at the query), so its run starts there. Soft-capping and
+    sinks go to the decode kernel as its variants (:data:`_DECODE_VARIANTS`).
 
     The dense operator stays the path when gradients are wanted (the decode operator has no
     backward), with dropout, and for masks that are not one run of keys per sequence. There,
