@@ -290,28 +290,45 @@ def _windowed(L, S, window):
     return (j <= pos) & (j > pos - window)
 
 
+def _inputs(seed, q_shape, kv_shape):
+    """float64 query, key and value of these shapes, and a causal attention layer."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64)
+               for shape in (q_shape, kv_shape, kv_shape))
+    module = torch.nn.Module()
+    module.is_causal = True
+    return q, k, v, module, g
+
+
+def _eager(q, k, v, keep, softcap=None, sinks=None):
+    """Eager attention with GQA (key/value heads repeated), a boolean ``keep`` mask, Gemma-2's
+    soft cap (scores c * tanh(s / c)) and gpt-oss's sinks (eager_attention_forward: the sink
+    joins the softmax as one more logit, then is dropped)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, -float("inf"))
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1] @ v
+    return torch.softmax(s, dim=-1) @ v
+
+
 def test_sliding_window_softcap_and_sinks_without_a_mask():
     """The function on its own with the variants: a sliding window (no mask: the window
     variant) in prefill and decode (GQA not packed then), soft-capping, and gpt-oss's s_aux
     sinks (its eager formula: the sink joins the softmax as one more logit, then dropped)."""
     F = torch.nn.functional
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 4, 9, 8, generator=g, dtype=torch.float64),
-               torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64),
-               torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64))
-    module = torch.nn.Module()
-    module.is_causal = True
+    q, k, v, module, g = _inputs(3, (2, 4, 9, 8), (2, 2, 9, 8))
     q1 = q[:, :, -1:]
     for query, window in ((q, 3), (q1, 4), (q, 20)):
         want = F.scaled_dot_product_attention(
             query, k, v, _windowed(query.shape[2], 9, window), enable_gqa=True)
         out, _ = hf.attention_forward(module, query, k, v, None, sliding_window=window)
         assert rel_err(out, want.transpose(1, 2)) <= 1e-12
-    # soft cap: scores c * tanh(s / c), against a float additive form of it
-    s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8 ** -0.5
-    s = 0.7 * torch.tanh(s / 0.7)
-    s = s.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), -float("inf"))
-    want = torch.softmax(s, dim=-1) @ v.repeat_interleave(2, dim=1)
+    want = _eager(q, k, v, torch.ones(9, 9, dtype=torch.bool).tril(), softcap=0.7)
     out, _ = hf.attention_forward(module, q, k, v, None, softcap=0.7)
     assert rel_err(out, want.transpose(1, 2)) <= 1e-12
     # sinks (gpt-oss's eager_attention_forward), with a padding mask
@@ -319,10 +336,7 @@ def test_sliding_window_softcap_and_sinks_without_a_mask():
     mask = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
     mask[1, ..., :2] = False
     mask[1, :, :2, 0] = True
-    s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8 ** -0.5
-    s = s.masked_fill(~mask, -float("inf"))
-    logits = torch.cat([s, sinks.reshape(1, 4, 1, 1).expand(2, 4, 9, 1)], dim=-1)
-    want = torch.softmax(logits, dim=-1)[..., :-1] @ v.repeat_interleave(2, dim=1)
+    want = _eager(q, k, v, mask, sinks=sinks)
     out, _ = hf.attention_forward(module, q, k, v, mask, s_aux=sinks)
     assert rel_err(out, want.transpose(1, 2)) <= 1e-12
 
@@ -423,12 +437,7 @@ def test_decode_steps_go_to_the_kvcache_operator(monkeypatch):
     KV-cache operator and equal torch's SDPA; other masks (holes, per head, additive values
     other than 0 and -inf, a row without keys), gradients and dropout go to a dense launch."""
     F = torch.nn.functional
-    g = torch.Generator().manual_seed(4)
-    q1, k, v = (torch.randn(3, 6, 1, 8, generator=g, dtype=torch.float64),
-                torch.randn(3, 2, 11, 8, generator=g, dtype=torch.float64),
-                torch.randn(3, 2, 11, 8, generator=g, dtype=torch.float64))
-    module = torch.nn.Module()
-    module.is_causal = True
+    q1, k, v, module, _ = _inputs(4, (3, 6, 1, 8), (3, 2, 11, 8))
     j = torch.arange(11)
 
     def runs(starts, ends):
@@ -474,12 +483,7 @@ def test_decode_step_variants(monkeypatch):
     keys (the run's start), soft-capping and sinks pass as its variants, left-padded: all
     against torch's SDPA or the eager formulas."""
     F = torch.nn.functional
-    g = torch.Generator().manual_seed(5)
-    q1, k, v = (torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64),
-                torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64),
-                torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64))
-    module = torch.nn.Module()
-    module.is_causal = True
+    q1, k, v, module, g = _inputs(5, (2, 4, 1, 8), (2, 2, 9, 8))
     spy = DecodeSpy(monkeypatch)
     window = (torch.arange(9) >= 9 - 4)[None, :]
     out, _ = hf.attention_forward(module, q1, k, v, None, sliding_window=4)
@@ -488,17 +492,11 @@ def test_decode_step_variants(monkeypatch):
     assert len(spy.kvcache) == 1 and not spy.dense
     assert spy.kvcache[0][1]["cache_leftpad"].tolist() == [5, 5]
     pad = (torch.arange(9) >= torch.tensor([[0], [6]]))[:, None, None, :]
-    s = (q1 @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8 ** -0.5
-    capped = (0.7 * torch.tanh(s / 0.7)).masked_fill(~pad, -float("inf"))
-    want = torch.softmax(capped, dim=-1) @ v.repeat_interleave(2, dim=1)
     out, _ = hf.attention_forward(module, q1, k, v, pad, softcap=0.7)
-    assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+    assert rel_err(out, _eager(q1, k, v, pad, softcap=0.7).transpose(1, 2)) <= 1e-12
     sinks = torch.randn(4, generator=g, dtype=torch.float64)
-    logits = torch.cat([s.masked_fill(~pad, -float("inf")),
-                        sinks.reshape(1, 4, 1, 1).expand(2, 4, 1, 1)], dim=-1)
-    want = torch.softmax(logits, dim=-1)[..., :-1] @ v.repeat_interleave(2, dim=1)
     out, _ = hf.attention_forward(module, q1, k, v, pad, s_aux=sinks)
-    assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+    assert rel_err(out, _eager(q1, k, v, pad, sinks=sinks).transpose(1, 2)) <= 1e-12
     assert len(spy.kvcache) == 3 and not spy.dense
     (_, capped), (_, sunk) = spy.kvcache[1:]
     assert capped["softcap"] == 0.7 and capped["cache_leftpad"].tolist() == [0, 6]
