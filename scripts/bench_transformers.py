@@ -19,6 +19,7 @@ Usage (the figures of docs/transformers.md)::
 
     NUMBA_NUM_THREADS=2 python scripts/bench_transformers.py --threads 2
     NUMBA_NUM_THREADS=2 python scripts/bench_transformers.py --threads 2 --layers 4 --prompt 512 --new 64
+    NUMBA_NUM_THREADS=2 python scripts/bench_transformers.py --threads 2 --dense-decode  # + before
 """
 
 import argparse
@@ -46,6 +47,9 @@ def parse_args(argv=None):
                    "NUMBA_NUM_THREADS to the same number for Numba's)")
     p.add_argument("--pause", type=float, default=1.0, help="seconds of idle before each call")
     p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--dense-decode", action="store_true",
+                   help="also run sdpa_numba with its decode steps on the dense operator "
+                   "(the path before the KV-cache decode kernel): a third column")
     return p.parse_args(argv)
 
 
@@ -92,8 +96,23 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     hf.register()
+    names = ("sdpa", "sdpa_numba")
+    if args.dense_decode:
+        names += ("dense_decode",)
+
+        def dense_decode(*a, **kw):
+            real, hf._decode_kvcache = hf._decode_kvcache, lambda *_: None
+            try:
+                return hf.attention_forward(*a, **kw)
+            finally:
+                hf._decode_kvcache = real
+
+        AttentionInterface.register("dense_decode", dense_decode)
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register("dense_decode", hf.attention_mask)
     timers = {}
-    for name in ("sdpa", "sdpa_numba"):
+    for name in names:
         timers[name] = Timed(AttentionInterface._global_mapping[name])
         AttentionInterface._global_mapping[name] = timers[name]
 
@@ -104,7 +123,7 @@ def main(argv=None):
                          tie_word_embeddings=True, pad_token_id=0)
     torch.manual_seed(0)
     models = {}
-    for name in ("sdpa", "sdpa_numba"):
+    for name in names:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=name)
         if models:
             model.load_state_dict(next(iter(models.values())).state_dict())
@@ -171,6 +190,12 @@ def main(argv=None):
               f"| {steps / nd:.1f} | {td / nd:.2f}x |")
         print(f"| decode: attention time (share) | {ad:.3f} s ({ad / td:.0%}) | "
               f"{and_:.3f} s ({and_ / nd:.0%}) | {ad / and_:.2f}x |")
+        if args.dense_decode:
+            dd, add = best["generate", "dense_decode"]
+            print(f"\nsdpa_numba with dense decode steps: decode {steps / dd:.1f} tokens/s, "
+                  f"attention {add:.3f} s ({add / dd:.0%}); the KV-cache decode path's "
+                  f"attention speed-up over it: {add / and_:.2f}x; its own over torch's SDPA: "
+                  f"{ad / add:.2f}x")
 
 
 if __name__ == "__main__":

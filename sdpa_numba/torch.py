@@ -15,6 +15,16 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
   ``alibi_slopes`` and ``sinks`` (tensors; the sinks get a gradient). ``score_mod``,
   ``mask_mod`` and ``block_mask`` are Numba functions and objects, which no operator schema
   can carry: they stay with the NumPy-level :func:`sdpa_numba.scaled_dot_product_attention`;
+* the serving functions: ``torch.ops.sdpa_numba.attention_with_kvcache(q, k_cache, v_cache,
+  cache_seqlens, k=None, v=None, block_table=None, cache_leftpad=None, is_causal=True,
+  scale=None, window_left=None, window_right=None, alignment=None, softcap=None,
+  alibi_slopes=None, sinks=None) -> (out, lse)``, which declares the caches mutated (the
+  append) and has no autograd (an inference operator), its read-only twin
+  ``torch.ops.sdpa_numba.attention_with_kvcache_read`` (the same without ``k`` and ``v``: no
+  declared mutation, whose dispatch is cheaper), and
+  ``torch.ops.sdpa_numba.merge_attention_states(out_a, lse_a, out_b=None, lse_b=None)
+  -> (out, lse)``, with autograd; wrapped by :func:`attention_with_kvcache` and
+  :func:`merge_attention_states`;
 * fake (meta) kernels for both, so ``torch.compile`` traces through them
   (``fullgraph=True`` works: no graph break) and meta tensors get shapes;
 * autograd registered on the forward (gradients for query, key, value and a float
@@ -58,10 +68,14 @@ from torch import Tensor
 
 from .api import scaled_dot_product_attention as _forward
 from .backward import scaled_dot_product_attention_backward as _backward
+from .kvcache import attention_with_kvcache as _kvcache
+from .merge import merge_attention_states as _merge
 from .problem import compute_dtype
 
 __all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
-           "SDPAFunction"]
+           "attention_with_kvcache", "merge_attention_states", "attention_with_kvcache_op",
+           "attention_with_kvcache_read_op",
+           "merge_attention_states_op", "SDPAFunction"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _U64 = 1 << 64
@@ -513,6 +527,161 @@ if hasattr(attention_forward, "register_vmap"):  # torch >= 2.5
     attention_backward.register_vmap(_backward_vmap)
 
 
+# ---------------------------------------------------------------- serving operators
+
+
+def _index(t, name):
+    """An integer argument of the serving op (``cache_seqlens``, ``block_table``,
+    ``cache_leftpad``) for the NumPy-level API: a NumPy view of a CPU tensor, a CUDA tensor as
+    is (the API reads these on the host), None for None."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    t = t.detach()
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes, sinks):
+    """The NumPy-level keywords of the variants the serving op was given (those left at None
+    are not passed, so the API's defaults and its errors for what it lacks apply)."""
+    return {k: x for k, x in _variants(window_left, window_right, alignment, softcap,
+                                       alibi_slopes, sinks).items() if x is not None}
+
+
+def _kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                     is_causal, scale, window_left, window_right, alignment, softcap,
+                     alibi_slopes, sinks):
+    """The body of both KV-cache operators: :func:`sdpa_numba.attention_with_kvcache` on
+    NumPy views (or CUDA tensors), ``(out, lse)`` as tensors. Variants left at None are not
+    passed (the API's defaults apply)."""
+    variants = _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes,
+                                 sinks)
+    if cache_leftpad is not None:
+        variants["cache_leftpad"] = _index(cache_leftpad, "cache_leftpad")
+    out, lse = _kvcache(_operand(q, "q"), _operand(k_cache, "k_cache"),
+                        _operand(v_cache, "v_cache"), _index(cache_seqlens, "cache_seqlens"),
+                        k=_operand(k, "k"), v=_operand(v, "v"),
+                        block_table=_index(block_table, "block_table"), is_causal=is_causal,
+                        scale=scale, return_lse=True, **variants)
+    return _tensor(out), _tensor(lse)
+
+
+@torch.library.custom_op("sdpa_numba::attention_with_kvcache",
+                         mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                              cache_seqlens: Tensor, k: Optional[Tensor] = None,
+                              v: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+                              cache_leftpad: Optional[Tensor] = None, is_causal: bool = True,
+                              scale: Optional[float] = None, window_left: Optional[int] = None,
+                              window_right: Optional[int] = None,
+                              alignment: Optional[str] = None, softcap: Optional[float] = None,
+                              alibi_slopes: Optional[Tensor] = None,
+                              sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`sdpa_numba.attention_with_kvcache` (``out`` ``(B, Lq, Hq,
+    Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute dtype). Writes ``k`` and ``v`` into the
+    caches when given (the caches are the op's mutated arguments). No autograd: an inference
+    operator. Variants left at None are not passed (the API's defaults apply)."""
+    return _kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                            cache_leftpad, is_causal, scale, window_left, window_right,
+                            alignment, softcap, alibi_slopes, sinks)
+
+
+@torch.library.custom_op("sdpa_numba::attention_with_kvcache_read", mutates_args=())
+def attention_with_kvcache_read_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                   cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
+                                   cache_leftpad: Optional[Tensor] = None,
+                                   is_causal: bool = True, scale: Optional[float] = None,
+                                   window_left: Optional[int] = None,
+                                   window_right: Optional[int] = None,
+                                   alignment: Optional[str] = None,
+                                   softcap: Optional[float] = None,
+                                   alibi_slopes: Optional[Tensor] = None,
+                                   sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_with_kvcache_op` without the append (no ``k``, ``v``): it only reads
+    the caches, so it declares no mutation. (A decode step that attends to a cache filled
+    elsewhere, as transformers' are, takes this one: torch 2.13 dispatches a custom operator
+    that declares mutated arguments through a Python kernel that costs ~0.1-0.2 ms a call
+    with this many arguments, as much as the decode kernel itself on a short cache.)"""
+    return _kvcache_forward(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
+                            cache_leftpad, is_causal, scale, window_left, window_right,
+                            alignment, softcap, alibi_slopes, sinks)
+
+
+def _kvcache_fake(q, k_cache, v_cache, *args, **kwargs):
+    B, Lq, Hq, _ = q.shape
+    return (q.new_empty((B, Lq, Hq, v_cache.shape[-1])),
+            q.new_empty((B, Hq, Lq), dtype=_lse_dtype(q.dtype)))
+
+
+attention_with_kvcache_op.register_fake(_kvcache_fake)
+attention_with_kvcache_read_op.register_fake(_kvcache_fake)
+
+
+def _lse_operand(t, name):
+    """An lse argument of the merge: any float tensor (the API converts it to the compute
+    dtype), as a NumPy view or CUDA tensor."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a float tensor (log-sum-exp values), got dtype "
+                        f"{t.dtype}")
+    if t.dtype in (torch.float16, torch.bfloat16):  # per-row numbers: a copy is nothing
+        t = t.float()
+    return _operand(t, name)
+
+
+@torch.library.custom_op("sdpa_numba::merge_attention_states", mutates_args=())
+def merge_attention_states_op(out_a: Tensor, lse_a: Tensor, out_b: Optional[Tensor] = None,
+                              lse_b: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`sdpa_numba.merge_attention_states`: two parts ``(out_a,
+    lse_a, out_b, lse_b)``, or ``n`` stacked parts ``(outs, lses)`` with ``out_b`` and
+    ``lse_b`` None."""
+    states = [_operand(out_a, "out_a"), _lse_operand(lse_a, "lse_a")]
+    if out_b is not None or lse_b is not None:
+        states += [_operand(out_b, "out_b"), _lse_operand(lse_b, "lse_b")]
+    out, lse = _merge(*states)
+    return _tensor(out), _tensor(lse)
+
+
+@merge_attention_states_op.register_fake
+def _(out_a, lse_a, out_b=None, lse_b=None):
+    shape = out_a.shape if out_b is not None else out_a.shape[1:]
+    return (out_a.new_empty(shape), out_a.new_empty(shape[:-1],
+                                                    dtype=_lse_dtype(out_a.dtype)))
+
+
+def _merge_setup_context(ctx, inputs, output):
+    out_a, lse_a, out_b, lse_b = tuple(inputs) + (None, None)[:4 - len(inputs)]
+    out, lse = output
+    ctx.two = out_b is not None
+    ctx.save_for_backward(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+def _merge_backward(ctx, grad_out, grad_lse):
+    """The merge's gradients in torch operations: with ``w_i = exp(lse_i - lse)`` (0 for a
+    part without keys), ``d out_i = w_i g`` and ``d lse_i = w_i (glse + g . (out_i - out))``."""
+    out_a, lse_a, out_b, lse_b, out, lse = ctx.saved_tensors
+    outs = torch.stack((out_a, out_b)) if ctx.two else out_a
+    lses = torch.stack((lse_a, lse_b)) if ctx.two else lse_a
+    ct = lse.dtype
+    w = torch.where(torch.isneginf(lses), torch.zeros((), dtype=ct, device=lse.device),
+                    torch.exp(lses.to(ct) - lse))
+    g = torch.zeros_like(out, dtype=ct) if grad_out is None else grad_out.to(ct)
+    gl = torch.zeros_like(lse) if grad_lse is None else grad_lse.to(ct)
+    d_outs = (w[..., None] * g).to(outs.dtype)
+    d_lses = (w * (gl + (g * (outs.to(ct) - out.to(ct))).sum(-1))).to(lses.dtype)
+    if ctx.two:
+        return d_outs[0], d_lses[0], d_outs[1], d_lses[1]
+    return d_outs, d_lses, None, None
+
+
+merge_attention_states_op.register_autograd(_merge_backward,
+                                            setup_context=_merge_setup_context)
+
+
 # ---------------------------------------------------------------- the function
 
 FUNC_GRAD = (
@@ -603,6 +772,140 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                enable_gqa, _seed_tensor(seed, dropout_p), window_left,
                                window_right, alignment, softcap, alibi_slopes, sinks)
     return out
+
+
+NO_BACKWARD = (
+    "sdpa_numba.torch.attention_with_kvcache is an inference operator (it writes the cache and "
+    "has no backward): {names} require(s) grad with grad mode on; call it under "
+    "torch.no_grad() / torch.inference_mode(), or use sdpa_numba.torch."
+    "scaled_dot_product_attention on the cache's contents when gradients are wanted")
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None,
+                           block_table=None, cache_leftpad=None, is_causal=True, scale=None,
+                           return_lse=False, window=None, alignment=None, softcap=None,
+                           alibi_slopes=None, sinks=None):
+    """:func:`sdpa_numba.attention_with_kvcache` on torch tensors, as the PyTorch operator
+    ``torch.ops.sdpa_numba.attention_with_kvcache`` (``torch.compile`` traces it with no graph
+    break; meta tensors get shapes), or without ``k`` and ``v`` as
+    ``torch.ops.sdpa_numba.attention_with_kvcache_read``, which only reads the caches.
+
+    New query tokens against a key/value cache, contiguous or paged (FlashAttention's
+    ``flash_attn_with_kvcache`` layouts), with an optional in-place append of ``k`` and ``v``
+    into the caches: the one documented write to an input (the operator declares the caches
+    mutated, so torch.compile keeps the write).
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, Lq, Hq, E)
+        float16, bfloat16 (needs ml_dtypes), float32 or float64; CPU or CUDA.
+    k_cache, v_cache : torch.Tensor, shape (B, S_max, H, E) / (B, S_max, H, Ev)
+        Or ``(num_pages, page_size, H, ·)`` with ``block_table``. q's dtype and device; any
+        strides with the last dim contiguous (``key.transpose(1, 2)`` of a ``(B, H, S, E)``
+        tensor is taken without a copy).
+    cache_seqlens : int or torch.Tensor of ints, shape (B,)
+        Keys already in the cache per sequence (read on the host).
+    k, v : torch.Tensor, optional
+        New keys and values ``(B, Lq_new, H, ·)``, written into the caches first.
+    block_table : torch.Tensor of int32, shape (B, max_pages), optional
+        A paged cache's page table.
+    cache_leftpad : torch.Tensor of ints, shape (B,), optional
+        Where each sequence's keys start in its cache (left padding; passed to the NumPy-level
+        API, which says whether it takes it).
+    is_causal : bool
+        Bottom-right aligned causality (default True): query token ``t`` sees the cache and
+        the new tokens up to its own position; False: every key.
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    return_lse : bool
+        Also return the log-sum-exp ``(B, Hq, Lq)`` in the compute dtype.
+    window, alignment, softcap, alibi_slopes, sinks
+        The variants, spelled as in :func:`scaled_dot_product_attention`; passed to the
+        NumPy-level API only when given (None: its defaults), which raises
+        NotImplementedError for those it does not take.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (B, Lq, Hq, Ev), q's dtype, contiguous
+    lse : torch.Tensor, shape (B, Hq, Lq), only with ``return_lse=True``
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad input, naming the argument, before the cache is written.
+    NotImplementedError
+        When gradients are wanted (grad mode on and an input requires grad): the operator
+        has no backward. (Called directly, ``torch.ops.sdpa_numba.attention_with_kvcache``
+        registers no autograd; differentiating through it raises torch's "no autograd
+        formula" error.)
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t is None:
+            raise TypeError(f"{name} must be a torch.Tensor, got None")
+        _check_tensor(t, name)
+    for name, t in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        _check_tensor(t, name)
+    if torch.is_grad_enabled():
+        wanting = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                        ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+                                        ("sinks", sinks))
+                   if t is not None and t.requires_grad]
+        if wanting:
+            raise NotImplementedError(NO_BACKWARD.format(names=", ".join(wanting)))
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if q.dim() < 1:
+            raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {tuple(q.shape)}")
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int64)
+    window_left, window_right = _check_window(window)
+    variants = (window_left, window_right, alignment, softcap, alibi_slopes, sinks)
+    if k is None and v is None:  # nothing to append: the operator that declares no mutation
+        out, lse = attention_with_kvcache_read_op(q, k_cache, v_cache, cache_seqlens,
+                                                  block_table, cache_leftpad, is_causal, scale,
+                                                  *variants)
+    else:
+        out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v,
+                                             block_table, cache_leftpad, is_causal, scale,
+                                             *variants)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(out_a, lse_a, out_b=None, lse_b=None):
+    """:func:`sdpa_numba.merge_attention_states` on torch tensors, as the PyTorch operator
+    ``torch.ops.sdpa_numba.merge_attention_states``, with autograd (the gradients of both
+    results, in torch operations) and ``torch.compile`` support.
+
+    Parameters
+    ----------
+    out_a, lse_a, out_b, lse_b : torch.Tensor
+        Two parts: normalized attention outputs ``(..., Ev)`` over disjoint key sets and their
+        log-sum-exp ``(...)``. Or the n-ary form ``merge_attention_states(outs, lses)``:
+        ``outs (n, ..., Ev)`` and ``lses (n, ...)`` (lists or tuples of tensors are stacked
+        first).
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., Ev), the outputs' dtype
+    lse : torch.Tensor, shape (...), the compute dtype
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad input, naming the argument.
+    """
+    if (out_b is None) != (lse_b is None):
+        raise TypeError("merge_attention_states takes (out_a, lse_a, out_b, lse_b) or "
+                        "(outs, lses): out_b and lse_b go together")
+    if out_b is None:
+        out_a, lse_a = (torch.stack(list(x)) if isinstance(x, (list, tuple)) else x
+                        for x in (out_a, lse_a))
+    if out_a is None:
+        raise TypeError("out_a must be a torch.Tensor, got None")
+    _check_tensor(out_a, "out_a")
+    _check_tensor(out_b, "out_b")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return merge_attention_states_op(out_a, lse_a, out_b, lse_b)
 
 
 class SDPAFunction:

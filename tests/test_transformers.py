@@ -167,28 +167,52 @@ def generate(model, ids, mask, n):
     return out.sequences, torch.stack(out.scores)
 
 
+class DecodeSpy:
+    """Counts the decode steps (one query token) and where each went: the KV-cache operator
+    (with the keywords it was given) or a dense launch."""
+
+    def __init__(self, monkeypatch):
+        import sdpa_numba.torch as snt
+
+        self.kvcache, self.dense, self.decoding = [], [], False
+        real_kvcache, real_dense, real_decode = (snt.attention_with_kvcache, hf._dense,
+                                                 hf._decode)
+
+        def kvcache(q, *args, **kwargs):
+            self.kvcache.append((tuple(q.shape), kwargs))
+            return real_kvcache(q, *args, **kwargs)
+
+        def dense(query, *args):
+            if self.decoding:
+                self.dense.append(tuple(query.shape))
+            return real_dense(query, *args)
+
+        def decode(query, *args):
+            self.decoding = True
+            try:
+                return real_decode(query, *args)
+            finally:
+                self.decoding = False
+
+        monkeypatch.setattr(snt, "attention_with_kvcache", kvcache)
+        monkeypatch.setattr(hf, "_dense", dense)
+        monkeypatch.setattr(hf, "_decode", decode)
+
+
 @pytest.mark.parametrize("config, dtype", [(llama_config, torch.float32),
                                            (llama_config, torch.float64),
                                            (mistral_config, torch.float32)],
                          ids=["llama-float32", "llama-float64", "mistral-float32"])
-def test_greedy_generation(config, dtype):
+def test_greedy_generation(config, dtype, monkeypatch):
     """Left-padded prompts, 8 new tokens through the KV cache (Mistral's window of 5 is
     passed by the prompt and then by the generated tokens): the same tokens, and every step's
-    scores within the tolerance."""
+    scores within the tolerance. Every decode step goes to the KV-cache decode operator, the
+    left padding as cache_leftpad, never to a dense launch."""
     mine, ref = pair(config(), dtype)
     ids, mask = batch("left", lengths=(9, 6, 2))
-    decode_calls = []
-    spied = hf._decode
-
-    def spy(query, *args):
-        decode_calls.append(tuple(query.shape))
-        return spied(query, *args)
-
-    hf._decode = spy
-    try:
-        got_ids, got_scores = generate(mine, ids, mask, 8)
-    finally:
-        hf._decode = spied
+    spy = DecodeSpy(monkeypatch)
+    got_ids, got_scores = generate(mine, ids, mask, 8)
+    monkeypatch.undo()
     want_ids, want_scores = generate(ref, ids, mask, 8)
     assert torch.equal(got_ids, want_ids)
     # the logits processors set some scores to -inf (min_new_tokens: the end token)
@@ -196,8 +220,13 @@ def test_greedy_generation(config, dtype):
     assert torch.equal(torch.isfinite(got_scores), finite) and finite.float().mean() > 0.9
     assert rel_err(got_scores[finite], want_scores[finite]) <= RTOL[dtype]
     # 7 decode steps after the prefill, each layer once per step, one query token each
-    assert len(decode_calls) == 7 * mine.config.num_hidden_layers
-    assert all(shape[2] == 1 for shape in decode_calls)
+    assert len(spy.kvcache) == 7 * mine.config.num_hidden_layers and not spy.dense
+    for shape, kwargs in spy.kvcache:
+        assert shape[1] == 1 and kwargs["is_causal"] is False
+        if config is llama_config:  # padding of 0, 3 and 7 tokens before the prompts
+            assert kwargs["cache_leftpad"].tolist() == [0, 3, 7]
+    if config is mistral_config:  # its window cache keeps the last keys: the window's start
+        assert any(kwargs.get("cache_leftpad") is not None for _, kwargs in spy.kvcache)
 
 
 # ---------------------------------------------------------------- training
@@ -261,28 +290,45 @@ def _windowed(L, S, window):
     return (j <= pos) & (j > pos - window)
 
 
+def _inputs(seed, q_shape, kv_shape):
+    """float64 query, key and value of these shapes, and a causal attention layer."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64)
+               for shape in (q_shape, kv_shape, kv_shape))
+    module = torch.nn.Module()
+    module.is_causal = True
+    return q, k, v, module, g
+
+
+def _eager(q, k, v, keep, softcap=None, sinks=None):
+    """Eager attention with GQA (key/value heads repeated), a boolean ``keep`` mask, Gemma-2's
+    soft cap (scores c * tanh(s / c)) and gpt-oss's sinks (eager_attention_forward: the sink
+    joins the softmax as one more logit, then is dropped)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, -float("inf"))
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1] @ v
+    return torch.softmax(s, dim=-1) @ v
+
+
 def test_sliding_window_softcap_and_sinks_without_a_mask():
     """The function on its own with the variants: a sliding window (no mask: the window
     variant) in prefill and decode (GQA not packed then), soft-capping, and gpt-oss's s_aux
     sinks (its eager formula: the sink joins the softmax as one more logit, then dropped)."""
     F = torch.nn.functional
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 4, 9, 8, generator=g, dtype=torch.float64),
-               torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64),
-               torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64))
-    module = torch.nn.Module()
-    module.is_causal = True
+    q, k, v, module, g = _inputs(3, (2, 4, 9, 8), (2, 2, 9, 8))
     q1 = q[:, :, -1:]
     for query, window in ((q, 3), (q1, 4), (q, 20)):
         want = F.scaled_dot_product_attention(
             query, k, v, _windowed(query.shape[2], 9, window), enable_gqa=True)
         out, _ = hf.attention_forward(module, query, k, v, None, sliding_window=window)
         assert rel_err(out, want.transpose(1, 2)) <= 1e-12
-    # soft cap: scores c * tanh(s / c), against a float additive form of it
-    s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8 ** -0.5
-    s = 0.7 * torch.tanh(s / 0.7)
-    s = s.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), -float("inf"))
-    want = torch.softmax(s, dim=-1) @ v.repeat_interleave(2, dim=1)
+    want = _eager(q, k, v, torch.ones(9, 9, dtype=torch.bool).tril(), softcap=0.7)
     out, _ = hf.attention_forward(module, q, k, v, None, softcap=0.7)
     assert rel_err(out, want.transpose(1, 2)) <= 1e-12
     # sinks (gpt-oss's eager_attention_forward), with a padding mask
@@ -290,10 +336,7 @@ def test_sliding_window_softcap_and_sinks_without_a_mask():
     mask = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
     mask[1, ..., :2] = False
     mask[1, :, :2, 0] = True
-    s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8 ** -0.5
-    s = s.masked_fill(~mask, -float("inf"))
-    logits = torch.cat([s, sinks.reshape(1, 4, 1, 1).expand(2, 4, 9, 1)], dim=-1)
-    want = torch.softmax(logits, dim=-1)[..., :-1] @ v.repeat_interleave(2, dim=1)
+    want = _eager(q, k, v, mask, sinks=sinks)
     out, _ = hf.attention_forward(module, q, k, v, mask, s_aux=sinks)
     assert rel_err(out, want.transpose(1, 2)) <= 1e-12
 
@@ -386,6 +429,91 @@ def test_attention_forward_matches_torch_directly():
         assert weights is None
         assert out.shape == want.transpose(1, 2).shape and out.is_contiguous()
         assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+
+
+def test_decode_steps_go_to_the_kvcache_operator(monkeypatch):
+    """One query token: masks that are one run of keys per sequence (none, left padding,
+    a static cache's empty tail, both; boolean or additive, shared by the batch) go to the
+    KV-cache operator and equal torch's SDPA; other masks (holes, per head, additive values
+    other than 0 and -inf, a row without keys), gradients and dropout go to a dense launch."""
+    F = torch.nn.functional
+    q1, k, v, module, _ = _inputs(4, (3, 6, 1, 8), (3, 2, 11, 8))
+    j = torch.arange(11)
+
+    def runs(starts, ends):
+        s, e = torch.tensor(starts)[:, None], torch.tensor(ends)[:, None]
+        return ((j >= s) & (j < e))[:, None, None, :]
+
+    left = runs([0, 4, 9], [11, 11, 11])
+    both = runs([2, 0, 5], [11, 7, 6])
+    additive = torch.zeros(3, 1, 1, 11, dtype=torch.float64).masked_fill(~both, -float("inf"))
+    holes = left.clone()
+    holes[1, ..., 6] = False
+    scaled = additive.clone()
+    scaled[0, ..., 3] = 0.5
+    empty = left.clone()
+    empty[2] = False
+    kv_path = [None, left, both, additive, runs([3], [10])]
+    dense_path = [holes, left.expand(3, 6, 1, 11), scaled]
+    for mask in kv_path + dense_path:
+        spy = DecodeSpy(monkeypatch)
+        out, _ = hf.attention_forward(module, q1, k, v, mask, scaling=0.4)
+        want = F.scaled_dot_product_attention(q1, k, v, mask, scale=0.4, enable_gqa=True)
+        assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+        on_kv = any(mask is m for m in kv_path)
+        assert (len(spy.kvcache), len(spy.dense)) == ((1, 0) if on_kv else (0, 1))
+        monkeypatch.undo()
+    for args, kwargs in (((empty,), {}), ((left,), {"dropout": 0.5})):
+        spy = DecodeSpy(monkeypatch)
+        hf.attention_forward(module, q1, k, v, *args, **kwargs)
+        assert (len(spy.kvcache), len(spy.dense)) == (0, 1)
+        monkeypatch.undo()
+    # gradients wanted: dense (the decode operator has no backward); the gradient is right
+    spy = DecodeSpy(monkeypatch)
+    qg = q1.clone().requires_grad_()
+    hf.attention_forward(module, qg, k, v, left)[0].sum().backward()
+    assert (len(spy.kvcache), len(spy.dense)) == (0, 1)
+    qt = q1.clone().requires_grad_()
+    F.scaled_dot_product_attention(qt, k, v, left, enable_gqa=True).sum().backward()
+    assert rel_err(qg.grad, qt.grad) <= 1e-12
+
+
+def test_decode_step_variants(monkeypatch):
+    """On the KV-cache operator: a sliding layer without a mask sees its last sliding_window
+    keys (the run's start), soft-capping and sinks pass as its variants, left-padded: all
+    against torch's SDPA or the eager formulas."""
+    F = torch.nn.functional
+    q1, k, v, module, g = _inputs(5, (2, 4, 1, 8), (2, 2, 9, 8))
+    spy = DecodeSpy(monkeypatch)
+    window = (torch.arange(9) >= 9 - 4)[None, :]
+    out, _ = hf.attention_forward(module, q1, k, v, None, sliding_window=4)
+    want = F.scaled_dot_product_attention(q1, k, v, window, enable_gqa=True)
+    assert rel_err(out, want.transpose(1, 2)) <= 1e-12
+    assert len(spy.kvcache) == 1 and not spy.dense
+    assert spy.kvcache[0][1]["cache_leftpad"].tolist() == [5, 5]
+    pad = (torch.arange(9) >= torch.tensor([[0], [6]]))[:, None, None, :]
+    out, _ = hf.attention_forward(module, q1, k, v, pad, softcap=0.7)
+    assert rel_err(out, _eager(q1, k, v, pad, softcap=0.7).transpose(1, 2)) <= 1e-12
+    sinks = torch.randn(4, generator=g, dtype=torch.float64)
+    out, _ = hf.attention_forward(module, q1, k, v, pad, s_aux=sinks)
+    assert rel_err(out, _eager(q1, k, v, pad, sinks=sinks).transpose(1, 2)) <= 1e-12
+    assert len(spy.kvcache) == 3 and not spy.dense
+    (_, capped), (_, sunk) = spy.kvcache[1:]
+    assert capped["softcap"] == 0.7 and capped["cache_leftpad"].tolist() == [0, 6]
+    assert sunk["sinks"] is sinks
+
+
+def test_key_range_forms():
+    """The run of keys of each sequence from a decode step's mask, or None."""
+    j = torch.arange(6)
+    assert hf._key_range(None, 2, 6)[1].tolist() == [6, 6]
+    mask = ((j >= torch.tensor([[1], [0]])) & (j < torch.tensor([[6], [4]])))[:, None, None]
+    start, end = hf._key_range(mask, 2, 6)
+    assert start.tolist() == [1, 0] and end.tolist() == [6, 4] and start.dtype == torch.int32
+    start, end = hf._key_range(mask[:1], 3, 6)  # one row for the whole batch
+    assert start.tolist() == [1, 1, 1] and end.tolist() == [6, 6, 6]
+    for bad in (mask.expand(2, 2, 1, 6), mask[..., :5], mask.int(), mask.transpose(2, 3)):
+        assert hf._key_range(bad, 2, 6) is None
 
 
 # ---------------------------------------------------------------- set-up errors

@@ -34,9 +34,11 @@ What reaches the kernels, and where later work plugs in:
   ``softcap=`` (forward and gradients).
 * Attention sinks (gpt-oss's ``s_aux``, one logit per query head) go to ``sinks=``, with
   their gradient in training.
-* Decode steps (one query token against the cache) go through :func:`_decode`, which calls the
-  dense operator for now; it is where the KV-cache decode path (``attention_with_kvcache``)
-  goes.
+* Decode steps (one query token against the cache) go through :func:`_decode` to the KV-cache
+  decode operator (``torch.ops.sdpa_numba.attention_with_kvcache``), reading transformers'
+  cache tensors in place; the mask becomes each sequence's run of keys (``cache_leftpad``,
+  ``cache_seqlens``), soft-capping and sinks its variants. Gradients, dropout and masks of
+  other forms keep the dense operator.
 * Additive position biases (``position_bias``) raise NotImplementedError, saying which
   implementation to use instead.
 
@@ -188,22 +190,79 @@ def _dense(query, key, value, mask, dropout, scale, is_causal, gqa, variants):
         scale=scale, enable_gqa=gqa, **variants)
 
 
+#: The variants passed to the KV-cache decode kernel as they are (a sliding window becomes
+#: each sequence's first key instead); decode steps with others take the dense path.
+_DECODE_VARIANTS = ("softcap", "sinks")
+
+
+def _key_range(mask, batch, kv_length):
+    """Each sequence's keys as one run ``[start, end)``, from a decode step's mask, or None
+    when the mask is not of that form.
+
+    transformers' mask for one query token is ``(batch, 1, 1, kv_length)`` (or None: every
+    key), boolean (True takes part) or additive (0 takes part, -inf not). Left padding makes a
+    row False..False True..True, a static cache's empty slots True..True False..False, and a
+    sliding layer's window cuts the start further; each is one run of True. Anything else
+    (holes, a per-head or per-query mask, additive values other than 0 and -inf, a row with no
+    key at all) gives None: the dense operator takes those. Returns two int32 CPU tensors
+    ``(batch,)``.
+    """
+    import torch
+
+    if mask is None:
+        return (torch.zeros(batch, dtype=torch.int32),
+                torch.full((batch,), kv_length, dtype=torch.int32))
+    if mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, batch) \
+            or mask.shape[3] != kv_length:
+        return None
+    rows = mask[:, 0, 0]
+    if rows.dtype == torch.bool:
+        keep = rows
+    elif rows.is_floating_point():
+        keep = rows == 0
+        if not torch.all(keep | torch.isneginf(rows)):
+            return None
+    else:
+        return None
+    keep = keep.cpu()
+    count = keep.sum(dim=1)
+    start = keep.int().argmax(dim=1)  # the first True
+    end = start + count
+    j = torch.arange(kv_length)
+    run = (j >= start[:, None]) & (j < end[:, None])
+    if not bool(torch.all(count > 0)) or not torch.equal(run, keep):
+        return None
+    start, end = start.int(), end.int()
+    if rows.shape[0] != batch:
+        start, end = start.expand(batch), end.expand(batch)
+    return start, end
+
+
 def _decode(query, key, value, mask, dropout, scale, gqa, variants):
     """A decode step: one query token per sequence against the whole cache.
 
-    With grouped-query attention the query heads that share a key/value head become rows of
-    one problem, ``(batch, kv_heads, group, dim)`` (FlashAttention's "pack GQA"): each cached
-    key and value is then read once per key/value head instead of once per query head, and a
-    decode step is bound by reading the cache. A mask shared by the heads,
-    ``(batch, 1, 1, kv_length)``, applies to every row as it is; a per-head one is packed
-    likewise.
+    The step goes to the KV-cache decode kernel (``torch.ops.sdpa_numba.attention_with_kvcache``,
+    split over the cache's length, each cached key and value read once for all the query heads
+    of its group): transformers' ``(batch, kv_heads, kv_length, dim)`` key and value (the cache's
+    contents, the new token already appended) are viewed as its ``(B, S, H, D)`` cache without
+    a copy, nothing is appended, and the one query token sees every key of its run
+    (``is_causal=False``). The mask becomes each sequence's run of keys (:func:`_key_range`):
+    left padding is ``cache_leftpad``, a static cache's empty tail ``cache_seqlens``. A sliding
+    layer without a mask sees its ``sliding_window`` last keys (the window variant's
+    bottom-right frame: the keys end at the query), so its run starts there. Soft-capping and
+    sinks go to the decode kernel as its variants (:data:`_DECODE_VARIANTS`).
 
-    Windows and sinks are not packed (the packed rows would be positions for the window's
-    frame, and sinks are per query head). Goes through the dense operator for now. This is
-    where the KV-cache decode path (``attention_with_kvcache``, split over the cache's length)
-    goes once it exists; the dense operator stays the path when gradients are wanted, as the
-    decode path has no backward.
+    The dense operator stays the path when gradients are wanted (the decode operator has no
+    backward), with dropout, and for masks that are not one run of keys per sequence. There,
+    with grouped-query attention, the query heads that share a key/value head become rows of
+    one problem, ``(batch, kv_heads, group, dim)`` (FlashAttention's "pack GQA"), so that the
+    cache is read once per key/value head; a mask shared by the heads applies to every row as
+    it is, a per-head one is packed likewise (windows and sinks are not packed: the packed rows
+    would be positions for the window's frame, and sinks are per query head).
     """
+    out = _decode_kvcache(query, key, value, mask, dropout, scale, variants)
+    if out is not None:
+        return out
     batch, q_heads, _, _ = query.shape
     kv_heads = key.shape[1]
     if not gqa or (mask is not None and mask.dim() != 4) or "window" in variants \
@@ -216,6 +275,38 @@ def _decode(query, key, value, mask, dropout, scale, gqa, variants):
             mask.shape[0], kv_heads, group, mask.shape[-1])
     out = _dense(packed_query, key, value, mask, dropout, scale, False, False, variants)
     return out.reshape(out.shape[0], q_heads, 1, out.shape[-1])
+
+
+def _decode_kvcache(query, key, value, mask, dropout, scale, variants):
+    """The decode step on the KV-cache operator, ``(batch, q_heads, 1, dim)``; None where it
+    does not apply (see :func:`_decode`)."""
+    import torch
+
+    from .. import torch as sdpa_torch
+
+    tensors = [query, key, value] + [variants[n] for n in ("sinks",) if n in variants]
+    if dropout > 0 or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    batch, kv_length = query.shape[0], key.shape[2]
+    if key.shape[0] != batch or value.shape[0] != batch or key.stride(-1) != 1 \
+            or value.stride(-1) != 1:
+        return None
+    run = _key_range(mask, batch, kv_length)
+    if run is None:
+        return None
+    start, end = run
+    if "window" in variants:  # (sliding_window - 1, 0), bottom-right: the last keys
+        start = torch.clamp(end - (variants["window"][0] + 1), min=0).maximum(start)
+    if any(name not in _DECODE_VARIANTS for name in variants if name not in ("window",
+                                                                           "alignment")):
+        return None
+    extra = {name: variants[name] for name in _DECODE_VARIANTS if name in variants}
+    if bool(torch.any(start > 0)):
+        extra["cache_leftpad"] = start
+    out = sdpa_torch.attention_with_kvcache(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), end,
+        is_causal=False, scale=scale, **extra)
+    return out.transpose(1, 2)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
