@@ -13,7 +13,8 @@ host :class:`~sdpa_numba.score.recipe.Recipe` travels as
 
 and :func:`unpack` rebuilds the Recipe inside the kernel, so that the kernels call the same
 jitted score functions as the CPU. The attention mask travels the same way (:func:`masked`):
-an empty tuple is "no mask", the one encoding of it (no operand stands in for it).
+an empty tuple is "no mask", the one encoding of it (no operand stands in for it); the
+backward's mask gradient likewise (:func:`store_grad`).
 
 On Numba's CUDA simulator the kernels run as Python and call the score functions as CPU-jitted
 code, which cannot take the simulator's arrays: :func:`unpack` hands them their NumPy arrays.
@@ -29,7 +30,7 @@ from ..score.recipe import BLOCK_FULL, Recipe, covered_block_state, modifies_sco
 from .storage import load
 
 __all__ = ["compile_key", "arg_types", "kernel_args", "unpack", "device_recipe", "masked",
-           "tile_state", "sink_of", "modifies", "NO_MASK"]
+           "store_grad", "tile_state", "sink_of", "modifies", "NO_MASK"]
 
 #: The attention-mask argument of a kernel without a mask.
 NO_MASK = ()
@@ -168,6 +169,23 @@ def device_recipe(r):
 @overload(device_recipe, target="generic")
 def _device_recipe(r):
     return lambda r: r
+
+
+def store_grad(grad_t, b, h, i, j, x):
+    """``grad_t[0][b, h, i, j] = x``, or nothing for an empty tuple ("no gradient wanted":
+    the mask gradient's one encoding, as :data:`NO_MASK` is the mask's)."""
+    if grad_t:
+        grad_t[0][b, h, i, j] = x
+
+
+@overload(store_grad, target="generic")
+def _store_grad(grad_t, b, h, i, j, x):
+    if len(grad_t.types) == 0:
+        return lambda grad_t, b, h, i, j, x: None
+
+    def store(grad_t, b, h, i, j, x):
+        grad_t[0][b, h, i, j] = x
+    return store
 
 
 @njit(**INLINE)

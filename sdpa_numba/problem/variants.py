@@ -69,7 +69,7 @@ def check_softcap(softcap):
     return c
 
 
-def _host(name, x):
+def host_array(name, x):
     """A small operand as a host NumPy array (a CUDA array is copied to the host)."""
     if hasattr(x, "__cuda_array_interface__") or hasattr(x, "copy_to_host"):
         if hasattr(x, "copy_to_host"):
@@ -89,7 +89,7 @@ def _host(name, x):
 
 
 def _float_array(name, x):
-    a = _host(name, x)
+    a = host_array(name, x)
     if a.dtype not in (np.float32, np.float64):
         raise TypeError(f"{name} must be float32 or float64, got dtype {a.dtype}")
     return a
@@ -269,6 +269,11 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, window=None, alignment="
                          "*mod_args): d score_mod / d score")
     if not backward:
         score_mod_grad = None
+    if mask_mod is not None and states is None:
+        from ..block_mask import call_states
+
+        states = call_states(mask_mod, math.prod(batch), hq, L, S, mod_args,
+                             R.recipe(offset=offset, left=left, right=right))
     return R.recipe(offset=offset, left=left, right=right, softcap=cap, alibi=alibi,
                     sinks=sink, score_mod=score_mod, mask_mod=mask_mod,
                     score_mod_grad=score_mod_grad, mod_args=mod_args, block_mask=states)
