@@ -52,8 +52,10 @@ def main(argv=None):
 
         def run(**kw):
             if args.backward:
+                out, lse = sdpa_numba.scaled_dot_product_attention(q, k, v, return_lse=True,
+                                                                   **kw)
                 return lambda: sdpa_numba.scaled_dot_product_attention_backward(
-                    g, q, k, v, **kw)
+                    g, q, k, v, out, lse, **kw)
             return lambda: sdpa_numba.scaled_dot_product_attention(q, k, v, **kw)
 
         saved = bmod.BUILD_MIN_SCORES

@@ -7,28 +7,15 @@ which no simulator test reaches. Here such a kernel goes through Numba's CUDA fr
 lowering to LLVM IR (stopping before NVVM), in a subprocess without the simulator.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+
+from device_lowering import run_lowering
 
 pytest.importorskip("numba.cuda")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-SCRIPT = textwrap.dedent("""
+SCRIPT = """
     import math
     import numba
-    from numba import cuda, types
-    import numba.cuda.dispatcher as dispatcher
-    from numba.cuda import compiler
-
-    class _Device:  # device functions ask the current device for its compute capability
-        compute_capability = (9, 0)
-
-    dispatcher.get_current_device = lambda: _Device()
     from sdpa_numba.gpu import attend_row_recipe, online_softmax_finalize
     from sdpa_numba.gpu.options import FASTMATH
     from sdpa_numba.score.recipe import recipe
@@ -66,14 +53,10 @@ SCRIPT = textwrap.dedent("""
     cres = compiler.compile_cuda(user, types.void, sig, cc=(9, 0), fastmath=FASTMATH)
     ir = cres.library.get_llvm_str()
     print("tanh" in ir, "rel_bias" in ir, "same_doc" in ir)
-""")
+"""
 
 
 def test_user_kernel_with_a_recipe_lowers_for_the_device():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = run_lowering(SCRIPT)
     # the soft cap's tanh and the user's two functions are compiled into the kernel
-    assert proc.stdout.split() == ["True", "True", "True"], proc.stdout
+    assert out.split() == ["True", "True", "True"], out
