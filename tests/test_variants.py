@@ -516,7 +516,7 @@ def test_block_mask_built_per_call_states():
     the window leaves nothing of is empty), per batch entry since doc_prefix reads ``b``, once
     for all heads since it does not read ``h``; small problems get every block partial."""
     from sdpa_numba import block_mask as bmod
-    from sdpa_numba.problem.variants import variants_recipe
+    from sdpa_numba.problem.variants import variants_recipe, with_block_mask
 
     assert (bmod._reads(doc_prefix.py_func, 0), bmod._reads(doc_prefix.py_func, 1)) == (True,
                                                                                       False)
@@ -526,8 +526,9 @@ def test_block_mask_built_per_call_states():
     L, S, left, offset = 300, 420, 150, 120
     doc_q, doc_k = _doc_ids(rng, 2, L, 3), _doc_ids(rng, 2, S, 3)
     args = (doc_q, doc_k, 50)
-    r = variants_recipe((2,), 4, L, S, np.float32, True, window=(left, None),
-                        alignment="bottom_right", mask_mod=doc_prefix, mod_args=args)
+    r = with_block_mask(variants_recipe((2,), 4, L, S, np.float32, True, window=(left, None),
+                                        alignment="bottom_right", mask_mod=doc_prefix,
+                                        mod_args=args), (2,), 4, L, S)
     i, j = np.arange(L)[:, None], np.arange(S)[None, :]
     win = (j >= i + offset - left) & (j <= i + offset)
     keep = np.array([[[doc_prefix.py_func(b, 0, ii, jj, *args) for jj in range(S)]
@@ -537,8 +538,8 @@ def test_block_mask_built_per_call_states():
     np.testing.assert_array_equal(r.block_mask, want)
     assert {0, 1, 2} <= set(np.unique(want))
     # below the threshold: every block partial, one (b, h) for all (no mask_mod evaluated)
-    r = variants_recipe((1,), 1, 100, 100, np.float32, False, mask_mod=doc_prefix,
-                        mod_args=args)
+    r = with_block_mask(variants_recipe((1,), 1, 100, 100, np.float32, False,
+                                        mask_mod=doc_prefix, mod_args=args), (1,), 1, 100, 100)
     assert 100 * 100 < bmod.BUILD_MIN_SCORES
     np.testing.assert_array_equal(r.block_mask, np.full((1, 1, 2, 2), sdpa_numba.BLOCK_PARTIAL))
 

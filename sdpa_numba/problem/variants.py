@@ -269,14 +269,23 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, window=None, alignment="
                          "*mod_args): d score_mod / d score")
     if not backward:
         score_mod_grad = None
-    if mask_mod is not None and states is None:
-        from ..block_mask import call_states
-
-        states = call_states(mask_mod, math.prod(batch), hq, L, S, mod_args,
-                             R.recipe(offset=offset, left=left, right=right))
     return R.recipe(offset=offset, left=left, right=right, softcap=cap, alibi=alibi,
                     sinks=sink, score_mod=score_mod, mask_mod=mask_mod,
                     score_mod_grad=score_mod_grad, mod_args=mod_args, block_mask=states)
+
+
+def with_block_mask(r, batch, hq, L, S):
+    """Recipe ``r`` of a (batch, Hq, L, S) attention call with a block mask for its
+    ``mask_mod`` when it has none (:func:`sdpa_numba.block_mask.call_states`: built under the
+    window, or every block partial for small calls); else ``r``. For callers whose kernels
+    read block masks of the call's L x S (the dense forward and backward, both targets)."""
+    if r.mask_mod is None or r.block_mask is not None:
+        return r
+    from ..block_mask import call_states
+
+    return r._replace(block_mask=call_states(r.mask_mod, math.prod(batch), hq, L, S,
+                                             r.mod_args, R.recipe(offset=r.offset,
+                                                                  left=r.left, right=r.right)))
 
 
 def sinks_grad(r, grad_out, out, lse):
