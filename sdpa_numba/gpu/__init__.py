@@ -12,7 +12,8 @@
 * device functions for users' kernels: :func:`attend_row` (one query row against a key/value
   block), :func:`attend_row_recipe` (the same with the scores formed by a score recipe: the
   variants in users' kernels), :func:`online_softmax_update` (the online-softmax step),
-  :func:`online_softmax_lse` and :func:`online_softmax_finalize`; :func:`row_key` and :func:`dropout_factor`, the dropout
+  :func:`online_softmax_lse` and :func:`online_softmax_finalize`; :func:`row_key` and
+  :func:`dropout_factor`, the dropout
   stream (the same bits as the CPU kernels, :mod:`sdpa_numba.gpu.dropout`); :func:`merge_row`,
   :func:`merge_rows` and :func:`merge_weights`, the merge of attention states by their lse
   (:mod:`sdpa_numba.gpu.merge`).
@@ -42,5 +43,6 @@ from .online_softmax import (  # noqa: E402
 from .options import Blocks  # noqa: E402
 
 __all__ = ["forward", "backward", "Blocks", "attend_row", "attend_row_recipe",
-           "online_softmax_update", "online_softmax_lse", "online_softmax_finalize", "row_key", "dropout_factor",
+           "online_softmax_update", "online_softmax_lse", "online_softmax_finalize", "row_key",
+           "dropout_factor",
            "merge_row", "merge_rows", "merge_weights"]
