@@ -68,8 +68,11 @@ def main(argv=None):
     kernels = {  # name: (factory(dtype, mask_kind, blocks, ev, parts), signature)
         "forward": (lambda dt, mk, blocks, ev, parts: fw._make_kernel(
             dt, mk, blocks, blocks.out_cols(ev), parts), fw._signature),
-        "dq": (lambda dt, mk, blocks, ev, parts: bw._make_dq_kernel(dt, mk, blocks, parts),
-               bw.dq_signature),
+        # "additive+grad": the dQ kernel that also writes the mask's gradient
+        "dq": (lambda dt, mk, blocks, ev, parts: bw._make_dq_kernel(
+            dt, mk.split("+")[0], blocks, parts, mk.endswith("+grad")),
+               lambda dt, mk, parts: bw.dq_signature(dt, mk.split("+")[0], parts,
+                                                     mk.endswith("+grad"))),
         "dkv": (lambda dt, mk, blocks, ev, parts: bw._make_dkv_kernel(dt, mk, blocks, parts),
                 bw.dkv_signature),
     }
@@ -83,10 +86,12 @@ def main(argv=None):
         cases = [(blocks, ev, dtype, mask_kind, None, compile_key(DENSE))
                  for blocks, ev in ((Blocks(64, 32, 256, 4), 64), (Blocks(32, 16, 128, 4), 128))
                  for dtype in (np.float16, np.int16, np.float32, np.float64)
-                 for mask_kind in ("none", "bool", "additive")]
+                 for mask_kind in ("none", "bool", "additive", "additive+grad")]
     for which in args.kernels.split(","):
         factory, signature = kernels[which]
         for blocks, ev, dtype, mask_kind, variant, parts in cases:
+            if mask_kind.endswith("+grad") and which != "dq":
+                continue
             if True:
                 if True:
                     cuda.jit = uncompiled_jit

@@ -223,8 +223,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
         ``i``, key ``j`` of query head ``h`` and flat batch index ``b`` (after the soft cap and
         ALiBi, before a float ``attn_mask`` is added). Compiled into the kernel.
     mask_mod : Numba @njit function, keyword-only, optional
-        ``mask_mod(b, h, i, j, *mod_args) -> bool``: False masks the key out. Evaluated per
-        element, unless ``block_mask`` says a block is full or empty.
+        ``mask_mod(b, h, i, j, *mod_args) -> bool``: False masks the key out. Without a
+        ``block_mask``, the call builds one (above a small size): empty blocks are skipped,
+        full ones skip the per-element test; partial blocks evaluate it per element.
     mod_args : tuple, keyword-only
         Arrays and numbers passed to ``score_mod``, ``mask_mod`` and ``score_mod_grad`` as
         their last arguments, at run time: changing their contents never recompiles.
@@ -234,7 +235,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     block_mask : sdpa_numba.BlockMask, keyword-only, optional
         From :func:`sdpa_numba.create_block_mask` for this ``mask_mod`` and ``mod_args``:
         empty blocks are skipped and full ones skip the per-element ``mask_mod``. It carries
-        its ``mask_mod``, so ``mask_mod`` may be omitted.
+        its ``mask_mod``, so ``mask_mod`` may be omitted. Made once and passed to many calls,
+        it saves each call building its own.
 
     Returns
     -------

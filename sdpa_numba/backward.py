@@ -10,7 +10,7 @@ from ._typing import ArrayT, Mask
 from .api import _device_of, adopt, check_takes_recipe
 from .dropout import params as dropout_params
 from .problem import check_device_strides, check_dropout, check_flag, check_seed, plan, shape_str
-from .problem.variants import _host as _host_array
+from .problem.variants import host_array
 from .problem.variants import sinks_grad
 
 if TYPE_CHECKING:
@@ -169,4 +169,4 @@ def scaled_dot_product_attention_backward(
     host = (lambda x: x.copy_to_host()) if device == "cuda" else np.asarray
     dsinks = sinks_grad(p.recipe, host(grad_out), host(out), host(lse))
     # In the dtype the caller gave the sinks in (float32 or float64, checked by the plan).
-    return (*result, dsinks.astype(_host_array("sinks", sinks).dtype))
+    return (*result, dsinks.astype(host_array("sinks", sinks).dtype))

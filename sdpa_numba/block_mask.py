@@ -13,16 +13,17 @@ read the states of the blocks their tiles cover. Pass the result as
 ``scaled_dot_product_attention(..., mask_mod=f, block_mask=bm)`` (or ``block_mask=bm`` alone:
 it carries its ``mask_mod``); it is reusable across calls with the same shapes and the same
 ``mod_args`` contents — it is not recomputed, so a block mask built for other ``mod_args``
-gives wrong results. Without a block mask, a ``mask_mod`` is evaluated at every element of
-every block the window leaves (no block is skipped for it).
+gives wrong results. A call with a ``mask_mod`` and no block mask builds one for itself
+(:func:`call_states`), under the call's window, except for small problems.
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
 
-from .score.recipe import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL
+from .score.recipe import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, NO_LIMIT, key_range, recipe
 
 #: Query rows per block (the CPU forward's query sub-block).
 Q_BLOCK = 64
@@ -73,30 +74,106 @@ class BlockMask:
                 f"{counts[2]} full)")
 
 
+@njit(cache=False)
+def _keep_row(mask_mod, b, h, i, n, mod_args, keep):
+    """``keep[j] = mask_mod(b, h, i, j, *mod_args)`` for keys ``0..n-1``. From 0, in a
+    function of its own: then ``j >= 0`` is visible, the user's ``a[j]`` needs no
+    wraparound select, and the loop vectorizes (from a run-time start it did not: a document
+    mask took 1.8 ns per key against 0.2)."""
+    for j in range(n):
+        keep[j] = 1 if mask_mod(b, h, i, j, *mod_args) else 0
+
+
+@njit(cache=False)
+def _count(keep):
+    """The number of nonzero entries of int8 ``keep`` (0 or 1 each)."""
+    n = 0
+    for j in range(keep.shape[0]):
+        n += keep[j]
+    return n
+
+
 @njit(parallel=True, cache=False)
-def _states(mask_mod, B, H, L, S, mod_args, out):
+def _states(mask_mod, B, H, L, S, mod_args, offset, left, right, out):
+    """``out[b, h, qb, kb]``: the state of each block, counting only the elements that the
+    window (``offset``, ``left``, ``right``, as in a recipe) leaves; a block it leaves none
+    of is empty."""
     nqb, nkb = out.shape[2], out.shape[3]
     for t in prange(B * H * nqb):
+        window = recipe(offset=offset, left=left, right=right)  # (a recipe cannot enter prange)
         b = t // (H * nqb)
         h = (t // nqb) % H
         qb = t % nqb
-        i0 = qb * Q_BLOCK
-        i1 = min(L, i0 + Q_BLOCK)
+        keep = np.empty(S, np.int8)
+        kept = np.zeros(nkb, np.int64)
+        seen = np.zeros(nkb, np.int64)
+        for i in range(qb * Q_BLOCK, min(L, qb * Q_BLOCK + Q_BLOCK)):
+            lo, hi = key_range(window, i, i, S)
+            if lo >= hi:
+                continue
+            _keep_row(mask_mod, b, h, i, hi, mod_args, keep)
+            for kb in range(lo // K_BLOCK, (hi - 1) // K_BLOCK + 1):
+                j0 = max(lo, kb * K_BLOCK)
+                j1 = min(hi, kb * K_BLOCK + K_BLOCK)
+                kept[kb] += _count(keep[j0:j1])
+                seen[kb] += j1 - j0
         for kb in range(nkb):
-            j0 = kb * K_BLOCK
-            j1 = min(S, j0 + K_BLOCK)
-            some = False
-            every = True
-            for i in range(i0, i1):
-                for j in range(j0, j1):
-                    if mask_mod(b, h, i, j, *mod_args):
-                        some = True
-                    else:
-                        every = False
-                if some and not every:
-                    break
-            out[b, h, qb, kb] = BLOCK_FULL if every else (BLOCK_PARTIAL if some
-                                                          else BLOCK_EMPTY)
+            out[b, h, qb, kb] = (BLOCK_EMPTY if kept[kb] == 0 else
+                                 BLOCK_FULL if kept[kb] == seen[kb] else BLOCK_PARTIAL)
+
+
+@functools.lru_cache(maxsize=256)
+def _reads(f, n):
+    """Whether Python function ``f`` may read its ``n``-th positional parameter: False only
+    when that parameter is named and no instruction of ``f`` (or of a function nested in it)
+    loads it, so its result cannot depend on it."""
+    import dis
+    import inspect
+
+    params = list(inspect.signature(f).parameters.values())
+    if n >= len(params) or params[n].kind not in (params[n].POSITIONAL_ONLY,
+                                                  params[n].POSITIONAL_OR_KEYWORD):
+        return True
+    name = params[n].name
+
+    def loads(code):
+        for ins in dis.get_instructions(code):
+            if ins.opname.startswith("LOAD_") and (
+                    ins.argval == name or (isinstance(ins.argval, tuple) and name in ins.argval)):
+                return True
+        return any(loads(c) for c in code.co_consts if hasattr(c, "co_code"))
+
+    return loads(f.__code__)
+
+
+#: Scores of a call (B·Hq·L·S) below which its mask_mod gets no block mask built (every
+#: block partial: the mask_mod per element, as without one): building costs a parallel
+#: launch and host work (0.2-0.3 ms here) and a mask_mod call per score of each (b, h) it
+#: depends on, more than it saves on small problems. Measured with
+#: scripts/block_mask_build.py (4 documents, D64), the time built per call against per
+#: element: H8 L=S=64 1.07, H8 128 1.08, H1 256 0.93, H1 512 0.81, H8 256 0.74.
+BUILD_MIN_SCORES = 4 * 256 * 256
+
+
+def call_states(mask_mod, B, H, L, S, mod_args, window):
+    """The block states a call with this ``mask_mod`` (and no block mask of its own) runs
+    with: evaluated under the recipe ``window`` (offset, sides) per batch entry and head — or
+    once for all where ``mask_mod`` never reads ``b`` / ``h`` — or, for problems under
+    :data:`BUILD_MIN_SCORES`, every block partial. ``mod_args`` may hold CUDA arrays (they
+    are copied to the host). Arguments are trusted."""
+    from .problem.variants import host_array
+
+    shape = BlockMask.shape_for(L, S)
+    if B * H * L * S < BUILD_MIN_SCORES:
+        return np.full((1, 1, *shape), BLOCK_PARTIAL, np.int8)
+    f = mask_mod.py_func
+    B = B if _reads(f, 0) else 1
+    H = H if _reads(f, 1) else 1
+    mod_args = tuple(x if isinstance(x, (np.ndarray, bool, int, float, np.generic))
+                     else host_array("mod_args", x) for x in mod_args)
+    out = np.empty((B, H, *shape), np.int8)
+    _states(mask_mod, B, H, L, S, mod_args, window.offset, window.left, window.right, out)
+    return out
 
 
 def create_block_mask(mask_mod, B, H, L, S, mod_args=()):
@@ -141,6 +218,6 @@ def create_block_mask(mask_mod, B, H, L, S, mod_args=()):
     B, H, L, S = sizes["B"], sizes["H"], sizes["L"], sizes["S"]
     states = np.empty((B, H, *BlockMask.shape_for(L, S)), np.int8)
     if states.size:
-        _states(mask_mod, B, H, L, S, mod_args, states)
+        _states(mask_mod, B, H, L, S, mod_args, 0, NO_LIMIT, NO_LIMIT, states)
     return BlockMask(states, mask_mod, B, H, L, S)
 

@@ -8,28 +8,15 @@ int16 storage (bfloat16) go through Numba's CUDA front end and lowering to LLVM 
 scripts/ptx_check.py does, stopping before NVVM), in a subprocess without the simulator.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+
+from device_lowering import run_lowering
 
 pytest.importorskip("numba.cuda")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-SCRIPT = textwrap.dedent("""
+SCRIPT = """
     import importlib
     import numpy as np
-    from numba import cuda, types
-    import numba.cuda.dispatcher as dispatcher
-    from numba.cuda import compiler
-
-    class _Device:  # device functions ask the current device for its compute capability
-        compute_capability = (9, 0)
-
-    dispatcher.get_current_device = lambda: _Device()
     fw = importlib.import_module("sdpa_numba.gpu.forward")
     bw = importlib.import_module("sdpa_numba.gpu.backward")
     from sdpa_numba.gpu.options import FASTMATH, Blocks
@@ -65,15 +52,10 @@ SCRIPT = textwrap.dedent("""
                                      fastmath=FASTMATH)
         ir = cres.library.get_llvm_str()
         print(name, "nv_int_as_float" in ir, "nv_float_as_int" in ir)
-""")
+"""
 
 
 def test_bfloat16_kernels_lower_for_the_device():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    lines = dict(line.split(" ", 1) for line in run_lowering(SCRIPT).splitlines())
     # every kernel reads bfloat16 (bit cast up); the forward also writes it (bit cast down)
     assert lines == {"forward": "True True", "dq": "True False", "dkv": "True False"}, lines

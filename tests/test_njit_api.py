@@ -156,3 +156,41 @@ def test_batched_backward_from_user_njit(rng):
     want = attention_backward(dout, q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
     for g, w in zip(got, want[:3]):
         assert rel_err(g, w) < 1e-10
+
+
+@njit
+def _rel_bias(s, b, h, i, j, table):
+    """A user's score_mod: a relative-position bias per query head (T5-like)."""
+    return s + table[h, i - j + table.shape[1] // 2]
+
+
+def test_variants_forward_from_user_njit(rng):
+    """A user's @njit builds a recipe (bottom-right window, soft cap, a score_mod with its
+    table) and runs the batched kernel and the serial one per head with it."""
+    from sdpa_numba.score.recipe import recipe
+
+    @njit
+    def user(q, k, v, table, out, lse, out_h, lse_h):
+        r = recipe(offset=k.shape[2] - q.shape[2], left=23, right=2, softcap=4.0,
+                   score_mod=_rel_bias, mod_args=(table,))
+        cpu.forward(q, k, v, None, False, 0.3, out, lse, None, r)
+        group = q.shape[1] // k.shape[1]
+        for b in range(q.shape[0]):
+            for h in range(q.shape[1]):
+                cpu.forward_head(q[b, h], k[b, h // group], v[b, h // group], None, False, 0.3,
+                                 out_h[b, h], lse_h[b, h], r, b, h)
+
+    q = randn(rng, (2, 4, 70, 16))
+    k, v = randn(rng, (2, 2, 97, 16)), randn(rng, (2, 2, 97, 8))
+    table = randn(rng, (4, 2 * 97 + 1))
+    out, out_h = (np.full((2, 4, 70, 8), np.nan, np.float32) for _ in range(2))
+    lse, lse_h = (np.full((2, 4, 70), np.nan, np.float32) for _ in range(2))
+    user(q, k, v, table, out, lse, out_h, lse_h)
+    ref, ref_lse = attention(q, k, v, scale=0.3, enable_gqa=True, window=(23, 2),
+                             alignment="bottom_right", softcap=4.0, score_mod=_rel_bias,
+                             mod_args=(table,))
+    assert rel_err(out, ref) < TOL[np.float32]
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    # the serial kernel gives the batched one's rows, bit for bit
+    np.testing.assert_array_equal(out_h, out)
+    np.testing.assert_array_equal(lse_h, lse)

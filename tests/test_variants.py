@@ -493,3 +493,76 @@ def test_block_mask_skips_blocks_with_the_same_bits(rng):
         np.testing.assert_array_equal(lse, want_lse)
         ref, _ = reference.attention(q, k, v, mask_mod=doc_prefix, mod_args=args)
         assert rel_err(got, ref) <= TOL[np.float32]
+
+
+def _expected_states(keep, win, bq, bk):
+    """Block states of a bool (B, L, S) array of the kept scores (in-window and mask_mod)
+    and a (L, S) array ``win`` of the in-window ones, by brute force."""
+    n_b, L, S = keep.shape
+    out = np.empty((n_b, 1, -(-L // bq), -(-S // bk)), np.int8)
+    for b in range(n_b):
+        for qb in range(out.shape[2]):
+            for kb in range(out.shape[3]):
+                blk = keep[b, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+                w = win[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+                out[b, 0, qb, kb] = (sdpa_numba.BLOCK_EMPTY if not blk.any() else
+                                     sdpa_numba.BLOCK_FULL if blk.sum() == w.sum() else
+                                     sdpa_numba.BLOCK_PARTIAL)
+    return out
+
+
+def test_block_mask_built_per_call_states():
+    """A call with a mask_mod and no block mask builds one: under the call's window (a block
+    the window leaves nothing of is empty), per batch entry since doc_prefix reads ``b``, once
+    for all heads since it does not read ``h``; small problems get every block partial."""
+    from sdpa_numba import block_mask as bmod
+    from sdpa_numba.problem.variants import variants_recipe, with_block_mask
+
+    assert (bmod._reads(doc_prefix.py_func, 0), bmod._reads(doc_prefix.py_func, 1)) == (True,
+                                                                                      False)
+    assert not bmod._reads(causal_mask.py_func, 0) and not bmod._reads(causal_mask.py_func, 1)
+    assert bmod._reads(lambda *a: a[2] < a[3], 0)  # b not named: may be read
+    rng = np.random.default_rng(3)
+    L, S, left, offset = 300, 420, 150, 120
+    doc_q, doc_k = _doc_ids(rng, 2, L, 3), _doc_ids(rng, 2, S, 3)
+    args = (doc_q, doc_k, 50)
+    r = with_block_mask(variants_recipe((2,), 4, L, S, np.float32, True, window=(left, None),
+                                        alignment="bottom_right", mask_mod=doc_prefix,
+                                        mod_args=args), (2,), 4, L, S)
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    win = (j >= i + offset - left) & (j <= i + offset)
+    keep = np.array([[[doc_prefix.py_func(b, 0, ii, jj, *args) for jj in range(S)]
+                      for ii in range(L)] for b in range(2)]) & win
+    want = _expected_states(keep, win, bmod.Q_BLOCK, bmod.K_BLOCK)
+    assert r.block_mask.shape == (2, 1, 5, 7)
+    np.testing.assert_array_equal(r.block_mask, want)
+    assert {0, 1, 2} <= set(np.unique(want))
+    # below the threshold: every block partial, one (b, h) for all (no mask_mod evaluated)
+    r = with_block_mask(variants_recipe((1,), 1, 100, 100, np.float32, False,
+                                        mask_mod=doc_prefix, mod_args=args), (1,), 1, 100, 100)
+    assert 100 * 100 < bmod.BUILD_MIN_SCORES
+    np.testing.assert_array_equal(r.block_mask, np.full((1, 1, 2, 2), sdpa_numba.BLOCK_PARTIAL))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_mask_built_per_call_gives_the_same_bits(rng, monkeypatch, causal):
+    """Built per call or not (every block partial), forward and backward give the same bits:
+    an empty block adds exactly nothing, a full one needs no per-element test."""
+    from sdpa_numba import block_mask as bmod
+
+    L, S = 200, 330
+    doc_q, doc_k = _doc_ids(rng, 2, L, 3), _doc_ids(rng, 2, S, 3)
+    args = (doc_q, doc_k, 40)
+    q, k, v = qkv(rng, (2, 3, L, 16), (2, 3, S, 16), dtype=np.float32)
+    g = rng.standard_normal((2, 3, L, 16)).astype(np.float32)
+    kw = dict(mask_mod=doc_prefix, mod_args=args, is_causal=causal, window=(90, None),
+              alignment="bottom_right")
+    results = []
+    for threshold in (0, math.inf):
+        monkeypatch.setattr(bmod, "BUILD_MIN_SCORES", threshold)
+        out, lse = sdpa(q, k, v, return_lse=True, **kw)
+        results.append((out, lse, *sdpa_backward(g, q, k, v, out, lse, **kw)))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    ref, _ = reference.attention(q, k, v, **kw)
+    assert rel_err(results[0][0], ref) <= TOL[np.float32]

@@ -10,8 +10,10 @@
 * :class:`Blocks`: its tiling; ``sdpa_numba.gpu.options.BLOCKS`` overrides the launcher's
   choice;
 * device functions for users' kernels: :func:`attend_row` (one query row against a key/value
-  block), :func:`online_softmax_update` (the online-softmax step), :func:`online_softmax_lse`
-  and :func:`online_softmax_finalize`; :func:`row_key` and :func:`dropout_factor`, the dropout
+  block), :func:`attend_row_recipe` (the same with the scores formed by a score recipe: the
+  variants in users' kernels), :func:`online_softmax_update` (the online-softmax step),
+  :func:`online_softmax_lse` and :func:`online_softmax_finalize`; :func:`row_key` and
+  :func:`dropout_factor`, the dropout
   stream (the same bits as the CPU kernels, :mod:`sdpa_numba.gpu.dropout`); :func:`merge_row`,
   :func:`merge_rows` and :func:`merge_weights`, the merge of attention states by their lse
   (:mod:`sdpa_numba.gpu.merge`).
@@ -33,12 +35,14 @@ from .forward import forward  # noqa: E402
 from .merge import merge_row, merge_rows, merge_weights  # noqa: E402
 from .online_softmax import (  # noqa: E402
     attend_row,
+    attend_row_recipe,
     online_softmax_finalize,
     online_softmax_lse,
     online_softmax_update,
 )
 from .options import Blocks  # noqa: E402
 
-__all__ = ["forward", "backward", "Blocks", "attend_row", "online_softmax_update",
-           "online_softmax_lse", "online_softmax_finalize", "row_key", "dropout_factor",
+__all__ = ["forward", "backward", "Blocks", "attend_row", "attend_row_recipe",
+           "online_softmax_update", "online_softmax_lse", "online_softmax_finalize", "row_key",
+           "dropout_factor",
            "merge_row", "merge_rows", "merge_weights"]

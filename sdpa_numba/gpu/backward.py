@@ -12,8 +12,9 @@ kernels, launched in this order on one stream:
 * the **dQ kernel**: one thread block per (batch, query head, block of ``block_m`` query rows).
   It computes ``D`` of its rows (one thread per row, in order) and writes it out for the other
   kernel, then goes through the key blocks its rows see, recomputing the score tile, ``P`` and
-  ``dO Vᵀ`` (:func:`_pair_grads`), and accumulates ``dQ += dS K``. With ``mask_grad`` it also
-  writes ``dS``, the gradient of an additive mask, for every (row, key): the only L x S array.
+  ``dO Vᵀ`` (:func:`_pair_grads`), and accumulates ``dQ += dS K``. With a mask gradient (a
+  kernel of its own: the argument is ``(dmask,)``, or ``()`` for none) it also writes ``dS``,
+  the gradient of an additive mask, for every (row, key): the only L x S array.
 * the **dK/dV kernel**: one thread block per (batch, key/value head, block of ``block_n``
   keys). It goes through the query heads that read these keys (one, or the group under GQA, in
   order) and the query blocks that see them, recomputes the same tiles and accumulates
@@ -36,7 +37,7 @@ import math
 
 import numba
 import numpy as np
-from numba import cuda
+from numba import cuda, types
 
 from ..score.recipe import BLOCK_EMPTY, BLOCK_PARTIAL, DENSE, keeps, key_range, \
     modified_score, query_range, score_slope, window_covers
@@ -48,7 +49,7 @@ from .options import FASTMATH
 from .storage import load, storage_view
 from .tiles import clear, grid_block, load_tile, query_block, tile_product, tile_thread, u
 from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, \
-    tile_state, unpack
+    store_grad, tile_state, unpack
 
 _kernels = {}
 
@@ -99,14 +100,16 @@ def _tiling(blocks):
             blocks.row_groups, blocks.block_n // TC, blocks.block_n + 1)
 
 
-def dq_signature(dtype, mask_kind, parts=compile_key(DENSE)):
-    """``(q, k, v, mask, scale, dout, out, lse, *dropout, D, dq, dmask, want_dmask,
-    *recipe)``: every array 'A', one compilation per dtype, mask kind and recipe parts
-    (:func:`.variants.compile_key`)."""
+def dq_signature(dtype, mask_kind, parts=compile_key(DENSE), mask_grad=False):
+    """``(q, k, v, mask, scale, dout, out, lse, *dropout, D, dq, dmask_t, *recipe)``: every
+    array 'A', one compilation per dtype, mask kind, recipe parts
+    (:func:`.variants.compile_key`) and ``mask_grad`` (``dmask_t`` is ``(dmask,)``, else
+    ``()``)."""
     st, ct, mask = operand_types(dtype, mask_kind)
+    dmask_t = types.UniTuple(arr(ct, 4), 1) if mask_grad else types.Tuple(())
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
                       arr(st, 4), arr(st, 4), arr(ct, 3), *DROPOUT_ARGS, arr(ct, 3),
-                      arr(ct, 4), arr(ct, 4), numba.boolean, *arg_types(parts, ct)), ct
+                      arr(ct, 4), dmask_t, *arg_types(parts, ct)), ct
 
 
 def dkv_signature(dtype, mask_kind, parts=compile_key(DENSE)):
@@ -126,12 +129,13 @@ def _pair_grads(blocks, mask_kind, ct):
 
     @cuda.jit(device=True, inline="always")
     def pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h, drop_on, rk,
-                   threshold, inv, dmask, want_dmask):
+                   threshold, inv, dmask_t):
         """``at`` = (Q row length, dO row length, then the dO, lse, D, Kᵀ, Vᵀ, P Z and dS
         offsets; Q is at 0); a negative P Z offset: not wanted. Rows past ``L`` and keys past
         ``nj`` get zeros. ``rc``: the recipe; ``test``: whether the tile needs the
-        per-element window and mask_mod tests. With ``want_dmask``, this thread's entries of
-        dS with respect to the final score (the additive mask's gradient) go to ``dmask``;
+        per-element window and mask_mod tests. With ``dmask_t = (dmask,)``, this thread's
+        entries of dS with respect to the final score (the additive mask's gradient) go to
+        ``dmask`` (``()``: none wanted);
         the shared dS is with respect to the scaled ``q · k`` (the recipe's slope applied)."""
         qp, dp, do_at, lse_at, dd_at, kt_at, vt_at, pz_at, ds_at = at
         zero = CT(0)
@@ -168,8 +172,8 @@ def _pair_grads(blocks, mask_kind, ct):
                 if pz_at >= 0:
                     sm[pz_at + r * SP + j] = p * z
                 ds = p * (dpreg[a * SC + c] * z - dd)
-                if want_dmask and i < L and j < nj:
-                    dmask[b, h, i, j0 + j] = ds
+                if i < L and j < nj:
+                    store_grad(dmask_t, b, h, i, j0 + j, ds)
                 if mod_on and p != 0:  # chain rule through soft cap, ALiBi, score_mod
                     ds *= CT(score_slope(rc, s0, b, h, i, j0 + j))
                 sm[ds_at + r * SP + j] = ds
@@ -183,9 +187,11 @@ def _recipe_constants(parts):
     return parts[2], parts[3], parts[4], parts[5], parts[4] is not None
 
 
-def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
-    """The dQ kernel for storage ``dtype``, mask kind, tiling ``blocks`` and recipe parts."""
-    sig, ct = dq_signature(dtype, mask_kind, parts)
+def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_grad=False):
+    """The dQ kernel for storage ``dtype``, mask kind, tiling ``blocks``, recipe parts and
+    whether it writes the mask gradient."""
+    sig, ct = dq_signature(dtype, mask_kind, parts, mask_grad)
+    MASK_GRAD = mask_grad
     BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
     CT = ct
     pair_grads = _pair_grads(blocks, mask_kind, ct)
@@ -193,8 +199,8 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
     def dq_kernel(q, k, v, mask, scale, dout, out, lse, seed, threshold, inv_keep, b_off, D, dq,
-                  dmask, want_dmask, offset, left, right, softcap, r_boff, alibi_t, sinks_t,
-                  bm_t, bq, bk, mod_args):
+                  dmask_t, offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq,
+                  bk, mod_args):
         _, _, L, E = q.shape
         S = k.shape[2]
         Ev = v.shape[3]
@@ -247,11 +253,11 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
             nj = min(BN, j_end - j0)
             state = tile_state(rc, HAS_BM, bq, bk, b, h, i0, i_last, j0, j0 + nj - 1)
             if state == BLOCK_EMPTY:  # uniform across the thread block
-                if want_dmask:  # never visited: dS is 0
+                if MASK_GRAD:  # never visited: dS is 0
                     for a in range(RM):
                         if r0 + a < nv:
                             for j in range(tc, nj, TC):
-                                dmask[b, h, i0 + r0 + a, j0 + j] = zero
+                                store_grad(dmask_t, b, h, i0 + r0 + a, j0 + j, zero)
                 continue
             test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
                 ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
@@ -260,7 +266,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
             load_tile(v, b, kh, j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
             cuda.syncthreads()
             pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h, drop_on,
-                       rk, threshold, inv, dmask, want_dmask)
+                       rk, threshold, inv, dmask_t)
             cuda.syncthreads()  # the dS tile is complete
             # dQ += dS K for this thread's rows and columns e = tc, tc + TC, ...
             for e in range(tc, E, TC):
@@ -272,13 +278,13 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
                 for a in range(RM):
                     sm[dq_at + (r0 + a) * E + e] += acc[a]
 
-        if want_dmask:  # keys outside the window were never visited: their dS is 0
+        if MASK_GRAD:  # keys outside the window were never visited: their dS is 0
             for a in range(RM):
                 if r0 + a < nv:
                     for j in range(tc, j_first, TC):
-                        dmask[b, h, i0 + r0 + a, j] = zero
+                        store_grad(dmask_t, b, h, i0 + r0 + a, j, zero)
                     for j in range(max(j_end, j_first) + tc, S, TC):
-                        dmask[b, h, i0 + r0 + a, j] = zero
+                        store_grad(dmask_t, b, h, i0 + r0 + a, j, zero)
         sc = CT(scale)
         for e in range(tc, E, TC):
             for a in range(RM):
@@ -368,7 +374,7 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
                     row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
                 cuda.syncthreads()
                 pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h,
-                           drop_on, rk, threshold, inv, dk, False)  # no dmask here
+                           drop_on, rk, threshold, inv, NO_MASK)  # no mask gradient here
                 cuda.syncthreads()  # the P Z and dS tiles are complete
                 # dV += (P Z)ᵀ dO and dK += dSᵀ (scale Q), this thread's keys and columns,
                 # summed over the block's rows in order
@@ -403,10 +409,12 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
 _FACTORIES = {"dq": _make_dq_kernel, "dkv": _make_dkv_kernel}
 
 
-def _kernel(which, dtype, mask_kind, blocks, parts=compile_key(DENSE)):
-    key = (which, np.dtype(dtype), mask_kind, blocks, parts)
+def _kernel(which, dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_grad=False):
+    """The kernel ``which`` ("dq" or "dkv"), compiled once per key; ``mask_grad``: the dQ
+    kernel writes the mask gradient (the dK/dV kernel never does)."""
+    key = (which, np.dtype(dtype), mask_kind, blocks, parts, mask_grad)
     if key not in _kernels:
-        _kernels[key] = _FACTORIES[which](*key[1:])
+        _kernels[key] = _FACTORIES[which](*key[1:5], *((mask_grad,) if which == "dq" else ()))
     return _kernels[key]
 
 
@@ -469,10 +477,10 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     if n_b * n_hq and L:
         bq, shared = launch_blocks(blocks, itemsize, e, ev, dq_shared_elements)
         grid = n_b * n_hq * ((L + bq.block_m - 1) // bq.block_m)
-        # Without dmask, dq stands in for it, never written (want_dmask False).
-        _kernel("dq", q.dtype, mask_kind, bq, parts)[grid, bq.threads, stream, shared](
-            q, k, v, m, float(scale), dout, out, lse, *drop, D, dq,
-            dq if dmask is None else dmask, dmask is not None, *rargs)
+        _kernel("dq", q.dtype, mask_kind, bq, parts, dmask is not None)[
+            grid, bq.threads, stream, shared](q, k, v, m, float(scale), dout, out, lse, *drop,
+                                              D, dq, NO_MASK if dmask is None else (dmask,),
+                                              *rargs)
     if n_b * n_h and S:  # also with L == 0: dK and dV are then zeros
         bkv, shared = launch_blocks(blocks, itemsize, e, ev, dkv_shared_elements)
         grid = n_b * n_h * ((S + bkv.block_n - 1) // bkv.block_n)

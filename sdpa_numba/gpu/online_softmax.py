@@ -20,7 +20,9 @@ import math
 
 from numba import cuda
 
+from ..score.recipe import keeps, modified_score
 from .options import FASTMATH
+from .variants import device_recipe
 
 
 @cuda.jit(device=True, fastmath=FASTMATH)
@@ -117,14 +119,58 @@ def attend_row(q, k, v, scale, s, m, l, acc):
         lse[i] = online_softmax_finalize(m, l, acc, out[i])
     """
     n, e_len = k.shape
-    ev = v.shape[1]
     for j in range(n):
         x = s.dtype.type(0)
         for e in range(e_len):
             x += q[e] * k[j, e]
         s[j] = x * scale
+    return _fold_block(s, n, v, m, l, acc)
+
+
+@cuda.jit(device=True, fastmath=FASTMATH)
+def attend_row_recipe(q, k, v, scale, s, m, l, acc, r, b, h, i, j0):
+    """:func:`attend_row` with the scores formed by a score recipe: the variants (window,
+    alignment, soft cap, ALiBi, the user's ``score_mod`` and ``mask_mod``) in a user's kernel.
+
+    Parameters
+    ----------
+    q, k, v, scale, s, m, l, acc
+        As for :func:`attend_row`.
+    r : Recipe
+        Made in the kernel with :func:`sdpa_numba.score.recipe.recipe` (its keywords; the
+        user's functions are globals of the kernel, ``mod_args`` a tuple of the kernel's
+        arrays). Its block mask and sinks are the caller's to apply (skip the blocks;
+        :func:`~sdpa_numba.score.recipe.fold_sink` before finalizing).
+    b, h : int
+        The batch index and query head, as the recipe's functions see them.
+    i : int
+        The query row's position (in the call's ``q``).
+    j0 : int
+        The position of ``k[0]`` (keys ``j0 .. j0 + n - 1``).
+
+    Returns
+    -------
+    m, l : float
+        The updated running max and sum.
+    """
+    r = device_recipe(r)
+    n, e_len = k.shape
+    t = s.dtype.type
+    for j in range(n):
+        x = t(0)
+        for e in range(e_len):
+            x += q[e] * k[j, e]
+        # t(): on the simulator the score functions are CPU-jitted and return Python floats
+        x = t(modified_score(r, x * scale, b, h, i, j0 + j))
+        s[j] = x if keeps(r, b, h, i, j0 + j) else t(-math.inf)
+    return _fold_block(s, n, v, m, l, acc)
+
+
+@cuda.jit(device=True, fastmath=FASTMATH)
+def _fold_block(s, n, v, m, l, acc):
+    """Fold the ``n`` scores ``s`` of a block into ``m``, ``l`` and ``acc += p · v``."""
     m, l, alpha = online_softmax_update(s, 0, n, m, l)
-    for d in range(ev):
+    for d in range(v.shape[1]):
         a = alpha * acc[d]
         for j in range(n):
             a += s[j] * v[j, d]

@@ -13,7 +13,8 @@ host :class:`~sdpa_numba.score.recipe.Recipe` travels as
 
 and :func:`unpack` rebuilds the Recipe inside the kernel, so that the kernels call the same
 jitted score functions as the CPU. The attention mask travels the same way (:func:`masked`):
-an empty tuple is "no mask", the one encoding of it (no operand stands in for it).
+an empty tuple is "no mask", the one encoding of it (no operand stands in for it); the
+backward's mask gradient likewise (:func:`store_grad`).
 
 On Numba's CUDA simulator the kernels run as Python and call the score functions as CPU-jitted
 code, which cannot take the simulator's arrays: :func:`unpack` hands them their NumPy arrays.
@@ -28,8 +29,8 @@ from ..options import INLINE
 from ..score.recipe import BLOCK_FULL, Recipe, covered_block_state, modifies_scores, sink_logit
 from .storage import load
 
-__all__ = ["compile_key", "arg_types", "kernel_args", "unpack", "masked", "tile_state",
-           "sink_of", "modifies", "NO_MASK"]
+__all__ = ["compile_key", "arg_types", "kernel_args", "unpack", "device_recipe", "masked",
+           "store_grad", "tile_state", "sink_of", "modifies", "NO_MASK"]
 
 #: The attention-mask argument of a kernel without a mask.
 NO_MASK = ()
@@ -154,6 +155,37 @@ def _masked(s, mask_t, b, h, i, j, neg_inf):
     if mask_t.types[0].dtype == types.boolean:
         return lambda s, mask_t, b, h, i, j, neg_inf: s if mask_t[0][b, h, i, j] else neg_inf
     return lambda s, mask_t, b, h, i, j, neg_inf: s + load(mask_t[0][b, h, i, j])
+
+
+def device_recipe(r):
+    """Recipe ``r`` as the score functions take it in device code: ``r`` itself on a GPU; on
+    the simulator (device code runs as Python, the score functions as CPU-jitted code), with
+    its arrays as their NumPy arrays. For device functions that take a user's recipe."""
+    return r._replace(alibi=_host(r.alibi), sinks=_host(r.sinks),
+                      mod_args=tuple(_host(x) for x in r.mod_args),
+                      block_mask=_host(r.block_mask))
+
+
+@overload(device_recipe, target="generic")
+def _device_recipe(r):
+    return lambda r: r
+
+
+def store_grad(grad_t, b, h, i, j, x):
+    """``grad_t[0][b, h, i, j] = x``, or nothing for an empty tuple ("no gradient wanted":
+    the mask gradient's one encoding, as :data:`NO_MASK` is the mask's)."""
+    if grad_t:
+        grad_t[0][b, h, i, j] = x
+
+
+@overload(store_grad, target="generic")
+def _store_grad(grad_t, b, h, i, j, x):
+    if len(grad_t.types) == 0:
+        return lambda grad_t, b, h, i, j, x: None
+
+    def store(grad_t, b, h, i, j, x):
+        grad_t[0][b, h, i, j] = x
+    return store
 
 
 @njit(**INLINE)

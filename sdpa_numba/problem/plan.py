@@ -14,7 +14,7 @@ import numpy as np
 from .arguments import check_flag, check_scale, shape_str
 from .._bf16 import is_bfloat16
 from .dtypes import FLOATS, compute_dtype
-from .variants import variants_recipe
+from .variants import variants_recipe, with_block_mask
 from ..score.recipe import DENSE, Recipe
 
 
@@ -143,6 +143,7 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, backward
     scale = check_scale(scale, E)
 
     cdt = compute_dtype(dtype)
-    r = variants_recipe(batch, hq, L, S, cdt, is_causal, backward=backward, **variants)
+    r = with_block_mask(variants_recipe(batch, hq, L, S, cdt, is_causal, backward=backward,
+                                        **variants), batch, hq, L, S)
     return Plan(batch, hq, h, L, S, E, Ev, out_shape, dtype, cdt, scale, is_causal, mask_kind,
                 r)

@@ -69,7 +69,7 @@ def check_softcap(softcap):
     return c
 
 
-def _host(name, x):
+def host_array(name, x):
     """A small operand as a host NumPy array (a CUDA array is copied to the host)."""
     if hasattr(x, "__cuda_array_interface__") or hasattr(x, "copy_to_host"):
         if hasattr(x, "copy_to_host"):
@@ -89,7 +89,7 @@ def _host(name, x):
 
 
 def _float_array(name, x):
-    a = _host(name, x)
+    a = host_array(name, x)
     if a.dtype not in (np.float32, np.float64):
         raise TypeError(f"{name} must be float32 or float64, got dtype {a.dtype}")
     return a
@@ -272,6 +272,20 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, window=None, alignment="
     return R.recipe(offset=offset, left=left, right=right, softcap=cap, alibi=alibi,
                     sinks=sink, score_mod=score_mod, mask_mod=mask_mod,
                     score_mod_grad=score_mod_grad, mod_args=mod_args, block_mask=states)
+
+
+def with_block_mask(r, batch, hq, L, S):
+    """Recipe ``r`` of a (batch, Hq, L, S) attention call with a block mask for its
+    ``mask_mod`` when it has none (:func:`sdpa_numba.block_mask.call_states`: built under the
+    window, or every block partial for small calls); else ``r``. For callers whose kernels
+    read block masks of the call's L x S (the dense forward and backward, both targets)."""
+    if r.mask_mod is None or r.block_mask is not None:
+        return r
+    from ..block_mask import call_states
+
+    return r._replace(block_mask=call_states(r.mask_mod, math.prod(batch), hq, L, S,
+                                             r.mod_args, R.recipe(offset=r.offset,
+                                                                  left=r.left, right=r.right)))
 
 
 def sinks_grad(r, grad_out, out, lse):

@@ -64,14 +64,34 @@ Recipe = namedtuple("Recipe", [
 def recipe(*, offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0,
            alibi=None, sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None,
            mod_args=(), block_mask=None):
-    """A :class:`Recipe` with the kernels' types (host code; arguments already validated).
+    """A :class:`Recipe` with the kernels' types; arguments are trusted (the public layer
+    validates them).
 
     The defaults are plain attention; the numbers are always int64/float64, so that every
-    recipe without optional parts has one Numba type.
+    recipe without optional parts has one Numba type. Callable from host code and, with the
+    same keywords, from jitted code (``@njit`` and ``@cuda.jit``), where ``mod_args`` must be
+    a tuple. Window sides are in the kernels' encoding: ``NO_LIMIT`` for unlimited, ``right``
+    0 for causal; ``offset`` is ``S - L`` for bottom-right alignment, else 0.
     """
     return Recipe(np.int64(offset), np.int64(left), np.int64(right), np.float64(softcap),
                   np.int64(batch_offset), alibi, sinks, score_mod, mask_mod, score_mod_grad,
                   tuple(mod_args), block_mask)
+
+
+@overload(recipe, target="generic")
+def _recipe(offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0, alibi=None,
+            sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None, mod_args=(),
+            block_mask=None):
+    # The same keywords from jitted code (a user's @njit or @cuda.jit): the parts left out
+    # are typed None, so they drop out of the kernels as the host recipe's do. ``mod_args``
+    # must be a tuple there (jitted code has no tuple()).
+    def impl(offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0, alibi=None,
+             sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None, mod_args=(),
+             block_mask=None):
+        return Recipe(np.int64(offset), np.int64(left), np.int64(right), np.float64(softcap),
+                      np.int64(batch_offset), alibi, sinks, score_mod, mask_mod,
+                      score_mod_grad, mod_args, block_mask)
+    return impl
 
 
 def with_batch_offset(r, batch_offset):

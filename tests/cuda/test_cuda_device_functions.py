@@ -8,7 +8,9 @@ import pytest
 from numba import cuda
 
 from sdpa_numba import reference
-from sdpa_numba.gpu import attend_row, online_softmax_finalize, online_softmax_update
+from sdpa_numba.gpu import (attend_row, attend_row_recipe, online_softmax_finalize,
+                            online_softmax_update)
+from sdpa_numba.score.recipe import recipe
 from sdpa_cuda_testing import TOL, dev, rel_err
 
 BN = 3  # keys per block in the user's kernels: tiny, so rows cross several blocks
@@ -128,4 +130,62 @@ def test_online_softmax_update_with_masked_rows():
     assert (got[2] == 0).all() and got_lse[2] == -np.inf
     assert rel_err(got, ref) <= TOL[np.dtype(np.float64)]
     fin = np.isfinite(ref_lse)
+    assert rel_err(got_lse[fin], ref_lse[fin]) <= TOL[np.dtype(np.float64)]
+
+
+@numba.njit
+def rel_bias(s, b, h, i, j, table, doc_q, doc_k):
+    """A user's score_mod: a relative-position bias per head (T5-like). (Both functions take
+    every entry of mod_args.)"""
+    return s + table[h, i - j + table.shape[1] // 2]
+
+
+@numba.njit
+def same_doc(b, h, i, j, table, doc_q, doc_k):
+    """A user's mask_mod: a query sees the keys of its own document."""
+    return doc_q[i] == doc_k[j]
+
+
+@cuda.jit
+def user_variants_attention(q, k, v, scale, table, doc_q, doc_k, out, lse):
+    """One thread per (head, query row): a recipe made in the kernel (bottom-right sliding
+    window, soft cap, a score_mod and a mask_mod with their arrays), scores formed by it."""
+    h, i = cuda.grid(2)
+    if h >= q.shape[0] or i >= q.shape[1]:
+        return
+    S = k.shape[1]
+    r = recipe(offset=S - q.shape[1], left=6, right=1, softcap=2.5, score_mod=rel_bias,
+               mask_mod=same_doc, mod_args=(table, doc_q, doc_k))
+    s = cuda.local.array(BN, numba.float64)
+    acc = cuda.local.array(MAX_EV, numba.float64)
+    for d in range(v.shape[2]):
+        acc[d] = 0
+    m = -math.inf
+    l = 0.0
+    for j0 in range(0, S, BN):
+        j1 = min(S, j0 + BN)
+        m, l = attend_row_recipe(q[h, i], k[h, j0:j1], v[h, j0:j1], scale, s, m, l, acc, r,
+                                 0, h, i, j0)
+    lse[h, i] = online_softmax_finalize(m, l, acc, out[h, i])
+
+
+def test_attend_row_recipe_from_user_kernel():
+    rng = np.random.default_rng(10)
+    H, L, S, E, Ev = 2, 9, 13, 5, 6
+    q, k, v = (rng.standard_normal(sh) for sh in ((H, L, E), (H, S, E), (H, S, Ev)))
+    table = rng.standard_normal((H, 2 * S + 1))
+    doc_k = np.repeat(np.arange(3), 5)[:S].astype(np.int64)
+    doc_q = doc_k[S - L:].copy()
+    doc_q[0] = 7  # a row of a document without keys: fully masked
+    out, lse = dev(np.full((H, L, Ev), np.nan)), dev(np.full((H, L), np.nan))
+    user_variants_attention[(1, (L + 3) // 4), (H, 4)](
+        dev(q), dev(k), dev(v), 0.4, dev(table), dev(doc_q), dev(doc_k), out, lse)
+    ref, ref_lse = reference.attention(
+        q, k, v, scale=0.4, window=(6, 1), alignment="bottom_right", softcap=2.5,
+        score_mod=rel_bias, mask_mod=same_doc, mod_args=(table, doc_q, doc_k))
+    got, got_lse = out.copy_to_host(), lse.copy_to_host()
+    assert (got[:, 0] == 0).all() and np.isneginf(got_lse[:, 0]).all()
+    assert rel_err(got, ref) <= TOL[np.dtype(np.float64)]
+    fin = np.isfinite(ref_lse)
+    assert (np.isneginf(got_lse) == ~fin).all()
     assert rel_err(got_lse[fin], ref_lse[fin]) <= TOL[np.dtype(np.float64)]

@@ -21,6 +21,7 @@ from sdpa_numba import reference
 from sdpa_numba.gpu.arrays import device_array
 from sdpa_numba.gpu.backward import backward
 from sdpa_numba.gpu.forward import forward
+from sdpa_numba.problem import plan
 from sdpa_numba.problem.variants import sinks_grad
 from sdpa_numba.score.recipe import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, NO_LIMIT, recipe
 from sdpa_cuda_testing import dev, permuted, rel_err
@@ -364,3 +365,37 @@ def test_public_split_launches_carry_the_batch_offset():
     bm = sdpa_numba.create_block_mask(doc_mask, 6, 2, 5, 7, mod_args=(doc,))
     public_check(q, k, v, device_q=permuted(dev(qh), axes), alibi_slopes=slopes,
                  mask_mod=doc_mask, mod_args=(doc,), block_mask=bm)
+
+
+@njit
+def same_doc_1d(b, h, i, j, doc):
+    return doc[i] == doc[j]
+
+
+def test_public_block_mask_built_per_call(monkeypatch):
+    """A mask_mod without a block mask, built per call (device mod_args copied to the host for
+    it): empty and full blocks skipped; the same bits as every block partial, forward and
+    backward, and the reference's values."""
+    from sdpa_numba import block_mask as bmod
+
+    rng = np.random.default_rng(13)
+    L = S = 70
+    doc = np.repeat([0, 1], [64, 6]).astype(np.int64)  # blocks: full, empty, empty, full
+    q, k, v, g = (rng.standard_normal((1, 1, L, 4)).astype(np.float32) for _ in range(4))
+    kw = dict(mask_mod=same_doc_1d, mod_args=(dev(doc),))
+    results = []
+    for threshold in (0, math.inf):
+        monkeypatch.setattr(bmod, "BUILD_MIN_SCORES", threshold)
+        out, lse = sdpa_numba.scaled_dot_product_attention(dev(q), dev(k), dev(v),
+                                                           return_lse=True, **kw)
+        grads = sdpa_numba.scaled_dot_product_attention_backward(dev(g), dev(q), dev(k),
+                                                                 dev(v), out, lse, **kw)
+        results.append([x.copy_to_host() for x in (out, lse, *grads)])
+    monkeypatch.setattr(bmod, "BUILD_MIN_SCORES", 0)
+    np.testing.assert_array_equal(
+        plan(q, k, v, None, False, None, False, **kw).recipe.block_mask,
+        np.array([[[[2, 0], [0, 2]]]]))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    ref, _ = reference.attention(q, k, v, mask_mod=same_doc_1d, mod_args=(doc,))
+    assert rel_err(results[0][0], ref) <= 1e-5
