@@ -6,9 +6,11 @@ Validation (:mod:`sdpa_numba.problem.varlen`) happens here, before any jitted co
 kernels are :func:`sdpa_numba.cpu.varlen.varlen_forward` and ``varlen_backward``.
 """
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
+
+from ._typing import ArrayT
 
 from .api import _device_of, adopt, address
 from .dropout import new_seed
@@ -18,12 +20,43 @@ from .problem.variants import _host as _host_array
 from .problem.variants import sinks_grad
 from .problem.varlen import varlen_plan
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._typing import ForwardVariants, Variants
+
 __all__ = ["varlen_attention", "varlen_attention_backward"]
 
 
 def _refuse_cuda(device, what):
     if device == "cuda":
         raise NotImplementedError(f"{what} has no CUDA kernel yet: pass NumPy (host) arrays")
+
+
+@overload
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                     is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
+                     seed: int | None = ..., return_lse: Literal[False] = ...,
+                     out: ArrayT | None = ...,
+                     **variants: "Unpack[ForwardVariants]") -> ArrayT: ...
+
+
+@overload
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                     is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
+                     seed: int | None = ..., return_lse: Literal[True],
+                     out: ArrayT | None = ...,
+                     **variants: "Unpack[ForwardVariants]") -> tuple[ArrayT, Any]: ...
+
+
+@overload
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                     is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
+                     seed: int | None = ..., return_lse: bool, out: ArrayT | None = ...,
+                     **variants: "Unpack[ForwardVariants]") -> ArrayT | tuple[ArrayT, Any]: ...
 
 
 def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
@@ -135,6 +168,25 @@ def _check_like(name, x, shape, dtype, what):
     if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != dtype:
         raise ValueError(f"{name} must have {what}'s shape {tuple(shape)} and dtype {dtype}, "
                          f"got {shape_str(x)} {np.dtype(x.dtype)}")
+
+
+@overload
+def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT,
+                              lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                              max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                              is_causal: bool = ..., scale: float | None = ...,
+                              dropout_p: float = ..., seed: int | None = ..., sinks: None = ...,
+                              **variants: "Unpack[Variants]") -> tuple[ArrayT, ArrayT, ArrayT]:
+    ...
+
+
+@overload
+def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT,
+                              lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                              max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                              is_causal: bool = ..., scale: float | None = ...,
+                              dropout_p: float = ..., seed: int | None = ..., sinks: Any = ...,
+                              **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
 
 
 def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
