@@ -148,7 +148,8 @@ def build_parser():
                     "a grid (--batch --heads --seq --dim --dtype --causal) unless --preset or "
                     "--case is given.",
 )
-    p.add_argument("--preset", choices=sorted({*bench.PRESETS, *bench_decode.PRESETS, *bench_varlen.PRESETS}),
+    presets = {*bench.PRESETS, *bench_decode.PRESETS, *bench_varlen.PRESETS}
+    p.add_argument("--preset", choices=sorted(presets),
                    action="append", default=[],
                    help="a named case list; headline: B1 H8 L2048 D64 float32 non-causal and "
                         "causal, B1 H4 L4096 D128 float32; decode: attention_with_kvcache "

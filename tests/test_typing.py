@@ -66,7 +66,8 @@ MISUSES = {
     "scale": "sdpa(q, q, q, scale='large')",
     "return_lse": "o, l, x = sdpa(q, q, q, return_lse=True)",
     "seed": "sdpa(q, q, q, seed=0.5)",
-    "varlen_return_lse": "o, l, x = sdpa_numba.varlen_attention(q, q, q, cu, cu, return_lse=True)",
+    "varlen_return_lse": "o, l, x = sdpa_numba.varlen_attention(q, q, q, cu, cu, "
+                         "return_lse=True)",
 }
 
 
