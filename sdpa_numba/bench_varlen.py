@@ -32,7 +32,7 @@ def lengths(n=N_SEQ, lo=100, hi=2000, seed=16):
     return rng.permutation(ls).astype(np.int64)
 
 
-def prepare(lens, heads=HEADS, dim=DIM, dtype=DTYPE, seed=0):
+def prepare(lens, heads, dim, dtype, seed=0):
     """``(forward, backward)``: dicts of ``{impl: zero-argument callable}``; the forwards
     return the output packed ``(total, H, D)``, the backwards dq packed."""
     from . import varlen_attention, varlen_attention_backward
@@ -111,11 +111,11 @@ def prepare(lens, heads=HEADS, dim=DIM, dtype=DTYPE, seed=0):
     return fwd, bwd
 
 
-def run(repeats=7, pause=None, lens=None):
+def run(repeats=7, pause=None):
     """Time the preset; returns a dict with the lengths and, per direction, the times, the
     ratio to the faster torch way and the error against it."""
-    lens = lengths() if lens is None else np.asarray(lens)
-    fwd, bwd = prepare(lens)
+    lens = lengths()
+    fwd, bwd = prepare(lens, HEADS, DIM, DTYPE)
     res = {"lengths": [int(x) for x in lens], "heads": HEADS, "dim": DIM, "dtype": DTYPE,
            "causal": True, "timing": f"min of {repeats} interleaved rounds"}
     for name, fns in (("forward", fwd), ("backward", bwd)):

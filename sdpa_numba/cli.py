@@ -460,6 +460,15 @@ def _progress_bar(total, disable):
     return tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False)
 
 
+def _warn_load():
+    """The 1-minute load average (None where unknown), with a warning on stderr above 1."""
+    load = bench.load_average()
+    if load is not None and load > 1.0:
+        print(f"warning: load average {load:.1f} before the run: other processes are using the "
+              f"CPUs, timings will be noisy", file=sys.stderr)
+    return load
+
+
 def _decode_cases(args):
     return [c for name in args.preset if name in bench_decode.PRESETS
             for c in bench_decode.PRESETS[name]]
@@ -493,10 +502,7 @@ def cmd_bench_decode(args, cases, out):
 def cmd_bench_variants(args, out):
     """The ``variants`` preset: its own table (:func:`sdpa_numba.bench.run_variants`)."""
     threads = _set_threads(args, torch_too=True)
-    load = bench.load_average()
-    if load is not None and load > 1.0:
-        print(f"warning: load average {load:.1f} before the run: other processes are using the "
-              f"CPUs, timings will be noisy", file=sys.stderr)
+    load = _warn_load()
     res = bench.run_variants(args.repeats, args.pause)
     res["load_average_1min_before"] = load
     if args.json:
@@ -509,10 +515,7 @@ def cmd_bench_variants(args, out):
 def cmd_bench_varlen(args, out):
     """The ``varlen`` preset: its own table (:func:`sdpa_numba.bench_varlen.run`)."""
     threads = _set_threads(args, torch_too=True)
-    load = bench.load_average()
-    if load is not None and load > 1.0:
-        print(f"warning: load average {load:.1f} before the run: other processes are using the "
-              f"CPUs, timings will be noisy", file=sys.stderr)
+    load = _warn_load()
     res = bench_varlen.run(args.repeats, args.pause)
     res["load_average_1min_before"] = load
     if args.json:
@@ -549,10 +552,7 @@ def cmd_bench(args, out=None):
     cases = _bench_cases(args)
     impls = [i for i in bench.IMPLS if i in args.impl]
     threads = _set_threads(args, torch_too="torch" in impls)
-    load = bench.load_average()
-    if load is not None and load > 1.0:
-        print(f"warning: load average {load:.1f} before the run: other processes are using the "
-              f"CPUs, timings will be noisy", file=sys.stderr)
+    load = _warn_load()
     bar = _progress_bar(args.runs * bench.steps(cases, impls, args.repeats), args.no_progress)
 
     def progress(n, label):

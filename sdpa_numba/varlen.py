@@ -13,9 +13,10 @@ import numpy as np
 from ._typing import ArrayT
 
 from .api import _device_of, adopt, address
+from .backward import _check_like
 from .dropout import new_seed
 from .dropout import params as dropout_params
-from .problem import check_dropout, check_flag, check_out, check_seed, shape_str
+from .problem import check_dropout, check_flag, check_out, check_seed
 from .problem.variants import _host as _host_array
 from .problem.variants import sinks_grad
 from .problem.varlen import varlen_plan
@@ -162,12 +163,6 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     result, lse = run(p, q, k, v, out, dropout)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result
-
-
-def _check_like(name, x, shape, dtype, what):
-    if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != dtype:
-        raise ValueError(f"{name} must have {what}'s shape {tuple(shape)} and dtype {dtype}, "
-                         f"got {shape_str(x)} {np.dtype(x.dtype)}")
 
 
 @overload
