@@ -6,6 +6,7 @@ Validation (:mod:`sdpa_numba.problem.varlen`) happens here, before any jitted co
 kernels are :func:`sdpa_numba.cpu.varlen.varlen_forward` and ``varlen_backward``.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
@@ -16,7 +17,7 @@ from .api import _device_of, adopt, address
 from .backward import _check_like
 from .dropout import new_seed
 from .dropout import params as dropout_params
-from .problem import check_dropout, check_flag, check_out, check_seed
+from .problem import check_device_strides, check_dropout, check_flag, check_out, check_seed
 from .problem.variants import _host as _host_array
 from .problem.variants import sinks_grad
 from .problem.varlen import varlen_plan
@@ -29,9 +30,10 @@ if TYPE_CHECKING:
 __all__ = ["varlen_attention", "varlen_attention_backward"]
 
 
-def _refuse_cuda(device, what):
-    if device == "cuda":
-        raise NotImplementedError(f"{what} has no CUDA kernel yet: pass NumPy (host) arrays")
+def _launcher(device):
+    """The back end's varlen launcher module."""
+    return importlib.import_module(".cpu.launch_varlen" if device == "host"
+                                   else ".gpu.launch_varlen", __package__)
 
 
 @overload
@@ -131,17 +133,16 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         For bad input (cu_seqlens of a float dtype, not starting at 0, decreasing, not ending
         at the totals, of different lengths for q and k; shapes, dtypes, variants), naming the
         argument, before any kernel runs.
-    NotImplementedError
-        For CUDA arrays (no CUDA varlen kernel yet).
 
     Notes
     -----
-    One parallel launch covers the whole batch (tasks of sequence x head x query rows,
-    costliest first); results are bitwise the same for any thread count.
+    NumPy (host) arrays run on the CPU: one parallel launch covers the whole batch (tasks of
+    sequence x head x query rows, costliest first); results are bitwise the same for any
+    thread count. CUDA arrays (q, k, v, out all on the device; the cu_seqlens are read on
+    the host) run the dense CUDA kernel once per sequence, on views.
     """
     named = [("q", q), ("k", k), ("v", v), ("out", out)]
     device = _device_of(named, ("q", "k", "v"))
-    _refuse_cuda(device, "varlen_attention")
     arrays, restore = adopt(device, named[:3], out)
     q, k, v = arrays[:3]
     out = arrays[3] if out is not None else None
@@ -153,14 +154,14 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     return_lse = check_flag("return_lse", return_lse)
+    if device == "cuda":
+        check_device_strides([("q", q), ("k", k), ("v", v), ("out", out)])
     if out is not None:
         check_out(p, out, [("q", q), ("k", k), ("v", v)], address(device))
     dropout = None
     if dropout_p > 0:
         dropout = dropout_params(dropout_p, new_seed() if seed is None else seed)
-    from .cpu.launch_varlen import run
-
-    result, lse = run(p, q, k, v, out, dropout)
+    result, lse = _launcher(device).run(p, q, k, v, out, dropout)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result
 
@@ -224,8 +225,6 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     ------
     TypeError, ValueError
         For bad input, naming the argument, before any kernel runs.
-    NotImplementedError
-        For CUDA arrays.
 
     Notes
     -----
@@ -234,7 +233,6 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     """
     named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
     device = _device_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
-    _refuse_cuda(device, "varlen_attention_backward")
     (q, grad_out, k, v, out, lse), restore = adopt(device, named)
     p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale,
@@ -251,13 +249,15 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
                          "regenerates the dropout mask from it")
+    if device == "cuda":
+        check_device_strides(named)
     dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
-    from .cpu.launch_varlen import run_backward
-
-    grads = tuple(restore(g) for g in run_backward(p, grad_out, q, k, v, out, lse, dropout))
+    grads = _launcher(device).run_backward(p, grad_out, q, k, v, out, lse, dropout)
+    grads = tuple(restore(g) for g in grads)
     if p.recipe.sinks is None:
         return grads
+    host = (lambda x: x.copy_to_host()) if device == "cuda" else np.asarray
     # sinks_grad reads (..., Hq, L) rows: the packed rows as one batch entry
-    go = np.asarray(grad_out).transpose(1, 0, 2)
-    dsinks = sinks_grad(p.recipe, go, np.asarray(out).transpose(1, 0, 2), np.asarray(lse))
+    dsinks = sinks_grad(p.recipe, host(grad_out).transpose(1, 0, 2),
+                        host(out).transpose(1, 0, 2), host(lse))
     return (*grads, dsinks.astype(_host_array("sinks", sinks).dtype))
