@@ -81,15 +81,17 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
 
     Parameters
     ----------
-    q : ndarray, shape (total_q, Hq, E)
-        float16, bfloat16, float32 or float64; any strides.
-    k : ndarray, shape (total_k, H, E)
+    q : ndarray or CUDA array, shape (total_q, Hq, E)
+        float16, bfloat16, float32 or float64; any strides. NumPy (host) arrays run on the
+        CPU kernels, CUDA arrays on the CUDA kernels (q, k, v and out on one side; the result
+        comes back as q's kind of array).
+    k : ndarray or CUDA array, shape (total_k, H, E)
         ``Hq`` a multiple of ``H``: query head ``h`` uses key/value head ``h // (Hq // H)``
         (grouped-query attention when ``H < Hq``).
-    v : ndarray, shape (total_k, H, Ev)
-    cu_seqlens_q, cu_seqlens_k : ndarray of int32 or int64, shape (B + 1,)
+    v : ndarray or CUDA array, shape (total_k, H, Ev)
+    cu_seqlens_q, cu_seqlens_k : array of int32 or int64, shape (B + 1,)
         Cumulative sequence lengths: start at 0, never decrease, end at ``total_q`` and
-        ``total_k``. Sequences of length 0 are allowed (a query row of a sequence without
+        ``total_k``. Read on the host (a CUDA array is copied). Sequences of length 0 are allowed (a query row of a sequence without
         keys gets zeros and ``lse = -inf``).
     max_seqlen_q, max_seqlen_k : int, optional
         FlashAttention's hints: not needed here; if given, checked to be at least the longest
@@ -201,8 +203,9 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
 
     Parameters
     ----------
-    grad_out : ndarray, shape (total_q, Hq, Ev)
-        Gradient of the loss with respect to the forward's output; the inputs' dtype.
+    grad_out : ndarray or CUDA array, shape (total_q, Hq, Ev)
+        Gradient of the loss with respect to the forward's output; the inputs' dtype. All
+        arrays NumPy (CPU kernels) or all CUDA arrays (CUDA kernels).
     q, k, v, cu_seqlens_q, cu_seqlens_k
         As given to the forward (same checks); also every keyword below.
     out, lse : ndarray
@@ -215,8 +218,8 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
 
     Returns
     -------
-    grad_q, grad_k, grad_v : ndarray
-        The shapes and dtype of ``q``, ``k``, ``v`` (``grad_k``, ``grad_v`` summed over the
+    grad_q, grad_k, grad_v : ndarray or CUDA array
+        q's kind of array; the shapes and dtype of ``q``, ``k``, ``v`` (``grad_k``, ``grad_v`` summed over the
         query heads of each key/value head).
     grad_sinks : ndarray, only with ``sinks``
         Shape ``(Hq,)``, the sinks' dtype, last (as the dense backward's).

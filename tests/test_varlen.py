@@ -1,10 +1,5 @@
 """varlen_attention and its backward (packed ragged batches) against per-sequence float64
-references.
-
-Each sequence ``b`` is checked against :mod:`sdpa_numba.reference` on a dense batch of ``b + 1``
-entries holding the sequence at index ``b`` (the others zeros), so that the reference's ``b``
-(ALiBi slopes, score_mod / mask_mod, the dropout stream) is the sequence index, as the varlen
-API documents.
+references (:mod:`varlen_checks`).
 
 Compile cost (float64 unless said): the forward with the plain recipe (dense, causal, windows,
 alignment, soft cap) and in float32, with dropout, with one recipe of every optional part
@@ -21,6 +16,7 @@ from numba import njit
 
 from checks import randn, rel_err
 from sdpa_numba import reference, varlen_attention, varlen_attention_backward
+from varlen_checks import cu, packed, per_sequence, reference_forward, reference_grads
 
 TOL = {np.float64: 1e-12, np.float32: 2e-5}
 GRAD_TOL = {np.float64: 1e-10}
@@ -29,59 +25,6 @@ GRAD_TOL = {np.float64: 1e-10}
 # split into several groups.
 LQ = [3, 0, 1, 33, 17, 5, 0]
 LK = [5, 4, 0, 20, 17, 1, 0]
-
-
-def cu(lengths, dtype=np.int32):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(dtype)
-
-
-def packed(rng, lq, lk, hq, h, e, ev, dtype=np.float64):
-    q = randn(rng, (sum(lq), hq, e), dtype)
-    k = randn(rng, (sum(lk), h, e), dtype)
-    v = randn(rng, (sum(lk), h, ev), dtype)
-    return q, k, v
-
-
-def embedded(x, c, b):
-    """Sequence ``b`` of packed ``x`` as entry ``b`` of a zero batch of ``b + 1``: (b + 1, H, L,
-    D) float64."""
-    seq = np.asarray(x[c[b]:c[b + 1]], np.float64).transpose(1, 0, 2)
-    full = np.zeros((b + 1, *seq.shape))
-    full[b] = seq
-    return full
-
-
-def seq_kw(kw, b):
-    """The variants for the embedded batch of sequence ``b``: per-sequence ALiBi slopes cut to
-    its ``b + 1`` entries."""
-    a = kw.get("alibi_slopes")
-    if a is not None and np.ndim(a) == 2:
-        kw = dict(kw, alibi_slopes=a[:b + 1])
-    return kw
-
-
-def per_sequence(f, q, k, v, cq, ck, *extra, **kw):
-    """``f(q_b, k_b, v_b, *extra_b, enable_gqa=True, **kw)[i][b]`` for every sequence, the
-    results packed back: out-like ones (4-D) along rows, lse-like ones (3-D) as (H, total)."""
-    results = []
-    for b in range(len(cq) - 1):
-        args = [embedded(x, c, b) for x, c in ((q, cq), (k, ck), (v, ck))]
-        args += [embedded(x, cq, b) for x in extra]
-        results.append([None if r is None else np.asarray(r)[b]
-                        for r in f(*args, **seq_kw(kw, b))])
-    joined = []
-    for i, r0 in enumerate(results[0]):
-        if r0 is None or np.ndim(r0) < 2:
-            joined.append(None)
-        elif np.ndim(r0) == 3:
-            joined.append(np.concatenate([r[i].transpose(1, 0, 2) for r in results]))
-        else:
-            joined.append(np.concatenate([r[i] for r in results], axis=1))
-    return joined
-
-
-def reference_forward(q, k, v, cq, ck, **kw):
-    return per_sequence(reference.attention, q, k, v, cq, ck, enable_gqa=True, **kw)
 
 
 # --- the user's functions ---------------------------------------------------------------------
@@ -176,7 +119,7 @@ def test_every_variant_per_sequence(rng):
     grads = varlen_attention_backward(g, q, k, v, res, lse, cq, ck,
                                       score_mod_grad=bias_mod_grad, **kw)
     assert len(grads) == 4
-    ref = _reference_grads(g, q, k, v, cq, ck, score_mod_grad=bias_mod_grad, **kw)
+    ref = reference_grads(g, q, k, v, cq, ck, score_mod_grad=bias_mod_grad, **kw)
     for got, want in zip(grads[:3], ref[:3]):
         assert rel_err(got, want) < GRAD_TOL[np.float64]
     assert grads[3].dtype == np.float64 and grads[3][1] == 0
@@ -184,23 +127,6 @@ def test_every_variant_per_sequence(rng):
 
 
 # --- backward ---------------------------------------------------------------------------------
-
-def _reference_grads(g, q, k, v, cq, ck, sinks=None, **kw):
-    """Per-sequence reference gradients, packed; the sinks' gradient summed over sequences."""
-    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-    dsinks = 0.0
-    for b in range(len(cq) - 1):
-        if cq[b + 1] == cq[b] or ck[b + 1] == ck[b]:  # zero gradients (no reference for 0)
-            continue
-        args = [embedded(x, c, b) for x, c in ((g, cq), (q, cq), (k, ck), (v, ck))]
-        r = reference.attention_backward(*args, enable_gqa=True, sinks=sinks, **seq_kw(kw, b))
-        dq[cq[b]:cq[b + 1]] = r[0][b].transpose(1, 0, 2)
-        dk[ck[b]:ck[b + 1]] = r[1][b].transpose(1, 0, 2)
-        dv[ck[b]:ck[b + 1]] = r[2][b].transpose(1, 0, 2)
-        if sinks is not None:
-            dsinks = dsinks + r[4]
-    return dq, dk, dv, dsinks
-
 
 # a long sequence among short ones: its keys are split into key groups (partial dQs)
 LONG_Q = [1, 0, 900, 3, 40]
@@ -215,7 +141,7 @@ def test_backward_matches_reference(rng, kw):
     out, lse = varlen_attention(q, k, v, cq, ck, return_lse=True, **kw)
     g = randn(rng, out.shape, np.float64)
     grads = varlen_attention_backward(g, q, k, v, out, lse, cq, ck, **kw)
-    ref = _reference_grads(g, q, k, v, cq, ck, **kw)
+    ref = reference_grads(g, q, k, v, cq, ck, **kw)
     for got, want, x in zip(grads, ref, (q, k, v)):
         assert got.shape == x.shape and got.dtype == x.dtype
         assert rel_err(got, want) < GRAD_TOL[np.float64]
@@ -237,7 +163,7 @@ def test_dropout_is_the_dense_stream_of_the_sequence_index(rng):
     assert rel_err(other, ref_out) > 1e-3  # the seed matters
     g = randn(rng, out.shape, np.float64)
     grads = varlen_attention_backward(g, q, k, v, out, lse, cq, ck, **kw)
-    ref = _reference_grads(g, q, k, v, cq, ck, **kw)
+    ref = reference_grads(g, q, k, v, cq, ck, **kw)
     for got, want in zip(grads, ref[:3]):
         assert rel_err(got, want) < GRAD_TOL[np.float64]
 
