@@ -63,9 +63,9 @@ def prepare(lens, heads, dim, dtype, seed=0):
         t = t.detach().numpy()
         return np.concatenate([t[b, :, :lens[b]].transpose(1, 0, 2) for b in range(n)])
 
-    def per_seq(x):
-        return [torch.from_numpy(np.ascontiguousarray(x[cu[b]:cu[b + 1]].transpose(1, 0, 2)))
-                for b in range(n)]
+    def per_seq(x):  # (1, H, L_b, D): 4-D, as torch's fused CPU kernels want
+        return [torch.from_numpy(np.ascontiguousarray(x[cu[b]:cu[b + 1]].transpose(1, 0, 2)))[
+            None] for b in range(n)]
 
     ar = np.arange(lmax)
     keep = (ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < np.asarray(lens)[:, None,
@@ -81,7 +81,7 @@ def prepare(lens, heads, dim, dtype, seed=0):
     def torch_loop():
         with torch.inference_mode():
             outs = [f(a, b, c, is_causal=True) for a, b, c in zip(sq, sk, sv)]
-        return np.concatenate([o.numpy().transpose(1, 0, 2) for o in outs])
+        return np.concatenate([o[0].numpy().transpose(1, 0, 2) for o in outs])
 
     fwd["torch padded"] = torch_padded
     fwd["torch loop"] = torch_loop
@@ -104,7 +104,7 @@ def prepare(lens, heads, dim, dtype, seed=0):
         for x in (*lq, *lk, *lv):
             x.grad = None
         torch.autograd.backward(louts, sg, retain_graph=True)
-        return np.concatenate([x.grad.numpy().transpose(1, 0, 2) for x in lq])
+        return np.concatenate([x.grad[0].numpy().transpose(1, 0, 2) for x in lq])
 
     bwd["torch padded"] = torch_padded_backward
     bwd["torch loop"] = torch_loop_backward
