@@ -22,7 +22,7 @@ import traceback
 
 import numpy as np
 
-from . import bench, bench_decode
+from . import bench, bench_decode, bench_varlen
 from .problem import flops as count_flops
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
@@ -148,7 +148,8 @@ def build_parser():
                     "a grid (--batch --heads --seq --dim --dtype --causal) unless --preset or "
                     "--case is given.",
 )
-    p.add_argument("--preset", choices=sorted({*bench.PRESETS, *bench_decode.PRESETS}),
+    presets = {*bench.PRESETS, *bench_decode.PRESETS, *bench_varlen.PRESETS}
+    p.add_argument("--preset", choices=sorted(presets),
                    action="append", default=[],
                    help="a named case list; headline: B1 H8 L2048 D64 float32 non-causal and "
                         "causal, B1 H4 L4096 D128 float32; decode: attention_with_kvcache "
@@ -159,7 +160,10 @@ def build_parser():
                         "(lengths 128..8192, torch: padded with a mask), split-KV B1 H1 S1M "
                         "D128 on 2 threads against 1; variants: soft cap, a user's "
                         "score_mod and a causal sliding window of 256 at B1 H8 L2048 D64 "
-                        "float32 against torch's flex_attention and SDPA (a table of its own)")
+                        "float32 against torch's flex_attention and SDPA (a table of its own); "
+                        "varlen: varlen_attention and its backward on 8 causal sequences of "
+                        "100..2000 tokens, H8 D64 float32, against torch's SDPA padded with a "
+                        "mask and in a loop over the sequences (a table of its own)")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
                         "(repeatable)")
@@ -456,6 +460,15 @@ def _progress_bar(total, disable):
     return tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False)
 
 
+def _warn_load():
+    """The 1-minute load average (None where unknown), with a warning on stderr above 1."""
+    load = bench.load_average()
+    if load is not None and load > 1.0:
+        print(f"warning: load average {load:.1f} before the run: other processes are using the "
+              f"CPUs, timings will be noisy", file=sys.stderr)
+    return load
+
+
 def _decode_cases(args):
     return [c for name in args.preset if name in bench_decode.PRESETS
             for c in bench_decode.PRESETS[name]]
@@ -489,10 +502,7 @@ def cmd_bench_decode(args, cases, out):
 def cmd_bench_variants(args, out):
     """The ``variants`` preset: its own table (:func:`sdpa_numba.bench.run_variants`)."""
     threads = _set_threads(args, torch_too=True)
-    load = bench.load_average()
-    if load is not None and load > 1.0:
-        print(f"warning: load average {load:.1f} before the run: other processes are using the "
-              f"CPUs, timings will be noisy", file=sys.stderr)
+    load = _warn_load()
     res = bench.run_variants(args.repeats, args.pause)
     res["load_average_1min_before"] = load
     if args.json:
@@ -502,9 +512,27 @@ def cmd_bench_variants(args, out):
     return EXIT_OK
 
 
+def cmd_bench_varlen(args, out):
+    """The ``varlen`` preset: its own table (:func:`sdpa_numba.bench_varlen.run`)."""
+    threads = _set_threads(args, torch_too=True)
+    load = _warn_load()
+    res = bench_varlen.run(args.repeats, args.pause)
+    res["load_average_1min_before"] = load
+    if args.json:
+        _dump_json({"info": bench.collect_info(), "threads": threads, "varlen": res}, out)
+    else:
+        print(f"sdpa_numba bench: {threads} threads", file=out)
+        print(bench_varlen.format_result(res), file=out)
+    return EXIT_OK
+
+
 def cmd_bench(args, out=None):
     out = out or sys.stdout
     parser = args.subparser
+    if "varlen" in args.preset:
+        if len(args.preset) > 1 or args.case or args.plot:
+            parser.error("--preset varlen runs alone (no other preset, --case or --plot)")
+        return cmd_bench_varlen(args, out)
     if "variants" in args.preset:
         if len(args.preset) > 1 or args.case or args.plot:
             parser.error("--preset variants runs alone (no other preset, --case or --plot)")
@@ -524,10 +552,7 @@ def cmd_bench(args, out=None):
     cases = _bench_cases(args)
     impls = [i for i in bench.IMPLS if i in args.impl]
     threads = _set_threads(args, torch_too="torch" in impls)
-    load = bench.load_average()
-    if load is not None and load > 1.0:
-        print(f"warning: load average {load:.1f} before the run: other processes are using the "
-              f"CPUs, timings will be noisy", file=sys.stderr)
+    load = _warn_load()
     bar = _progress_bar(args.runs * bench.steps(cases, impls, args.repeats), args.no_progress)
 
     def progress(n, label):

@@ -13,7 +13,7 @@ pytest.importorskip("mypy", reason="the type checks need mypy (the test extra)")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = ["api.py", "backward.py", "reference.py", "dropout.py", "_typing.py", "kvcache.py",
-          "merge.py"]
+          "merge.py", "varlen.py"]
 
 USER_CODE = """
 from typing import Any, assert_type
@@ -53,6 +53,12 @@ assert_type(grads, tuple[F32, F32, F32, F32])
 ref_out, ref_lse = sdpa_numba.reference.attention(q, q, q)
 assert_type(ref_out, F64)
 assert_type(sdpa_numba.dropout.keep_mask(1, 0.5, (2,), 1, 5, 5), npt.NDArray[np.bool_])
+cu = np.array([0, 2, 5], np.int32)
+vo, vlse = sdpa_numba.varlen_attention(q, q, q, cu, cu, is_causal=True, return_lse=True)
+assert_type(vo, F32)
+assert_type(sdpa_numba.varlen_attention(q, q, q, cu, cu), F32)
+assert_type(sdpa_numba.varlen_attention_backward(vo, q, q, q, vo, vlse, cu, cu),
+            tuple[F32, F32, F32])
 """
 
 #: Misuses that mypy must report (so the check above cannot pass vacuously).
@@ -60,6 +66,8 @@ MISUSES = {
     "scale": "sdpa(q, q, q, scale='large')",
     "return_lse": "o, l, x = sdpa(q, q, q, return_lse=True)",
     "seed": "sdpa(q, q, q, seed=0.5)",
+    "varlen_return_lse": "o, l, x = sdpa_numba.varlen_attention(q, q, q, cu, cu, "
+                         "return_lse=True)",
 }
 
 

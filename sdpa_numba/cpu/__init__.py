@@ -7,6 +7,8 @@
   key/value head x group of key blocks, deterministic;
 * :func:`decode`, :func:`decode_serial`: attention of new query tokens against a paged
   key/value cache (split-KV, deterministic), the kernel of ``attention_with_kvcache``;
+* :func:`varlen_forward`, :func:`varlen_backward`: attention on packed ragged batches
+  (``(total, H, E)`` with ``cu_seqlens``), parallel over the whole batch's work list;
 * :func:`merge_row`, :func:`merge_rows`, :func:`merge_weights`: the merge of attention states by
   their lse (:mod:`sdpa_numba.score.merge`, target-neutral).
 """
@@ -17,11 +19,13 @@ from .forward import forward, forward_head
 from .from_python import explain_float16
 from .online_softmax import online_softmax_finalize, online_softmax_update
 from ..score.merge import merge_row, merge_rows, merge_weights
+from .varlen import varlen_backward, varlen_forward
 
 for _kernel in (forward, forward_head, backward, online_softmax_update, online_softmax_finalize,
-                decode, decode_serial):
+                decode, decode_serial, varlen_forward, varlen_backward):
     explain_float16(_kernel)
 del _kernel
 
 __all__ = ["forward", "forward_head", "backward", "online_softmax_update",
-           "online_softmax_finalize", "decode", "decode_serial", "merge_row", "merge_rows", "merge_weights"]
+           "online_softmax_finalize", "decode", "decode_serial", "varlen_forward", "varlen_backward",
+           "merge_row", "merge_rows", "merge_weights"]

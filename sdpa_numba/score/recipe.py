@@ -133,6 +133,20 @@ def _kernel_recipe(recipe, is_causal):
     return given
 
 
+@njit(**INLINE)
+def sequence_recipe(r, b, l_len, s_len, bottom_right):
+    """Recipe ``r`` (a kernel's, see :func:`kernel_recipe`) for sequence ``b`` of a packed
+    (varlen) batch of ``l_len`` query rows and ``s_len`` keys, in that sequence's own frame:
+    rows and keys count from the sequence's first, the window is aligned per sequence
+    (``offset = s_len - l_len`` if ``bottom_right``, else ``r``'s), and the functions see
+    batch index ``b`` (added to ``r``'s batch offset: a kernel passes batch index 0 with it).
+    """
+    offset = s_len - l_len if bottom_right else r.offset
+    return Recipe(np.int64(offset), r.left, r.right, r.softcap, r.batch_offset + b, r.alibi,
+                  r.sinks, r.score_mod, r.mask_mod, r.score_mod_grad, r.mod_args,
+                  r.block_mask)
+
+
 # --- the window: which keys a row sees; work lists -------------------------------------------
 
 @njit(**INLINE)

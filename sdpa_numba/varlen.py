@@ -1,0 +1,266 @@
+"""``varlen_attention`` and its backward: attention over a ragged batch packed back to back
+(FlashAttention's ``flash_attn_varlen_func`` layouts), for prefill and training on packed
+sequences without padding.
+
+Validation (:mod:`sdpa_numba.problem.varlen`) happens here, before any jitted code runs; the
+kernels are :func:`sdpa_numba.cpu.varlen.varlen_forward` and ``varlen_backward``.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
+
+from ._typing import ArrayT
+
+from .api import _device_of, adopt, address
+from .backward import _check_like
+from .dropout import new_seed
+from .dropout import params as dropout_params
+from .problem import check_device_strides, check_dropout, check_flag, check_out, check_seed
+from .problem.variants import _host as _host_array
+from .problem.variants import sinks_grad
+from .problem.varlen import varlen_plan
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._typing import ForwardVariants, Variants
+
+__all__ = ["varlen_attention", "varlen_attention_backward"]
+
+
+def _launcher(device):
+    """The back end's varlen launcher module."""
+    return importlib.import_module(".cpu.launch_varlen" if device == "host"
+                                   else ".gpu.launch_varlen", __package__)
+
+
+@overload
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                     is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
+                     seed: int | None = ..., return_lse: Literal[False] = ...,
+                     out: ArrayT | None = ...,
+                     **variants: "Unpack[ForwardVariants]") -> ArrayT: ...
+
+
+@overload
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                     is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
+                     seed: int | None = ..., return_lse: Literal[True],
+                     out: ArrayT | None = ...,
+                     **variants: "Unpack[ForwardVariants]") -> tuple[ArrayT, Any]: ...
+
+
+@overload
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                     is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
+                     seed: int | None = ..., return_lse: bool, out: ArrayT | None = ...,
+                     **variants: "Unpack[ForwardVariants]") -> ArrayT | tuple[ArrayT, Any]: ...
+
+
+def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                     is_causal: bool = False, scale: float | None = None,
+                     dropout_p: float = 0.0, seed: int | None = None,
+                     return_lse: bool = False, out: Any = None,
+                     window: tuple[int | None, int | None] | None = None,
+                     alignment: Literal["top_left", "bottom_right"] = "top_left",
+                     softcap: float | None = None, alibi_slopes: Any = None,
+                     sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
+                     mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
+                     block_mask: Any = None) -> Any:
+    """Attention over a ragged batch of sequences packed back to back.
+
+    Sequence ``b`` is query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of ``q`` and keys
+    ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of ``k`` and ``v``; it attends to its own keys
+    only, exactly as :func:`~sdpa_numba.scaled_dot_product_attention` on that sequence alone.
+
+    Parameters
+    ----------
+    q : ndarray or CUDA array, shape (total_q, Hq, E)
+        float16, bfloat16, float32 or float64; any strides. NumPy (host) arrays run on the
+        CPU kernels, CUDA arrays on the CUDA kernels (q, k, v and out on one side; the result
+        comes back as q's kind of array).
+    k : ndarray or CUDA array, shape (total_k, H, E)
+        ``Hq`` a multiple of ``H``: query head ``h`` uses key/value head ``h // (Hq // H)``
+        (grouped-query attention when ``H < Hq``).
+    v : ndarray or CUDA array, shape (total_k, H, Ev)
+    cu_seqlens_q, cu_seqlens_k : array of int32 or int64, shape (B + 1,)
+        Cumulative sequence lengths: start at 0, never decrease, end at ``total_q`` and
+        ``total_k``. Read on the host (a CUDA array is copied). Sequences of length 0 are allowed (a query row of a sequence without
+        keys gets zeros and ``lse = -inf``).
+    max_seqlen_q, max_seqlen_k : int, optional
+        FlashAttention's hints: not needed here; if given, checked to be at least the longest
+        sequence.
+    is_causal : bool
+        Query ``i`` of a sequence sees its keys ``j <= i'`` (``i'`` per ``alignment``).
+    scale : float, optional
+        Multiplies ``Q Kᵀ``; default ``1 / sqrt(E)``.
+    dropout_p : float
+        Drop probability, as for the dense function. The mask of sequence ``b`` is the
+        dense function's stream of ``(seed, b, head, row, key)``: the mask that
+        :func:`~sdpa_numba.scaled_dot_product_attention` draws for batch entry ``b`` of a
+        batched call with the same seed (rows and keys counted within the sequence).
+    seed : int, optional
+        The dropout seed (None: a fresh one; pass one for the backward).
+    return_lse : bool
+        Also return the log-sum-exp of each row, shape ``(Hq, total_q)`` (FlashAttention's
+        varlen layout), in the compute dtype.
+    out : ndarray, optional
+        Buffer of shape ``(total_q, Hq, Ev)`` and the inputs' dtype, written and returned.
+    window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args
+        The variants of the dense function, applied per sequence: rows ``i`` and keys ``j``
+        count from the sequence's first, ``alignment="bottom_right"`` aligns each sequence's
+        last query with its last key, ``alibi_slopes`` has shape ``(Hq,)`` or ``(B, Hq)``, and
+        ``score_mod(score, b, h, i, j, *mod_args)`` / ``mask_mod(b, h, i, j, *mod_args)`` get
+        the sequence index as ``b``.
+    score_mod_grad : Numba @njit function, optional
+        Checked, then ignored (the backward's).
+    block_mask : None
+        Refused (ValueError): a BlockMask is one grid of blocks over a single (L, S) shape,
+        which the sequences of a ragged batch do not share; pass its ``mask_mod``.
+
+    Returns
+    -------
+    out : ndarray, shape (total_q, Hq, Ev)
+    lse : ndarray, shape (Hq, total_q), only with ``return_lse=True``
+
+    Raises
+    ------
+    TypeError, ValueError
+        For bad input (cu_seqlens of a float dtype, not starting at 0, decreasing, not ending
+        at the totals, of different lengths for q and k; shapes, dtypes, variants), naming the
+        argument, before any kernel runs.
+
+    Notes
+    -----
+    NumPy (host) arrays run on the CPU: one parallel launch covers the whole batch (tasks of
+    sequence x head x query rows, costliest first); results are bitwise the same for any
+    thread count. CUDA arrays (q, k, v, out all on the device; the cu_seqlens are read on
+    the host) run the dense CUDA kernel once per sequence, on views.
+    """
+    named = [("q", q), ("k", k), ("v", v), ("out", out)]
+    device = _device_of(named, ("q", "k", "v"))
+    arrays, restore = adopt(device, named[:3], out)
+    q, k, v = arrays[:3]
+    out = arrays[3] if out is not None else None
+    p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, window=window,
+                    alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
+                    score_mod_grad=score_mod_grad, block_mask=block_mask)
+    dropout_p = check_dropout(dropout_p)
+    seed = check_seed(seed)
+    return_lse = check_flag("return_lse", return_lse)
+    if device == "cuda":
+        check_device_strides([("q", q), ("k", k), ("v", v), ("out", out)])
+    if out is not None:
+        check_out(p, out, [("q", q), ("k", k), ("v", v)], address(device))
+    dropout = None
+    if dropout_p > 0:
+        dropout = dropout_params(dropout_p, new_seed() if seed is None else seed)
+    result, lse = _launcher(device).run(p, q, k, v, out, dropout)
+    result, lse = restore(result), restore(lse)
+    return (result, lse) if return_lse else result
+
+
+@overload
+def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT,
+                              lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                              max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                              is_causal: bool = ..., scale: float | None = ...,
+                              dropout_p: float = ..., seed: int | None = ..., sinks: None = ...,
+                              **variants: "Unpack[Variants]") -> tuple[ArrayT, ArrayT, ArrayT]:
+    ...
+
+
+@overload
+def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT,
+                              lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                              max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
+                              is_causal: bool = ..., scale: float | None = ...,
+                              dropout_p: float = ..., seed: int | None = ..., sinks: Any = ...,
+                              **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
+
+
+def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                              cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                              max_seqlen_q: int | None = None,
+                              max_seqlen_k: int | None = None, is_causal: bool = False,
+                              scale: float | None = None, dropout_p: float = 0.0,
+                              seed: int | None = None,
+                              window: tuple[int | None, int | None] | None = None,
+                              alignment: Literal["top_left", "bottom_right"] = "top_left",
+                              softcap: float | None = None, alibi_slopes: Any = None,
+                              sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
+                              mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
+                              block_mask: Any = None) -> tuple[Any, ...]:
+    """Gradients of :func:`varlen_attention` (FlashAttention-2's backward, per sequence).
+
+    Parameters
+    ----------
+    grad_out : ndarray or CUDA array, shape (total_q, Hq, Ev)
+        Gradient of the loss with respect to the forward's output; the inputs' dtype. All
+        arrays NumPy (CPU kernels) or all CUDA arrays (CUDA kernels).
+    q, k, v, cu_seqlens_q, cu_seqlens_k
+        As given to the forward (same checks); also every keyword below.
+    out, lse : ndarray
+        What the forward returned with ``return_lse=True``: ``out`` ``(total_q, Hq, Ev)``,
+        ``lse`` ``(Hq, total_q)`` in the compute dtype.
+    seed : int
+        The forward's seed; required when ``dropout_p > 0``.
+    score_mod_grad : Numba @njit function
+        ``d score_mod / d score``; required with a ``score_mod``.
+
+    Returns
+    -------
+    grad_q, grad_k, grad_v : ndarray or CUDA array
+        q's kind of array; the shapes and dtype of ``q``, ``k``, ``v`` (``grad_k``, ``grad_v`` summed over the
+        query heads of each key/value head).
+    grad_sinks : ndarray, only with ``sinks``
+        Shape ``(Hq,)``, the sinks' dtype, last (as the dense backward's).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For bad input, naming the argument, before any kernel runs.
+
+    Notes
+    -----
+    Deterministic: bitwise the same for any thread count (no atomics; a sequence whose keys
+    are split into groups sums its partial dQs in group order).
+    """
+    named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
+    device = _device_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
+    (q, grad_out, k, v, out, lse), restore = adopt(device, named)
+    p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale,
+                    backward=True, window=window, alignment=alignment, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
+                    mask_mod=mask_mod, mod_args=mod_args, score_mod_grad=score_mod_grad,
+                    block_mask=block_mask)
+    dropout_p = check_dropout(dropout_p)
+    seed = check_seed(seed)
+    _check_like("grad_out", grad_out, p.out_shape, p.dtype, "the output")
+    _check_like("out", out, p.out_shape, p.dtype, "the output")
+    _check_like("lse", lse, p.lse_shape, p.compute_dtype,
+                "the forward's log-sum-exp (compute dtype)")
+    if dropout_p > 0 and seed is None:
+        raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
+                         "regenerates the dropout mask from it")
+    if device == "cuda":
+        check_device_strides(named)
+    dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
+    grads = _launcher(device).run_backward(p, grad_out, q, k, v, out, lse, dropout)
+    grads = tuple(restore(g) for g in grads)
+    if p.recipe.sinks is None:
+        return grads
+    host = (lambda x: x.copy_to_host()) if device == "cuda" else np.asarray
+    # sinks_grad reads (..., Hq, L) rows: the packed rows as one batch entry
+    dsinks = sinks_grad(p.recipe, host(grad_out).transpose(1, 0, 2),
+                        host(out).transpose(1, 0, 2), host(lse))
+    return (*grads, dsinks.astype(_host_array("sinks", sinks).dtype))
