@@ -280,8 +280,11 @@ def _copy_cache(rng, tmp_path, leave_out=()):
     sdpa(q, q, q)  # the specialization the subprocess uses is in this process's cache
     sub = _CacheLocator.get_suitable_cache_subpath(forward.py_func.__code__.co_filename)
     cache = tmp_path / sub
+    # Another xdist worker may be saving to the same cache: its temporary files (renamed
+    # when written) can vanish mid-copy.
     shutil.copytree(forward._cache.cache_path, cache,
-                    ignore=shutil.ignore_patterns("*.py", "*.pyc", *leave_out))
+                    ignore=shutil.ignore_patterns("*.py", "*.pyc", "*.tmp.*", "*.lock",
+                                                  *leave_out))
     return cache
 
 

@@ -15,18 +15,21 @@ forward_module = importlib.import_module("sdpa_numba.cpu.forward")
 
 
 def test_batched_forward_from_user_njit(rng):
+    # float64: the forward specialization test_batched_backward_from_user_njit compiles too
+    # (float32 from a user's function: test_serial_head_forward_inside_user_prange).
     @njit
     def user(q, k, v, scale):
         out = np.empty(q.shape[:3] + (v.shape[3],), q.dtype)
-        lse = np.empty(q.shape[:3], np.float32)
+        lse = np.empty(q.shape[:3], q.dtype)
         cpu.forward(q, k, v, None, True, scale, out, lse)
         return out, lse
 
-    q, k, v = randn(rng, (2, 4, 70, 16)), randn(rng, (2, 2, 90, 16)), randn(rng, (2, 2, 90, 8))
+    q = randn(rng, (2, 4, 70, 16), np.float64)
+    k, v = randn(rng, (2, 2, 90, 16), np.float64), randn(rng, (2, 2, 90, 8), np.float64)
     out, lse = user(q, k, v, 0.25)
     ref, ref_lse = attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
-    assert rel_err(out, ref) < TOL[np.float32]
-    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    assert rel_err(out, ref) < TOL[np.float64]
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
 
 
 def test_batched_forward_with_mask_from_user_njit(rng):
