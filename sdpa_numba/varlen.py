@@ -18,7 +18,7 @@ from .backward import _check_like
 from .dropout import new_seed
 from .dropout import params as dropout_params
 from .problem import check_device_strides, check_dropout, check_flag, check_out, check_seed
-from .problem.variants import _host as _host_array
+from .problem.variants import host_array as _host_array
 from .problem.variants import sinks_grad
 from .problem.varlen import varlen_plan
 

@@ -11,7 +11,6 @@ launch overhead per sequence; one grid over the whole batch would need the kerne
 their sequence, which they do not do yet.
 """
 
-import numpy as np
 
 from ..block_mask import K_BLOCK, Q_BLOCK
 from ..dropout import NO_DROPOUT
