@@ -12,11 +12,11 @@ import math
 import numba
 import numpy as np
 import pytest
-from numba import njit
 
 from checks import randn, rel_err
 from sdpa_numba import reference, varlen_attention, varlen_attention_backward
-from varlen_checks import cu, packed, per_sequence, reference_forward, reference_grads
+from varlen_checks import (bias_mod, bias_mod_grad, cu, keep_mod, packed, per_sequence,
+                           reference_forward, reference_grads)
 
 TOL = {np.float64: 1e-12, np.float32: 2e-5}
 GRAD_TOL = {np.float64: 1e-10}
@@ -27,23 +27,6 @@ LQ = [3, 0, 1, 33, 17, 5, 0]
 LK = [5, 4, 0, 20, 17, 1, 0]
 
 
-# --- the user's functions ---------------------------------------------------------------------
-
-@njit
-def bias_mod(s, b, h, i, j, bias, keep):
-    """A per-sequence, per-head bias that depends on the positions."""
-    return s + bias[b, h] * math.cos(0.3 * (i - j))
-
-
-@njit
-def bias_mod_grad(s, b, h, i, j, bias, keep):
-    return 1.0
-
-
-@njit
-def keep_mod(b, h, i, j, bias, keep):
-    """Drops keys by a per-sequence pattern."""
-    return (i + 2 * j + b) % keep[b] != 0
 
 
 # --- forward ----------------------------------------------------------------------------------

@@ -6,7 +6,10 @@ entries holding the sequence at index ``b`` (the others zeros), so that the refe
 API documents.
 """
 
+import math
+
 import numpy as np
+from numba import njit
 
 from checks import randn
 from sdpa_numba import reference
@@ -80,3 +83,22 @@ def reference_grads(g, q, k, v, cq, ck, sinks=None, **kw):
         if sinks is not None:
             dsinks = dsinks + r[4]
     return dq, dk, dv, dsinks
+
+
+# --- the user's functions (shared by the CPU and CUDA tests) ------------------------------
+
+@njit
+def bias_mod(s, b, h, i, j, bias, keep):
+    """A per-sequence, per-head bias that depends on the positions."""
+    return s + bias[b, h] * math.cos(0.3 * (i - j))
+
+
+@njit
+def bias_mod_grad(s, b, h, i, j, bias, keep):
+    return 1.0
+
+
+@njit
+def keep_mod(b, h, i, j, bias, keep):
+    """Drops keys by a per-sequence pattern."""
+    return (i + 2 * j + b) % keep[b] != 0

@@ -2,32 +2,18 @@
 views), under the simulator, against the per-sequence float64 reference (no CPU kernel runs
 here: nothing to compile for the CPU)."""
 
-import math
 
 import numpy as np
-from numba import njit
 
 from sdpa_cuda_testing import dev, rel_err
 from sdpa_numba import reference, varlen_attention, varlen_attention_backward
-from varlen_checks import cu, packed, per_sequence, reference_forward, reference_grads
+from varlen_checks import (bias_mod, bias_mod_grad, cu, keep_mod, packed, per_sequence,
+                           reference_forward, reference_grads)
 
 LQ = [3, 0, 1, 6, 2, 0]
 LK = [5, 2, 0, 6, 3, 0]
 
 
-@njit
-def bias_mod(s, b, h, i, j, bias, keep):
-    return s + bias[b, h] * math.cos(0.3 * (i - j))
-
-
-@njit
-def bias_mod_grad(s, b, h, i, j, bias, keep):
-    return 1.0
-
-
-@njit
-def keep_mod(b, h, i, j, bias, keep):
-    return (i + 2 * j + b) % keep[b] != 0
 
 
 def _check(rng, ref_forward, **kw):
