@@ -2,7 +2,6 @@
 views), under the simulator, against the per-sequence float64 reference (no CPU kernel runs
 here: nothing to compile for the CPU)."""
 
-
 import numpy as np
 
 from sdpa_cuda_testing import dev, rel_err
