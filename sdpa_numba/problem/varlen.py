@@ -14,7 +14,7 @@ from .._bf16 import is_bfloat16
 from ..score.recipe import Recipe
 from .arguments import check_flag, check_scale, shape_str
 from .dtypes import FLOATS, compute_dtype
-from .variants import check_alignment, variants_recipe
+from .variants import check_alignment, host_array, variants_recipe
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,7 @@ class VarlenPlan:
 def _host_ints(name, x):
     """``x`` (a host array, or a CUDA array: copied) as a NumPy array, checked for an integer
     dtype."""
-    if hasattr(x, "copy_to_host"):
-        a = x.copy_to_host()
-    elif hasattr(x, "__cuda_array_interface__"):
-        from numba import cuda
-
-        a = cuda.as_cuda_array(x).copy_to_host()
-    elif isinstance(x, (numbers.Number, str, bytes)) or x is None:
-        raise TypeError(f"{name} must be an int32 or int64 array of shape (B + 1,), got "
-                        f"{type(x).__name__}")
-    else:
-        try:
-            a = np.asarray(x)
-        except Exception as e:  # noqa: BLE001 - any conversion failure is the caller's type
-            raise TypeError(f"{name} must be an int32 or int64 array, got "
-                            f"{type(x).__name__}: {e}") from None
+    a = host_array(name, x)
     if a.dtype.kind not in "iu" or a.dtype == np.bool_:
         raise TypeError(f"{name} must be an integer array (int32 or int64), got dtype "
                         f"{a.dtype}")
