@@ -263,8 +263,10 @@ def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
     dq = np.matmul(ds_scaled, k) * scale
     dk = np.matmul(np.swapaxes(ds_scaled, -1, -2), q) * scale
     if rep > 1:
-        dk = dk.reshape(dk.shape[:-3] + (-1, rep) + dk.shape[-2:]).sum(axis=-3)
-        dv = dv.reshape(dv.shape[:-3] + (-1, rep) + dv.shape[-2:]).sum(axis=-3)
+        # Explicit head counts, not -1: a reshape cannot infer a dim of an empty array (L or S 0).
+        def group_sum(g):
+            return g.reshape(g.shape[:-3] + (g.shape[-3] // rep, rep) + g.shape[-2:]).sum(axis=-3)
+        dk, dv = group_sum(dk), group_sum(dv)
     dmask = None
     if attn_mask is not None and np.asarray(attn_mask).dtype != bool:
         dmask = sum_to(ds, np.shape(attn_mask))
@@ -277,5 +279,8 @@ def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
     with np.errstate(invalid="ignore"):
         w = np.where(np.isneginf(sink_b), 0.0, np.exp(sink_b - lse))
     dsink = -(w * d[..., 0])
-    dsink = dsink.reshape(-1, sink.shape[0], dsink.shape[-1]) if lse.ndim >= 2 else dsink[None, None]
+    if lse.ndim >= 2:
+        dsink = dsink.reshape(int(np.prod(dsink.shape[:-2])), sink.shape[0], dsink.shape[-1])
+    else:
+        dsink = dsink[None, None]
     return (*grads, dsink.sum(axis=(0, 2)))

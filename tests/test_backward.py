@@ -216,6 +216,22 @@ def test_empty_sizes():
     assert (dq == 0).all() and dk.shape == k.shape and dv.shape == v.shape
 
 
+@pytest.mark.parametrize("L, S", [(0, 5), (3, 0), (0, 0)])
+def test_reference_empty_sizes_with_gqa_and_sinks(L, S):
+    # The reference's GQA group sum and sink gradient reshape must not need to infer a dim
+    # of an empty array: zero rows give zero key/value/sink gradients, zero keys zero dq.
+    rng = np.random.default_rng(L * 10 + S)
+    q = rng.standard_normal((2, 4, L, 3))
+    k = rng.standard_normal((2, 2, S, 3))
+    v = rng.standard_normal((2, 2, S, 5))
+    do = rng.standard_normal((2, 4, L, 5))
+    dq, dk, dv, dmask, dsink = reference.attention_backward(
+        do, q, k, v, enable_gqa=True, sinks=np.array([0.5, -1.0, 2.0, 0.0]))
+    assert (dq.shape, dk.shape, dv.shape, dsink.shape) == (q.shape, k.shape, v.shape, (4,))
+    assert dmask is None
+    assert not dq.any() and not dk.any() and not dv.any() and not dsink.any()
+
+
 def test_numba_entry_from_user_code():
     """sdpa_numba.cpu.backward called from a user's @njit function, on NaN-poisoned buffers
     (including the mask gradient, here of the scores: a zero additive mask's)."""

@@ -73,8 +73,6 @@ def reference_grads(g, q, k, v, cq, ck, sinks=None, **kw):
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = 0.0
     for b in range(len(cq) - 1):
-        if cq[b + 1] == cq[b] or ck[b + 1] == ck[b]:  # zero gradients (no reference for 0)
-            continue
         args = [embedded(x, c, b) for x, c in ((g, cq), (q, cq), (k, ck), (v, ck))]
         r = reference.attention_backward(*args, enable_gqa=True, sinks=sinks, **seq_kw(kw, b))
         dq[cq[b]:cq[b + 1]] = r[0][b].transpose(1, 0, 2)
