@@ -120,6 +120,13 @@ def decode():
     return f"```bash\n{cmd}\n```\n\n{out}"
 
 
+def varlen():
+    """The varlen preset: a packed ragged batch, forward and backward, against torch's two
+    ways (a padded batch with a mask; a loop of per-sequence calls)."""
+    cmd, out = _bench(["--preset", "varlen"])
+    return f"```bash\n{cmd}\n```\n\n{out}"
+
+
 def variants():
     """The variants preset: soft cap, a user's score_mod, a causal window, against
     flex_attention and SDPA."""
@@ -134,7 +141,7 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "variants": variants}
+              "decode": decode, "varlen": varlen, "variants": variants}
 
 
 def _stamp():
