@@ -31,9 +31,11 @@ __all__ = ["attention_with_kvcache"]
 #: never changes a result; it depends on the shapes and lengths only. Measured (2 threads,
 #: median after 50 ms idle, B1 H8 D128 float32, a loaded machine): a parallel launch costs
 #: ~0.16 ms more than a serial call (0.26 against 0.10 ms at 0.5 MiB), and serial calls
-#: stream ~16 GB/s, so two threads pay off from about 2 x 0.16 ms x 16 GB/s ~ 4 MiB (at 2
-#: MiB serial 0.27 ms, parallel 0.41; at 8 MiB 0.62 and 0.78 with the second core busy).
-SERIAL_BYTES = 4 << 20
+#: stream ~16 GB/s, so two threads would pay off from about 2 x 0.16 ms x 16 GB/s ~ 4 MiB;
+#: but at 2 MiB serial took 0.27 ms, parallel 0.41, at 8 MiB 0.62 and 0.78 with the second
+#: core busy, and at B1 Hq12 H4 S2080 D64 (4.1 MiB, a transformers decode step; AMD EPYC,
+#: back-to-back calls) the serial kernel 0.33 ms, the parallel 0.40 (min of 40). Hence 8 MiB.
+SERIAL_BYTES = 8 << 20
 
 _entries: dict = {}
 
