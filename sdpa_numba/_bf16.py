@@ -12,6 +12,8 @@ def is_bfloat16(dtype):
     """Whether ``dtype`` (a NumPy dtype, a type, or the name ``"bfloat16"``) is bfloat16."""
     if isinstance(dtype, str):
         return dtype == "bfloat16"
+    if isinstance(dtype, np.dtype) and dtype.kind != "V":  # cheap: dtype.name builds a string
+        return False
     try:
         return np.dtype(dtype).name == "bfloat16"
     except TypeError:

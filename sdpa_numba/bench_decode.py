@@ -1,8 +1,8 @@
 """Decode benchmarks, for ``python -m sdpa_numba bench --preset decode``.
 
 Decoding is memory-bound, so its figure is bandwidth: bytes of K and V read per second,
-against a NumPy streaming read (the faster of ``np.sum`` and ``np.max`` of a 256 MiB float32
-array, one thread) measured in the same run, and against torch's SDPA on the same cache (laid
+against a NumPy streaming read on as many threads as the kernels run (:func:`read_bandwidth`:
+each thread reduces its part of a 256 MiB float32 array) measured in the same run, and against torch's SDPA on the same cache (laid
 out ``(B, H, S, D)``, torch's preferred layout; ``enable_gqa`` for GQA), with a pause before
 each timed call (see
 :data:`sdpa_numba.bench.PAUSE`). ``attention_with_kvcache`` reads the cache in FlashAttention's
@@ -74,16 +74,35 @@ IDLE = 0.05
 TINY_CALLS = 41
 
 
-def read_bandwidth(nbytes=256 << 20, repeats=5):
-    """Bytes per second of NumPy's streaming read of a float32 array of ``nbytes``: the faster
-    of ``np.sum`` and ``np.max`` (best of ``repeats``). ``np.sum``'s pairwise summation is
-    compute-bound on some CPUs (9 GB/s of CPU time against 17 for ``np.max`` here), which would
-    flatter every ratio to it."""
-    a = np.ones(nbytes // 4, np.float32)
-    a.sum()
-    a.max()
-    best = time_interleaved({"sum": a.sum, "max": a.max}, repeats, pause=0.05)
+def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
+    """Bytes per second of NumPy's streaming read of a float32 array of ``nbytes``, split in
+    ``threads`` parts (default: Numba's thread count, what the kernels run on) reduced at
+    once in as many Python threads (NumPy releases the GIL): the faster of ``np.sum`` and
+    ``np.max`` (best of ``repeats``). One thread read less than the decode kernel on two
+    (over 100% of it), so the reference reads with the same cores. ``np.sum``'s pairwise
+    summation is compute-bound on some CPUs (9 GB/s of CPU time against 17 for ``np.max``),
+    which would flatter every ratio to it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numba
+
+    threads = numba.get_num_threads() if threads is None else threads
+    parts = np.array_split(np.ones(nbytes // 4, np.float32), threads)
+    with ThreadPoolExecutor(threads) as pool:
+        def read(reduce):
+            return list(pool.map(reduce, parts))
+
+        fns = {"sum": lambda: read(np.sum), "max": lambda: read(np.max)}
+        for fn in fns.values():
+            fn()
+        best = time_interleaved(fns, repeats, pause=0.05)
     return nbytes / min(best.values())
+
+
+def read_label(threads):
+    """What :func:`read_bandwidth` measured, for the bench's header line."""
+    return (f"NumPy streaming read (the faster of np.sum and np.max of 256 MiB float32, "
+            f"{threads} thread{'s' if threads > 1 else ''} each reducing its part)")
 
 
 def prepare(case, seed=0):

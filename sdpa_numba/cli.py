@@ -481,8 +481,8 @@ def cmd_bench_decode(args, cases, out):
     if args.json:
         _dump_json({"threads": threads, "read_bytes_per_s": bw, "decode": results}, out)
         return EXIT_OK
-    print(f"sdpa_numba bench (decode): {threads} threads; NumPy streaming read (the faster of "
-          f"np.sum and np.max of 256 MiB float32): {bw / 1e9:.1f} GB/s", file=out)
+    print(f"sdpa_numba bench (decode): {threads} threads; "
+          f"{bench_decode.read_label(threads)}: {bw / 1e9:.1f} GB/s", file=out)
     head = ["case", "timing", "vs torch", "sdpa_numba ms", "GB/s", "% of read", "torch ms",
             "torch GB/s", "err vs torch", "vs 1 thread"]
     rows = []

@@ -12,10 +12,11 @@ The variants become the score seam's recipe
 import numbers
 from typing import Any
 
+import numba
 import numpy as np
 
 from ._bf16 import is_bfloat16
-from ._runtime import compile_entry, kernel_launch
+from ._runtime import check_jit, compile_entry, kernel_launch
 from .host_arrays import adopt as adopt_host
 from .host_arrays import as_numpy
 from .problem.arguments import check_flag, check_scale, shape_str
@@ -30,9 +31,11 @@ __all__ = ["attention_with_kvcache"]
 #: never changes a result; it depends on the shapes and lengths only. Measured (2 threads,
 #: median after 50 ms idle, B1 H8 D128 float32, a loaded machine): a parallel launch costs
 #: ~0.16 ms more than a serial call (0.26 against 0.10 ms at 0.5 MiB), and serial calls
-#: stream ~16 GB/s, so two threads pay off from about 2 x 0.16 ms x 16 GB/s ~ 4 MiB (at 2
-#: MiB serial 0.27 ms, parallel 0.41; at 8 MiB 0.62 and 0.78 with the second core busy).
-SERIAL_BYTES = 4 << 20
+#: stream ~16 GB/s, so two threads would pay off from about 2 x 0.16 ms x 16 GB/s ~ 4 MiB;
+#: but at 2 MiB serial took 0.27 ms, parallel 0.41, at 8 MiB 0.62 and 0.78 with the second
+#: core busy, and at B1 Hq12 H4 S2080 D64 (4.1 MiB, a transformers decode step; AMD EPYC,
+#: back-to-back calls) the serial kernel 0.33 ms, the parallel 0.40 (min of 40). Hence 8 MiB.
+SERIAL_BYTES = 8 << 20
 
 _entries: dict = {}
 
@@ -50,6 +53,11 @@ def _entry(parallel, dtype, recipe_t):
     from .cpu.decode import decode, decode_serial
     from .cpu.launch import arr, kernel_types
 
+    # Looked up by the type's identity first: hashing a recipe's Numba type walks all its
+    # fields (~10 us a call); Numba interns types, so the same recipe gives the same object.
+    fast = _entries.get((parallel, dtype, id(recipe_t)))
+    if fast is not None and fast[0] is recipe_t:
+        return fast[1]
     key = (parallel, dtype, recipe_t)
     if key not in _entries:
         st, ct, _ = kernel_types(dtype, "none")
@@ -58,6 +66,7 @@ def _entry(parallel, dtype, recipe_t):
                types.float64, arr(st, 4, False), arr(ct, 3, False), recipe_t,
                arr(types.int64, 1, True))
         _entries[key] = compile_entry(decode if parallel else decode_serial, sig)
+    _entries[parallel, dtype, id(recipe_t)] = (recipe_t, _entries[key])
     return _entries[key]
 
 
@@ -436,9 +445,15 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         from .cpu.launch import recipe_type
 
         work = int((bounds[1] - bounds[0]).sum()) * H * (E + Ev) * dtype.itemsize
-        with kernel_launch():
-            entry = _entry(work >= SERIAL_BYTES, dtype, recipe_type(r))
-            entry(storage_view(q), storage_view(k_cache), storage_view(v_cache), table,
-                  kv_lens, is_causal, scale, storage_view(result), lse, r, bounds[0])
+        args = (storage_view(q), storage_view(k_cache), storage_view(v_cache), table, kv_lens,
+                is_causal, scale, storage_view(result), lse, r, bounds[0])
+        if work >= SERIAL_BYTES:
+            with kernel_launch():
+                # One thread: the serial kernel (the parallel one's launch and its per-task
+                # buffers cost ~0.2 ms at B1 Hq12 H4 S2080 D64, for nothing).
+                _entry(numba.get_num_threads() > 1, dtype, recipe_type(r))(*args)
+        else:  # on the calling thread: no thread pool to start or guard
+            check_jit()
+            _entry(False, dtype, recipe_type(r))(*args)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -17,6 +17,7 @@ def test_decode_preset_runs_and_reports_bandwidth(capsys, monkeypatch):
     monkeypatch.setattr(bench_decode, "IDLE", 0.001)
     real_read = bench_decode.read_bandwidth
     monkeypatch.setattr(bench_decode, "read_bandwidth", lambda: real_read(1 << 20, 2))
+    assert real_read(1 << 20, 1, threads=2) > 0  # two threads, each half
     code = cli.main(["bench", "--preset", "decode", "--repeats", "1", "--pause", "0", "--json"])
     assert code == cli.EXIT_OK
     doc = json.loads(capsys.readouterr().out)
