@@ -613,7 +613,12 @@ def attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     """``(out, lse)`` of :func:`sdpa_numba.attention_with_kvcache` (``out`` ``(B, Lq, Hq,
     Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute dtype). Writes ``k`` and ``v`` into the
     caches when given (the caches are the op's mutated arguments). No autograd: an inference
-    operator. Variants left at None are not passed (the API's defaults apply)."""
+    operator. Variants left at None are not passed (the API's defaults apply).
+
+    No vmap (NotImplementedError): the append writes the caches in place, and under vmap
+    a batched cache folded into the batch dim is in general a copy (the write would be
+    lost), while an unbatched cache would take every index's write at the same place.
+    Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`."""
     return _kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                             cache_leftpad, is_causal, scale, window_left, window_right,
                             alignment, softcap, alibi_slopes, sinks)
@@ -1150,7 +1155,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         When gradients are wanted (grad mode on and an input requires grad): the operator
         has no backward. (Called directly, ``torch.ops.sdpa_numba.attention_with_kvcache``
         registers no autograd; differentiating through it raises torch's "no autograd
-        formula" error.)
+        formula" error.) Also under ``torch.vmap`` with ``k`` and ``v`` (an in-place append
+        cannot be vmapped: see :func:`attention_with_kvcache_op`); without them, vmap works
+        (the vmapped dim joins the batch dim).
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t is None:
