@@ -339,7 +339,9 @@ def test_vmap_kvcache_read_folds_into_the_batch():
 def test_vmap_kvcache_append_is_refused_clearly():
     q, k_cache, v_cache, k, v, lens = kv_problem(12)
     before = k_cache.clone()
-    f = lambda q, k, v: snt.attention_with_kvcache(q, k_cache, v_cache, lens, k=k, v=v)  # noqa: E731
+    def f(q, k, v):
+        return snt.attention_with_kvcache(q, k_cache, v_cache, lens, k=k, v=v)
+
     with pytest.raises(NotImplementedError, match="vmap over the appending operator"):
         torch.vmap(f)(*(t.expand(2, *t.shape) for t in (q, k, v)))
     torch.testing.assert_close(k_cache, before, rtol=0, atol=0, equal_nan=True)

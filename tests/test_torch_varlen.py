@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import sdpa_numba  # noqa: E402
 import sdpa_numba.torch as snt  # noqa: E402
+from torch_checks import Projected, assert_compiles_like_eager  # noqa: E402
 
 ops = torch.ops.sdpa_numba
 
@@ -137,9 +138,12 @@ def test_double_backward():
 def test_opcheck_and_meta():
     (q, k, v), cq, ck = packed(6, requires_grad=True)
     sinks = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    slopes = torch.full((len(LQ), 4), 0.25, dtype=torch.float64)
     seed = torch.tensor(-5, dtype=torch.int64)
     for args in [(q, k, v, cq, ck, None, None, 0.0, False, None, None),
-                 (q, k, v, cq, ck, 4, 5, 0.2, True, 0.3, seed, 1, None, "bottom_right", 3.0)]:
+                 (q, k, v, cq, ck, 4, 5, 0.2, True, 0.3, seed, 1, None, "bottom_right", 3.0),
+                 (q, k, v, cq, ck, None, None, 0.0, True, None, None, None, None, "top_left",
+                  None, slopes, sinks)]:
         torch.library.opcheck(ops.varlen_attention_forward.default, args)
     q, k, v = (t.detach() for t in (q, k, v))
     out, lse = ops.varlen_attention_forward(q, k, v, cq, ck, None, None, 0.0, True, None, None)
@@ -193,14 +197,8 @@ def test_bad_input_is_refused_clearly():
         dq.sum().backward()
 
 
-class PackedBlock(torch.nn.Module):
+class PackedBlock(Projected):
     """Attention over a packed ragged batch (no padding) with projections around it."""
-
-    def __init__(self, d=8, heads=2):
-        super().__init__()
-        kw = dict(dtype=torch.float64)
-        self.heads = heads
-        self.qkv, self.o = torch.nn.Linear(d, 3 * d, **kw), torch.nn.Linear(d, d, **kw)
 
     def forward(self, x, cq):
         n, d = x.shape
@@ -211,20 +209,8 @@ class PackedBlock(torch.nn.Module):
 
 
 def test_compile_fullgraph_no_graph_break():
-    """torch.compile(fullgraph=True): one graph, no break; outputs and gradients equal eager
-    mode's. (backend="aot_eager", as the other compile tests: inductor's C++ compile is slow
-    here.)"""
+    """torch.compile(fullgraph=True): one graph, no break (the fake kernel's symbolic
+    shapes); outputs and gradients equal eager mode's."""
     torch.manual_seed(9)
-    model, x, cq = PackedBlock(), torch.randn(9, 8, dtype=torch.float64), cu([4, 0, 5])
-    explain = torch._dynamo.explain(model)(x, cq)
-    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    results = []
-    for m in (model, compiled):
-        model.zero_grad()
-        y = m(x, cq)
-        y.square().sum().backward()
-        results.append([y.detach()] + [p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert_compiles_like_eager(PackedBlock(d=8), torch.randn(9, 8, dtype=torch.float64),
+                               cu([4, 0, 5]))
