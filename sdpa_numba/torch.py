@@ -24,7 +24,14 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
   declared mutation, whose dispatch is cheaper), and
   ``torch.ops.sdpa_numba.merge_attention_states(out_a, lse_a, out_b=None, lse_b=None)
   -> (out, lse)``, with autograd; wrapped by :func:`attention_with_kvcache` and
-  :func:`merge_attention_states`;
+  :func:`merge_attention_states`; vmap rules for the read-only KV-cache op (the vmapped dim
+  folds into the batch dim) and the merge; the appending op refuses vmap (an in-place write);
+* packed ragged batches: ``torch.ops.sdpa_numba.varlen_attention_forward(q, k, v,
+  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, seed,
+  <the dense op's variants>) -> (out, lse)`` and ``varlen_attention_backward(grad_out, q, k,
+  v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed, <variants>)
+  -> (dq, dk, dv, dsinks)``, with autograd (double backward per sequence through the dense
+  torch formulation), wrapped by :func:`varlen_attention`;
 * fake (meta) kernels for both, so ``torch.compile`` traces through them
   (``fullgraph=True`` works: no graph break) and meta tensors get shapes;
 * autograd registered on the forward (gradients for query, key, value and a float
