@@ -214,3 +214,18 @@ def test_compile_fullgraph_no_graph_break():
     torch.manual_seed(9)
     assert_compiles_like_eager(PackedBlock(d=8), torch.randn(9, 8, dtype=torch.float64),
                                cu([4, 0, 5]))
+
+
+def test_compile_dynamic_shapes_one_graph():
+    """With dynamic shapes, other totals and batch sizes reuse the graph (the fake kernel's
+    shapes are symbolic) and give eager mode's results."""
+    torch.manual_seed(10)
+    model = PackedBlock(d=8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    with torch.no_grad():
+        for i, lengths in enumerate(([4, 0, 5], [6, 7, 0], [1, 2, 3, 11])):
+            x = torch.randn(sum(lengths), 8, dtype=torch.float64)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(x, cu(lengths))
+            torch.testing.assert_close(got, model(x, cu(lengths)), rtol=1e-12, atol=1e-12)
