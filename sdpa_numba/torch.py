@@ -464,9 +464,20 @@ def _fold(batch_size, in_dims, tensors, ranks, R):
         if t is None:
             folded.append(None)
             continue
-        t = t.movedim(d, 0) if d is not None else t.expand(batch_size, *t.shape)
+        t = _leading(batch_size, t, d)
         folded.append(t[(slice(None),) + (None,) * (R - r)])
     return folded
+
+
+def _leading(batch_size, t, d, at=0):
+    """``t`` with the vmapped dim at ``at`` (an unbatched tensor expanded there: a view)."""
+    if t is None:
+        return None
+    if d is not None:
+        return t.movedim(d, at)
+    shape = list(t.shape)
+    shape.insert(at, batch_size)
+    return t.unsqueeze(at).expand(shape)
 
 
 def _logical(t, d):
@@ -662,20 +673,9 @@ attention_with_kvcache_op.register_fake(_kvcache_fake)
 attention_with_kvcache_read_op.register_fake(_kvcache_fake)
 
 
-def _leading(info, t, d, at=0):
-    """``t`` with the vmapped dim at ``at`` (an unbatched tensor expanded there: a view)."""
-    if t is None:
-        return None
-    if d is not None:
-        return t.movedim(d, at)
-    shape = list(t.shape)
-    shape.insert(at, info.batch_size)
-    return t.unsqueeze(at).expand(shape)
-
-
 def _flat(info, t, d):
     """``t`` with the vmapped dim folded into its first (batch) dim: ``(N * B, ...)``."""
-    return None if t is None else _leading(info, t, d).flatten(0, 1)
+    return None if t is None else _leading(info.batch_size, t, d).flatten(0, 1)
 
 
 def _kvcache_read_vmap(info, in_dims, q, k_cache, v_cache, cache_seqlens, block_table=None,
@@ -699,14 +699,14 @@ def _kvcache_read_vmap(info, in_dims, q, k_cache, v_cache, cache_seqlens, block_
     else:  # unbatched pages: every index reads the same pages through its block table
         kc, vc = k_cache, v_cache
     if block_table is not None:
-        table = _leading(info, block_table, in_dims[4])
+        table = _leading(N, block_table, in_dims[4])
         if kc is not k_cache:  # index n's pages follow the pages of indices 0 .. n - 1
             pages = kc.shape[0] // N
             first = torch.arange(N, device=table.device, dtype=table.dtype) * pages
             table = table + first[:, None, None]
         block_table = table.flatten(0, 1)
     if alibi_slopes is not None and (in_dims[12] is not None or alibi_slopes.dim() == 2):
-        alibi_slopes = (_leading(info, alibi_slopes, in_dims[12]).reshape(N, -1, hq)
+        alibi_slopes = (_leading(N, alibi_slopes, in_dims[12]).reshape(N, -1, hq)
                         .expand(N, B, hq).flatten(0, 1))
     out, lse = attention_with_kvcache_read_op(
         qf, kc, vc, _flat(info, cache_seqlens, in_dims[3]), block_table,
@@ -734,7 +734,7 @@ def _merge_vmap(info, in_dims, out_a, lse_a, out_b=None, lse_b=None):
     args = (out_a, lse_a, out_b, lse_b)
     in_dims = _all_dims(in_dims, args)
     at = 0 if out_b is not None else 1
-    out, lse = merge_attention_states_op(*(_leading(info, t, d, at)
+    out, lse = merge_attention_states_op(*(_leading(info.batch_size, t, d, at)
                                            for t, d in zip(args, in_dims)))
     return (out, lse), (0, 0)
 
