@@ -24,7 +24,14 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
   declared mutation, whose dispatch is cheaper), and
   ``torch.ops.sdpa_numba.merge_attention_states(out_a, lse_a, out_b=None, lse_b=None)
   -> (out, lse)``, with autograd; wrapped by :func:`attention_with_kvcache` and
-  :func:`merge_attention_states`;
+  :func:`merge_attention_states`; vmap rules for the read-only KV-cache op (the vmapped dim
+  folds into the batch dim) and the merge; the appending op refuses vmap (an in-place write);
+* packed ragged batches: ``torch.ops.sdpa_numba.varlen_attention_forward(q, k, v,
+  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, seed,
+  <the dense op's variants>) -> (out, lse)`` and ``varlen_attention_backward(grad_out, q, k,
+  v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed, <variants>)
+  -> (dq, dk, dv, dsinks)``, with autograd (double backward per sequence through the dense
+  torch formulation), wrapped by :func:`varlen_attention`;
 * fake (meta) kernels for both, so ``torch.compile`` traces through them
   (``fullgraph=True`` works: no graph break) and meta tensors get shapes;
 * autograd registered on the forward (gradients for query, key, value and a float
@@ -71,9 +78,12 @@ from .api import scaled_dot_product_attention as _forward
 from .backward import scaled_dot_product_attention_backward as _backward
 from .kvcache import attention_with_kvcache as _kvcache
 from .merge import merge_attention_states as _merge
+from .varlen import varlen_attention as _varlen
+from .varlen import varlen_attention_backward as _varlen_backward
 from .problem import compute_dtype
 
 __all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
+           "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
            "attention_with_kvcache", "merge_attention_states", "attention_with_kvcache_op",
            "attention_with_kvcache_read_op",
            "merge_attention_states_op", "SDPAFunction"]
@@ -82,10 +92,9 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _U64 = 1 << 64
 
 DOUBLE_BACKWARD = (
-    "sdpa_numba: the operator torch.ops.sdpa_numba.attention_backward is not differentiable "
-    "(its kernels have no derivative): differentiate sdpa_numba.torch."
-    "scaled_dot_product_attention with create_graph=True instead, which takes its "
-    "second-order terms through torch")
+    "sdpa_numba: the operator torch.ops.sdpa_numba.{op} is not differentiable (its kernels "
+    "have no derivative): differentiate sdpa_numba.torch.{func} with create_graph=True "
+    "instead, which takes its second-order terms through torch")
 
 
 # ---------------------------------------------------------------- tensors in and out
@@ -244,11 +253,16 @@ def attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tens
                                   alibi_slopes, sinks))
     dq, dk, dv = (_tensor(g) for g in grads[:3])
     dm = _tensor(grads[3]) if mask_grad else query.new_empty(0)
+    return dq, dk, dv, dm, _sinks_grad(grads, sinks, query)
+
+
+def _sinks_grad(grads, sinks, like):
+    """The sinks' gradient as a tensor of the sinks' dtype and device (the API returns it
+    last, a host array in the float dtype it was given), or an empty tensor without sinks."""
     if sinks is None:
-        return dq, dk, dv, dm, query.new_empty(0)
-    # the API returns d sinks last, a host array in the float dtype it was given
+        return like.new_empty(0)
     ds = torch.from_numpy(np.ascontiguousarray(grads[-1]))
-    return dq, dk, dv, dm, ds.to(device=sinks.device, dtype=sinks.dtype)
+    return ds.to(device=sinks.device, dtype=sinks.dtype)
 
 
 @attention_backward.register_fake
@@ -286,12 +300,13 @@ def _setup_context(ctx, inputs, output):
 
 def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      seed, window_left=None, window_right=None, alignment="top_left",
-                     softcap=None, alibi_slopes=None, sinks=None):
+                     softcap=None, alibi_slopes=None, sinks=None, batch_index=None):
     """The forward in plain torch operations, building the L x S probabilities: what the
     double backward differentiates twice. Same semantics as the kernels (causal and the
     window in the ``alignment``'s frame, the score formed as scale -> soft cap -> ALiBi ->
     additive mask, then masked; sinks in every row's denominator; fully masked rows give 0;
-    the dropout mask of :mod:`sdpa_numba.dropout`)."""
+    the dropout mask of :mod:`sdpa_numba.dropout`). ``batch_index``: 3-D inputs that are
+    entry ``batch_index`` of a batch (a varlen sequence), for the dropout stream."""
     from .dropout import keep_mask
 
     dtype = query.dtype
@@ -340,20 +355,24 @@ def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
         total = total + torch.exp(sink - m)
     p = p / torch.where(total > 0, total, torch.ones_like(total))  # masked rows: 0
     if dropout_p > 0:
-        keep = keep_mask(_seed(seed), dropout_p, tuple(p.shape[:-3]), p.shape[-3], L, S)
+        if batch_index is None:
+            keep = keep_mask(_seed(seed), dropout_p, tuple(p.shape[:-3]), p.shape[-3], L, S)
+        else:  # the dense stream of batch entry batch_index
+            keep = keep_mask(_seed(seed), dropout_p, (batch_index + 1,), p.shape[-3], L,
+                             S)[batch_index]
         p = p * torch.from_numpy(keep).to(p.device) * (1.0 / (1.0 - dropout_p))
     out = (p @ v).to(dtype)
     return out.reshape(_out_shape(query, key, value, enable_gqa))
 
 
-def _needs_sinks_grad(ctx, sinks):
-    """Whether autograd wants the sinks' gradient. (torch 2.13's needs_input_grad can be
-    shorter than the op's arguments, covering only those without defaults: then the saved
-    tensor's requires_grad says it.)"""
+def _needs_sinks_grad(ctx, sinks, index=_SINKS):
+    """Whether autograd wants the sinks' gradient (``index``: the sinks' among the op's
+    arguments). (torch 2.13's needs_input_grad can be shorter than the op's arguments,
+    covering only those without defaults: then the saved tensor's requires_grad says it.)"""
     if sinks is None:
         return False
-    if len(ctx.needs_input_grad) > _SINKS:
-        return bool(ctx.needs_input_grad[_SINKS])
+    if len(ctx.needs_input_grad) > index:
+        return bool(ctx.needs_input_grad[index])
     return sinks.requires_grad
 
 
@@ -369,6 +388,13 @@ def _double_backward(ctx, grad_out, query, key, value, attn_mask, seed, alibi_sl
               for t in (query, key, value, attn_mask, sinks)]
     out = _dense_attention(*inputs[:4], dropout_p, is_causal, scale, enable_gqa, seed,
                            *ctx.variants, alibi_slopes=alibi_slopes, sinks=inputs[4])
+    return _graph_grads(ctx, out, grad_out, inputs, need, _SINKS)
+
+
+def _graph_grads(ctx, out, grad_out, inputs, need, sinks_index):
+    """The gradients of ``out`` (computed from ``inputs`` in torch operations) for the op's
+    arguments, with a graph of their own: ``inputs`` are the leading differentiable
+    arguments and the sinks last, ``need`` says which are wanted (zeros for an unused one)."""
     wanted = [t for t, n in zip(inputs, need) if n]
     grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True,
                                      allow_unused=True))
@@ -376,9 +402,9 @@ def _double_backward(ctx, grad_out, query, key, value, attn_mask, seed, alibi_sl
     result = [torch.zeros_like(t) if n and g is None else g
               for t, n, g in zip(inputs, need, result)]
     grads = [None] * ctx.n_inputs
-    grads[:4] = result[:4]
-    if need[4]:
-        grads[_SINKS] = result[4]
+    grads[:len(result) - 1] = result[:-1]
+    if need[-1]:
+        grads[sinks_index] = result[-1]
     return tuple(grads)
 
 
@@ -408,8 +434,12 @@ def _backward_formula(ctx, grad_out, grad_lse):
 attention_forward.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(DOUBLE_BACKWARD)
+def _no_double_backward(op, func):
+    """The autograd formula of a backward operator: a RuntimeError naming ``op`` and the
+    function ``func`` to differentiate instead."""
+    def refuse(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD.format(op=op, func=func))
+    return refuse
 
 
 def _setup_nothing(ctx, inputs, output):
@@ -418,7 +448,9 @@ def _setup_nothing(ctx, inputs, output):
 
 # The backward operator called directly on tensors that require grad, then differentiated:
 # say what to do instead of torch's generic "no autograd formula".
-attention_backward.register_autograd(_no_double_backward, setup_context=_setup_nothing)
+attention_backward.register_autograd(
+    _no_double_backward("attention_backward", "scaled_dot_product_attention"),
+    setup_context=_setup_nothing)
 
 
 # ---------------------------------------------------------------- vmap
@@ -433,9 +465,20 @@ def _fold(batch_size, in_dims, tensors, ranks, R):
         if t is None:
             folded.append(None)
             continue
-        t = t.movedim(d, 0) if d is not None else t.expand(batch_size, *t.shape)
+        t = _leading(batch_size, t, d)
         folded.append(t[(slice(None),) + (None,) * (R - r)])
     return folded
+
+
+def _leading(batch_size, t, d, at=0):
+    """``t`` with the vmapped dim at ``at`` (an unbatched tensor expanded there: a view)."""
+    if t is None:
+        return None
+    if d is not None:
+        return t.movedim(d, at)
+    shape = list(t.shape)
+    shape.insert(at, batch_size)
+    return t.unsqueeze(at).expand(shape)
 
 
 def _logical(t, d):
@@ -537,12 +580,17 @@ def _index(t, name):
     is (the API reads these on the host), None for None."""
     if t is None:
         return None
+    _check_index(t, name)
+    t = t.detach()
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def _check_index(t, name):
+    """TypeError unless ``t`` is an integer tensor."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    t = t.detach()
-    return t.numpy() if t.device.type == "cpu" else t
 
 
 def _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes, sinks):
@@ -584,7 +632,12 @@ def attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     """``(out, lse)`` of :func:`sdpa_numba.attention_with_kvcache` (``out`` ``(B, Lq, Hq,
     Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute dtype). Writes ``k`` and ``v`` into the
     caches when given (the caches are the op's mutated arguments). No autograd: an inference
-    operator. Variants left at None are not passed (the API's defaults apply)."""
+    operator. Variants left at None are not passed (the API's defaults apply).
+
+    No vmap (NotImplementedError): the append writes the caches in place, and under vmap
+    a batched cache folded into the batch dim is in general a copy (the write would be
+    lost), while an unbatched cache would take every index's write at the same place.
+    Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`."""
     return _kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                             cache_leftpad, is_causal, scale, window_left, window_right,
                             alignment, softcap, alibi_slopes, sinks)
@@ -619,6 +672,72 @@ def _kvcache_fake(q, k_cache, v_cache, *args, **kwargs):
 
 attention_with_kvcache_op.register_fake(_kvcache_fake)
 attention_with_kvcache_read_op.register_fake(_kvcache_fake)
+
+
+def _flat(info, t, d):
+    """``t`` with the vmapped dim folded into its first (batch) dim: ``(N * B, ...)``."""
+    return None if t is None else _leading(info.batch_size, t, d).flatten(0, 1)
+
+
+def _kvcache_read_vmap(info, in_dims, q, k_cache, v_cache, cache_seqlens, block_table=None,
+                       cache_leftpad=None, is_causal=True, scale=None, window_left=None,
+                       window_right=None, alignment=None, softcap=None, alibi_slopes=None,
+                       sinks=None):
+    """The read-only KV-cache op under vmap: the vmapped dim folds into the batch dim (a
+    paged cache's pages too, the block table offset to each index's pages); batched sinks
+    ``(Hq,)`` cannot fold, so one call per index."""
+    variants = (window_left, window_right, alignment, softcap)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, is_causal, scale,
+            *variants, alibi_slopes, sinks)
+    in_dims = _all_dims(in_dims, args)
+    if in_dims[13] is not None:
+        return _vmap_loop(attention_with_kvcache_read_op, info, in_dims, args)
+    N = info.batch_size
+    qf = _flat(info, q, in_dims[0])
+    B, hq = qf.shape[0] // N, qf.shape[2]
+    if block_table is None or in_dims[1] is not None or in_dims[2] is not None:
+        kc, vc = _flat(info, k_cache, in_dims[1]), _flat(info, v_cache, in_dims[2])
+    else:  # unbatched pages: every index reads the same pages through its block table
+        kc, vc = k_cache, v_cache
+    if block_table is not None:
+        table = _leading(N, block_table, in_dims[4])
+        if kc is not k_cache:  # index n's pages follow the pages of indices 0 .. n - 1
+            pages = kc.shape[0] // N
+            first = torch.arange(N, device=table.device, dtype=table.dtype) * pages
+            table = table + first[:, None, None]
+        block_table = table.flatten(0, 1)
+    if alibi_slopes is not None and (in_dims[12] is not None or alibi_slopes.dim() == 2):
+        alibi_slopes = (_leading(N, alibi_slopes, in_dims[12]).reshape(N, -1, hq)
+                        .expand(N, B, hq).flatten(0, 1))
+    out, lse = attention_with_kvcache_read_op(
+        qf, kc, vc, _flat(info, cache_seqlens, in_dims[3]), block_table,
+        _flat(info, cache_leftpad, in_dims[5]), is_causal, scale, *variants, alibi_slopes,
+        sinks)
+    return (out.unflatten(0, (N, B)), lse.unflatten(0, (N, B))), (0, 0)
+
+
+NO_VMAP = (
+    "sdpa_numba.torch.attention_with_kvcache: torch.vmap over the appending operator "
+    "(torch.ops.sdpa_numba.attention_with_kvcache) is not supported: it writes k and v into "
+    "the caches in place, and a batched cache folded into one batch is in general a copy "
+    "(the write would be lost) while an unbatched one would take every index's write at the "
+    "same place. Append outside vmap (k_cache[b, n] = k), then vmap the read-only form "
+    "(attention_with_kvcache without k and v)")
+
+
+def _kvcache_vmap(info, in_dims, *args, **kwargs):
+    raise NotImplementedError(NO_VMAP)
+
+
+def _merge_vmap(info, in_dims, out_a, lse_a, out_b=None, lse_b=None):
+    """The merge under vmap: the vmapped dim becomes the first leading dim (after the parts'
+    dim in the n-ary form); the merge is elementwise over leading dims."""
+    args = (out_a, lse_a, out_b, lse_b)
+    in_dims = _all_dims(in_dims, args)
+    at = 0 if out_b is not None else 1
+    out, lse = merge_attention_states_op(*(_leading(info.batch_size, t, d, at)
+                                           for t, d in zip(args, in_dims)))
+    return (out, lse), (0, 0)
 
 
 def _lse_operand(t, name):
@@ -682,6 +801,143 @@ def _merge_backward(ctx, grad_out, grad_lse):
 merge_attention_states_op.register_autograd(_merge_backward,
                                             setup_context=_merge_setup_context)
 
+if hasattr(attention_forward, "register_vmap"):  # torch >= 2.5
+    attention_with_kvcache_read_op.register_vmap(_kvcache_read_vmap)
+    attention_with_kvcache_op.register_vmap(_kvcache_vmap)
+    merge_attention_states_op.register_vmap(_merge_vmap)
+
+
+# ---------------------------------------------------------------- varlen operators
+
+
+@torch.library.custom_op("sdpa_numba::varlen_attention_forward", mutates_args=())
+def varlen_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                             cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
+                             max_seqlen_k: Optional[int], dropout_p: float, is_causal: bool,
+                             scale: Optional[float], seed: Optional[Tensor],
+                             window_left: Optional[int] = None,
+                             window_right: Optional[int] = None, alignment: str = "top_left",
+                             softcap: Optional[float] = None,
+                             alibi_slopes: Optional[Tensor] = None,
+                             sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`sdpa_numba.varlen_attention` on packed ``q`` ``(total_q, Hq,
+    E)``, ``k`` / ``v`` ``(total_k, H, ·)``: ``out`` ``(total_q, Hq, Ev)``, ``lse`` ``(Hq,
+    total_q)`` in the compute dtype. ``cu_seqlens_*``: int32/int64 tensors ``(B + 1,)``, read
+    on the host. ``seed`` and the variants as in :func:`attention_forward`."""
+    out, lse = _varlen(_operand(q, "q"), _operand(k, "k"), _operand(v, "v"),
+                       _index(cu_seqlens_q, "cu_seqlens_q"), _index(cu_seqlens_k, "cu_seqlens_k"),
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       is_causal=is_causal, scale=scale, dropout_p=dropout_p, seed=_seed(seed),
+                       return_lse=True,
+                       **_variants(window_left, window_right, alignment, softcap, alibi_slopes,
+                                   sinks))
+    return _tensor(out), _tensor(lse)
+
+
+@varlen_attention_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
+    # the shapes depend on the inputs' shapes only (symbolic under torch.compile)
+    total_q, hq = q.shape[:2]
+    return (q.new_empty((total_q, hq, v.shape[-1])),
+            q.new_empty((hq, total_q), dtype=_lse_dtype(q.dtype)))
+
+
+@torch.library.custom_op("sdpa_numba::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                              lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                              dropout_p: float, is_causal: bool, scale: Optional[float],
+                              seed: Optional[Tensor], window_left: Optional[int] = None,
+                              window_right: Optional[int] = None,
+                              alignment: str = "top_left", softcap: Optional[float] = None,
+                              alibi_slopes: Optional[Tensor] = None,
+                              sinks: Optional[Tensor] = None
+                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)`` of :func:`sdpa_numba.varlen_attention_backward`; ``dsinks``
+    an empty tensor unless ``sinks`` is given (then the sinks' shape, dtype and device).
+    ALiBi slopes get no gradient."""
+    grads = _varlen_backward(_operand(grad_out, "grad_out"), _operand(q, "q"),
+                             _operand(k, "k"), _operand(v, "v"), _operand(out, "out"),
+                             _operand(lse, "lse"), _index(cu_seqlens_q, "cu_seqlens_q"),
+                             _index(cu_seqlens_k, "cu_seqlens_k"), is_causal=is_causal,
+                             scale=scale, dropout_p=dropout_p, seed=_seed(seed),
+                             **_variants(window_left, window_right, alignment, softcap,
+                                         alibi_slopes, sinks))
+    dq, dk, dv = (_tensor(g) for g in grads[:3])
+    return dq, dk, dv, _sinks_grad(grads, sinks, q)
+
+
+@varlen_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
+      seed, window_left=None, window_right=None, alignment="top_left", softcap=None,
+      alibi_slopes=None, sinks=None):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0))
+
+
+_VARLEN_ARGS = 11  # the varlen forward's arguments before its variants
+_VARLEN_SINKS = _VARLEN_ARGS + 5
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    ctx.n_inputs = len(inputs)
+    (q, k, v, cu_q, cu_k, _, _, dropout_p, is_causal, scale, seed, window_left, window_right,
+     alignment, softcap, alibi_slopes, sinks) = (
+        tuple(inputs) + _DEFAULTS[len(inputs) - _VARLEN_ARGS:])
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes, sinks)
+    ctx.args = (dropout_p, is_causal, scale)
+    ctx.variants = (window_left, window_right, alignment, softcap)
+
+
+def _varlen_double_backward(ctx, grad_out, q, k, v, cu_q, cu_k, seed, alibi_slopes, sinks):
+    """Differentiable first-order gradients (``create_graph=True``), as the dense op's
+    :func:`_double_backward`: :func:`_dense_attention` per sequence (the dense stream of
+    the sequence's index for dropout), O(L x S) memory per sequence, only on this path."""
+    dropout_p, is_causal, scale = ctx.args
+    need = list(ctx.needs_input_grad[:3]) + [_needs_sinks_grad(ctx, sinks, _VARLEN_SINKS)]
+    inputs = [None if t is None else t.view_as(t) for t in (q, k, v, sinks)]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    outs = []
+    for b in range(len(cq) - 1):
+        qb, kb, vb = (x[c[b]:c[b + 1]].transpose(0, 1)
+                      for x, c in zip(inputs[:3], (cq, ck, ck)))
+        if kb.shape[1] == 0 or qb.shape[1] == 0:  # no keys: zeros (and no scores to reduce)
+            outs.append(q.new_zeros((qb.shape[1], qb.shape[0], v.shape[-1])))
+            continue
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:  # (B, Hq): the sequence's row
+            slopes = slopes[b] if slopes.shape[0] > 1 else slopes[0]
+        out = _dense_attention(qb, kb, vb, None, dropout_p, is_causal, scale, True, seed,
+                               *ctx.variants, alibi_slopes=slopes, sinks=inputs[3],
+                               batch_index=b)
+        outs.append(out.transpose(0, 1))
+    return _graph_grads(ctx, torch.cat(outs), grad_out, inputs, need, _VARLEN_SINKS)
+
+
+def _varlen_backward_formula(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k, seed, alibi_slopes, sinks = ctx.saved_tensors
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (grad_out, q, k, v, sinks)):
+        return _varlen_double_backward(ctx, grad_out, q, k, v, cu_q, cu_k, seed, alibi_slopes,
+                                       sinks)
+    dq, dk, dv, ds = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k,
+                                               *ctx.args, seed, *ctx.variants, alibi_slopes,
+                                               sinks)
+    need = ctx.needs_input_grad
+    grads = [None] * ctx.n_inputs
+    grads[:3] = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None)
+    if _needs_sinks_grad(ctx, sinks, _VARLEN_SINKS):
+        grads[_VARLEN_SINKS] = ds
+    return tuple(grads)
+
+
+varlen_attention_forward.register_autograd(_varlen_backward_formula,
+                                           setup_context=_varlen_setup_context)
+varlen_attention_backward.register_autograd(
+    _no_double_backward("varlen_attention_backward", "varlen_attention"),
+    setup_context=_setup_nothing)
+
 
 # ---------------------------------------------------------------- the function
 
@@ -701,10 +957,35 @@ def _check_no_func_grad(*tensors):
 
 
 NUMBA_LEVEL = (
-    "sdpa_numba.torch.scaled_dot_product_attention: {names} cannot cross a PyTorch operator's "
-    "schema (they are Numba functions and objects, not tensors or numbers): use the NumPy-level "
-    "sdpa_numba.scaled_dot_product_attention / scaled_dot_product_attention_backward (which "
-    "take them with NumPy arrays, and CUDA arrays: torch CUDA tensors included)")
+    "sdpa_numba.torch.{func}: {names} cannot cross a PyTorch operator's schema (they are Numba "
+    "functions and objects, not tensors or numbers): use the NumPy-level sdpa_numba.{func} / "
+    "{func}_backward (which take them with NumPy arrays, and CUDA arrays: torch CUDA tensors "
+    "included)")
+
+
+def _check_schema_arguments(func, tensors, optional, window, score_mod, mask_mod, mod_args,
+                            score_mod_grad, block_mask):
+    """The public wrappers' checks, before the operator is called (and traced): the
+    Numba-level variants refused (NotImplementedError naming them and ``func``'s NumPy-level
+    twin), ``tensors`` (name, tensor) required, ``optional`` ones tensors or None (a bool
+    ``attn_mask`` allowed), the window's sides returned. Outside torch.compile, torch.func's
+    autodiff transforms are refused."""
+    numba_level = [name for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                                        ("score_mod_grad", score_mod_grad),
+                                        ("block_mask", block_mask)) if x is not None]
+    if mod_args != () and mod_args is not None:
+        numba_level.append("mod_args")
+    if numba_level:
+        raise NotImplementedError(NUMBA_LEVEL.format(func=func, names=", ".join(numba_level)))
+    for name, t in tensors:
+        if t is None:
+            raise TypeError(f"{name} must be a torch.Tensor, got None")
+        _check_tensor(t, name)
+    for name, t in optional:
+        _check_tensor(t, name, mask=name == "attn_mask")
+    if not torch.compiler.is_compiling():
+        _check_no_func_grad(*(t for _, t in tensors + optional))
+    return _check_window(window)
 
 
 def _check_window(window):
@@ -751,28 +1032,72 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``score_mod_grad`` and ``block_mask`` raise NotImplementedError: Numba functions cannot
     cross an operator's schema; the NumPy-level API takes them.
     """
-    numba_level = [name for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
-                                        ("score_mod_grad", score_mod_grad),
-                                        ("block_mask", block_mask)) if x is not None]
-    if mod_args != () and mod_args is not None:
-        numba_level.append("mod_args")
-    if numba_level:
-        raise NotImplementedError(NUMBA_LEVEL.format(names=", ".join(numba_level)))
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t is None:
-            raise TypeError(f"{name} must be a torch.Tensor, got None")
-        _check_tensor(t, name)
-    _check_tensor(attn_mask, "attn_mask", mask=True)
-    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if t is not None:
-            _check_tensor(t, name)
-    window_left, window_right = _check_window(window)
-    if not torch.compiler.is_compiling():
-        _check_no_func_grad(query, key, value, attn_mask, sinks)
+    window_left, window_right = _check_schema_arguments(
+        "scaled_dot_product_attention", [("query", query), ("key", key), ("value", value)],
+        [("attn_mask", attn_mask), ("alibi_slopes", alibi_slopes), ("sinks", sinks)], window,
+        score_mod, mask_mod, mod_args, score_mod_grad, block_mask)
     out, _ = attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, _seed_tensor(seed, dropout_p), window_left,
                                window_right, alignment, softcap, alibi_slopes, sinks)
     return out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, dropout_p=0.0, is_causal=False, scale=None, seed=None,
+                     return_lse=False, window=None, alignment="top_left", softcap=None,
+                     alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
+                     mod_args=(), score_mod_grad=None, block_mask=None):
+    """:func:`sdpa_numba.varlen_attention` on torch tensors (FlashAttention's
+    ``flash_attn_varlen_func`` layout), as the PyTorch operator
+    ``torch.ops.sdpa_numba.varlen_attention_forward``: autograd (gradients for q, k, v and
+    the sinks; double backward through torch operations, per sequence), ``torch.compile``
+    (no graph break), meta tensors.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (total_q, Hq, E)
+        A ragged batch packed back to back; float16, bfloat16 (needs ml_dtypes), float32 or
+        float64; CPU or CUDA.
+    k, v : torch.Tensor, shape (total_k, H, E) / (total_k, H, Ev)
+        ``Hq`` a multiple of ``H`` (grouped-query attention).
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor of int32 or int64, shape (B + 1,)
+        Cumulative sequence lengths (read on the host); sequences of length 0 are allowed.
+    max_seqlen_q, max_seqlen_k : int, optional
+        FlashAttention's hints: checked to be at least the longest sequence if given.
+    dropout_p, is_causal, scale, seed
+        As in :func:`scaled_dot_product_attention`: ``seed`` None draws one from torch's
+        generator; sequence ``b`` gets the dense stream of batch entry ``b``.
+    return_lse : bool
+        Also return the log-sum-exp ``(Hq, total_q)`` in the compute dtype (no gradient).
+    window, alignment, softcap, alibi_slopes, sinks
+        The variants, as in :func:`scaled_dot_product_attention`, per sequence (rows and keys
+        counted from the sequence's first; ``alibi_slopes`` ``(Hq,)`` or ``(B, Hq)``).
+    score_mod, mask_mod, mod_args, score_mod_grad, block_mask
+        Refused (NotImplementedError): Numba functions cannot cross an operator's schema;
+        the NumPy-level :func:`sdpa_numba.varlen_attention` takes them.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (total_q, Hq, Ev), q's dtype, contiguous
+    lse : torch.Tensor, shape (Hq, total_q), only with ``return_lse=True``
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad input, naming the argument (cu_seqlens' values are checked by the NumPy-level
+        API when the operator runs).
+    """
+    window_left, window_right = _check_schema_arguments(
+        "varlen_attention", [("q", q), ("k", k), ("v", v)],
+        [("alibi_slopes", alibi_slopes), ("sinks", sinks)], window, score_mod, mask_mod,
+        mod_args, score_mod_grad, block_mask)
+    _check_index(cu_seqlens_q, "cu_seqlens_q")
+    _check_index(cu_seqlens_k, "cu_seqlens_k")
+    out, lse = varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, dropout_p, is_causal, scale,
+                                        _seed_tensor(seed, dropout_p), window_left,
+                                        window_right, alignment, softcap, alibi_slopes, sinks)
+    return (out, lse) if return_lse else out
 
 
 NO_BACKWARD = (
@@ -853,7 +1178,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         When gradients are wanted (grad mode on and an input requires grad): the operator
         has no backward. (Called directly, ``torch.ops.sdpa_numba.attention_with_kvcache``
         registers no autograd; differentiating through it raises torch's "no autograd
-        formula" error.)
+        formula" error.) Also under ``torch.vmap`` with ``k`` and ``v`` (an in-place append
+        cannot be vmapped: see :func:`attention_with_kvcache_op`); without them, vmap works
+        (the vmapped dim joins the batch dim).
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t is None:

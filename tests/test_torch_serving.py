@@ -279,3 +279,90 @@ def test_merge_opcheck_and_errors():
         snt.merge_attention_states(oa, la, ob, lb[..., :2])
     with pytest.raises(TypeError, match="lse_a must be a float tensor"):
         snt.merge_attention_states(oa, la.long(), ob, lb)
+
+
+# ---------------------------------------------------------------- vmap
+
+
+def _paged(cache, page=4):
+    """A contiguous cache (B, S, H, D) as pages in reversed order, and its block table."""
+    B, S, H, D = cache.shape
+    P = -(-S // page)
+    pages = torch.full((B, P * page, H, D), float("nan"), dtype=cache.dtype)
+    pages[:, :S] = cache
+    table = (B * P - 1 - torch.arange(B * P)).view(B, P).to(torch.int32)
+    return pages.view(B * P, page, H, D).flip(0).contiguous(), table
+
+
+def _assert_vmap_equals_loop(f, in_dims, *args):
+    batched = torch.vmap(f, in_dims=in_dims)(*args)
+    n = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    for i in range(n):
+        one = f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+        for got, want in zip(batched, one):
+            assert torch.equal(got[i], want)
+
+
+def test_vmap_kvcache_read_folds_into_the_batch():
+    """The read-only KV-cache operator under vmap equals a Python loop bitwise: batched and
+    shared caches, contiguous and paged (the block table offset to each index's pages),
+    per-index lengths, batched ALiBi slopes; batched sinks (one call per index)."""
+    probs = [kv_problem(s, Lq=2, new=0) for s in range(3)]
+    q, kc, vc, _, _, lens = (torch.stack(x) for x in zip(*probs))
+    slopes = torch.rand(3, 6, dtype=torch.float64)
+    sinks = torch.randn(3, 6, dtype=torch.float64)
+
+    def f(q, kc, vc, lens, slopes):
+        return snt.attention_with_kvcache(q, kc, vc, lens, is_causal=False, return_lse=True,
+                                          alibi_slopes=slopes)
+
+    _assert_vmap_equals_loop(f, (0, 0, 0, 0, 0), q, kc, vc, lens, slopes)
+    _assert_vmap_equals_loop(f, (1, None, None, None, None), q.transpose(0, 1), kc[0], vc[0],
+                             lens[0], slopes[0])
+    kp, table = zip(*(_paged(c) for c in kc))
+    vp = [_paged(c)[0] for c in vc]
+    kp, vp, table = torch.stack(kp), torch.stack(vp), torch.stack(table)
+
+    def paged(q, kc, vc, lens, table):
+        return snt.attention_with_kvcache(q, kc, vc, lens, block_table=table, return_lse=True)
+
+    _assert_vmap_equals_loop(paged, (0, 0, 0, 0, 0), q, kp, vp, lens, table)
+    _assert_vmap_equals_loop(paged, (0, None, None, 0, None), q, kp[0], vp[0], lens, table[0])
+
+    def with_sinks(q, sinks):
+        return snt.attention_with_kvcache(q, kc[0], vc[0], lens[0], sinks=sinks,
+                                          return_lse=True)
+
+    _assert_vmap_equals_loop(with_sinks, (0, 0), q, sinks)
+
+
+def test_vmap_kvcache_append_is_refused_clearly():
+    q, k_cache, v_cache, k, v, lens = kv_problem(12)
+    before = k_cache.clone()
+    def f(q, k, v):
+        return snt.attention_with_kvcache(q, k_cache, v_cache, lens, k=k, v=v)
+
+    with pytest.raises(NotImplementedError, match="vmap over the appending operator"):
+        torch.vmap(f)(*(t.expand(2, *t.shape) for t in (q, k, v)))
+    torch.testing.assert_close(k_cache, before, rtol=0, atol=0, equal_nan=True)
+
+
+def test_vmap_merge_two_and_n_ary_with_outer_autograd():
+    """The merge under vmap equals a loop (two parts with one unbatched; n stacked parts
+    with the vmapped dim after the parts' dim), and autograd through it equals the loop's."""
+    (oa, la), (ob, lb) = _parts(13)[0]
+    outs, lses = torch.stack([oa, ob, oa.flip(-1)]), torch.stack([la, lb, la - 1.0])
+    leaves = [[t.clone().requires_grad_() for t in (outs, lses)] for _ in range(2)]
+    vm = torch.vmap(snt.merge_attention_states, in_dims=(0, 0, None, None))
+    _assert_vmap_equals_loop(snt.merge_attention_states, (0, 0, None, None), outs, lses, ob,
+                             lb)
+    batched = vm(*leaves[0], ob, lb)
+    loop = [torch.stack(r) for r in zip(*(snt.merge_attention_states(o, s, ob, lb)
+                                          for o, s in zip(*leaves[1])))]
+    for results in (batched, loop):
+        (results[0].square().sum() + results[1].sum()).backward()
+    for a, b in zip(*leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    # n-ary: two stacked parts, vmapped over dim 1
+    _assert_vmap_equals_loop(snt.merge_attention_states, (1, 1),
+                             torch.stack([outs, outs.flip(0)]), torch.stack([lses, lses.flip(0)]))

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from sdpa_numba import reference  # noqa: E402
 import sdpa_numba.torch as snt  # noqa: E402
+from torch_checks import Projected, assert_compiles_like_eager  # noqa: E402
 
 ops = torch.ops.sdpa_numba
 
@@ -181,14 +182,12 @@ def test_what_cannot_cross_the_schema_is_refused_clearly():
         snt.scaled_dot_product_attention(q, q, q, alignment="middle")
 
 
-class Block(torch.nn.Module):
+class Block(Projected):
     """Attention with a soft cap and a sliding window (Gemma-2 style) and an MLP."""
 
     def __init__(self, d=16, heads=2):
-        super().__init__()
+        super().__init__(d, heads)
         kw = dict(dtype=torch.float64)
-        self.heads = heads
-        self.qkv, self.o = torch.nn.Linear(d, 3 * d, **kw), torch.nn.Linear(d, d, **kw)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d, **kw), torch.nn.GELU(),
                                        torch.nn.Linear(2 * d, d, **kw))
 
@@ -204,18 +203,6 @@ class Block(torch.nn.Module):
 
 def test_compile_fullgraph_with_softcap_and_window():
     """torch.compile(fullgraph=True): one graph, no break; outputs and gradients equal eager
-    mode's. (backend="aot_eager", as in test_torch_op: inductor's C++ compile is slow here.)"""
+    mode's."""
     torch.manual_seed(5)
-    model, x = Block(), randn(2, 7, 16)
-    explain = torch._dynamo.explain(model)(x)
-    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    results = []
-    for m in (model, compiled):
-        model.zero_grad()
-        y = m(x)
-        y.square().sum().backward()
-        results.append([y.detach()] + [p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert_compiles_like_eager(Block(), randn(2, 7, 16))
