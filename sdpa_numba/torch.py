@@ -1110,10 +1110,14 @@ NO_BACKWARD = (
 def _eager_cpu(*tensors):
     """Whether a call on these tensors (None: absent) would run the operator's CPU kernel
     eagerly: not under ``torch.compile`` or a dispatch mode (fake tensors, ``make_fx``), and
-    every tensor a plain CPU tensor. Then the operator's body may be called directly."""
+    every tensor a plain CPU tensor, not one wrapped by a torch.func transform (``vmap``'s
+    batched tensors have no storage and need the operator's vmap rule). Then the operator's
+    body may be called directly."""
     if torch.compiler.is_compiling() or _dispatch_mode() is not None:
         return False
-    return all(t is None or (type(t) is Tensor and t.device.type == "cpu") for t in tensors)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(t is None or (type(t) is Tensor and t.device.type == "cpu" and not wrapped(t))
+               for t in tensors)
 
 
 def _dispatch_mode():
