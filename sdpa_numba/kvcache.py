@@ -12,7 +12,6 @@ The variants become the score seam's recipe
 import numbers
 from typing import Any
 
-import numba
 import numpy as np
 
 from ._bf16 import is_bfloat16
@@ -448,10 +447,11 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         args = (storage_view(q), storage_view(k_cache), storage_view(v_cache), table, kv_lens,
                 is_causal, scale, storage_view(result), lse, r, bounds[0])
         if work >= SERIAL_BYTES:
+            # The parallel kernel whatever the thread count: which kernel runs depends on the
+            # shape only, so a result cannot change with the thread count (the serial and the
+            # parallel kernel may round the last bit differently when loaded from the cache).
             with kernel_launch():
-                # One thread: the serial kernel (the parallel one's launch and its per-task
-                # buffers cost ~0.2 ms at B1 Hq12 H4 S2080 D64, for nothing).
-                _entry(numba.get_num_threads() > 1, dtype, recipe_type(r))(*args)
+                _entry(True, dtype, recipe_type(r))(*args)
         else:  # on the calling thread: no thread pool to start or guard
             check_jit()
             _entry(False, dtype, recipe_type(r))(*args)
