@@ -161,7 +161,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     acc[:] = 0
     m = np.full(hq * lq, -np.inf, part_lse.dtype)
     l = np.zeros(hq * lq, part_lse.dtype)
-    s = aligned_empty(rows * BN, part_lse.dtype)
+    s = aligned_empty(hq * lq * BN, part_lse.dtype)
     koff = np.empty(BN, np.int64)
     voff = np.empty(BN, np.int64)
     kbase = data_ptr(k_cache)
@@ -172,9 +172,13 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     for b0 in range(j0, j1, BN):
         n = min(BN, j1 - b0)
         block_offsets(block_table, b, b0, n, page_size, kps, kss, vps, vss, koff, voff)
-        for h in range(h_len):
-            # Scores s[rr, j] of the rows of head h (rr = hg * lq + t) against the block's keys.
-            for j in range(n):
+        # Keys, then values, in address order: key j of all heads, then key j + 1. Head by
+        # head, the reads jumped by a whole key row (H * E elements) from one key to the next,
+        # a new page every few keys, where the hardware prefetchers stop (CPU time of one
+        # thread, AMD EPYC Zen 4, B1 H32 S8192 D128: 7.9 GB/s head by head).
+        for j in range(n):
+            for h in range(h_len):
+                # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t).
                 kp = ptr_add(kbase, koff[j] + h * khs)
                 rr = 0
                 # Four rows at once (GQA, Lq > 1): each key element is loaded once for them
@@ -194,35 +198,39 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                         x1 += q1[e] * kv
                         x2 += q2[e] * kv
                         x3 += q3[e] * kv
-                    s[rr * BN + j] = x0
-                    s[(rr + 1) * BN + j] = x1
-                    s[(rr + 2) * BN + j] = x2
-                    s[(rr + 3) * BN + j] = x3
+                    i = h * rows + rr
+                    s[i * BN + j] = x0
+                    s[(i + 1) * BN + j] = x1
+                    s[(i + 2) * BN + j] = x2
+                    s[(i + 3) * BN + j] = x3
                     rr += 4
                 for rr in range(rr, rows):
                     qr = ptr_add(qp, (h * rows + rr) * e_len)
                     x = zero
                     for e in range(e_len):
                         x += qr[e] * load(kp[e])
-                    s[rr * BN + j] = x
-            # The window (and causality) per element only where it cuts the block.
-            cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
+                    s[(h * rows + rr) * BN + j] = x
+        # The window (and causality) per element only where it cuts the block.
+        cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
+        for h in range(h_len):
             if cut or modifies_scores(r) or has_element_mask(r):
-                _recipe_block(s, r, b, h, g, lq, kv_len, b0, n, cut)
-            for rr in range(rows):
-                i = h * rows + rr
-                m_new, alpha, total = softmax_row(ptr_add(sp, rr * BN), n, m[i])
-                m[i] = m_new
-                l[i] = alpha * l[i] + total
-                if alpha != 1:  # rescaled here; rare once the row's maximum has settled
-                    ar = ptr_add(ap, i * ev)
-                    for d in range(ev):
-                        ar[d] *= alpha
-            for j in range(n):  # each value row once, for all the head's rows
+                _recipe_block(s[h * rows * BN:(h + 1) * rows * BN], r, b, h, g, lq, kv_len,
+                              b0, n, cut)
+        for i in range(hq * lq):
+            m_new, alpha, total = softmax_row(ptr_add(sp, i * BN), n, m[i])
+            m[i] = m_new
+            l[i] = alpha * l[i] + total
+            if alpha != 1:  # rescaled here; rare once the row's maximum has settled
+                ar = ptr_add(ap, i * ev)
+                for d in range(ev):
+                    ar[d] *= alpha
+        for j in range(n):  # each value row once, for all the head's rows
+            for h in range(h_len):
                 vp = ptr_add(vbase, voff[j] + h * vhs)
                 for rr in range(rows):
-                    p = s[rr * BN + j]
-                    ar = ptr_add(ap, (h * rows + rr) * ev)
+                    i = h * rows + rr
+                    p = s[i * BN + j]
+                    ar = ptr_add(ap, i * ev)
                     for d in range(ev):
                         ar[d] += p * load(vp[d])
     keep_alive((k_cache, v_cache, qs, s, acc))
