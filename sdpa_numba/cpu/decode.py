@@ -224,7 +224,31 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                 ar = ptr_add(ap, i * ev)
                 for d in range(ev):
                     ar[d] *= alpha
-        for j in range(n):  # each value row once, for all the head's rows
+        # P V, four keys at a time: each accumulator row is loaded and stored once for four
+        # value rows (the adds stay in key order).
+        j = 0
+        while j + 4 <= n:
+            for h in range(h_len):
+                v0 = ptr_add(vbase, voff[j] + h * vhs)
+                v1 = ptr_add(vbase, voff[j + 1] + h * vhs)
+                v2 = ptr_add(vbase, voff[j + 2] + h * vhs)
+                v3 = ptr_add(vbase, voff[j + 3] + h * vhs)
+                for rr in range(rows):
+                    i = h * rows + rr
+                    p0 = s[i * BN + j]
+                    p1 = s[i * BN + j + 1]
+                    p2 = s[i * BN + j + 2]
+                    p3 = s[i * BN + j + 3]
+                    ar = ptr_add(ap, i * ev)
+                    for d in range(ev):
+                        x = ar[d]
+                        x += p0 * load(v0[d])
+                        x += p1 * load(v1[d])
+                        x += p2 * load(v2[d])
+                        x += p3 * load(v3[d])
+                        ar[d] = x
+            j += 4
+        for j in range(j, n):
             for h in range(h_len):
                 vp = ptr_add(vbase, voff[j] + h * vhs)
                 for rr in range(rows):
