@@ -14,7 +14,8 @@ once per call, for every query head of its GQA group and every query token at on
   chunks depend on the cache lengths only, and each partial is made by one thread, so the result
   is bitwise the same for any thread count. Taking all heads of a key range in one task reads
   the FlashAttention layout ``(.., S, H, E)`` in address order: one key row of all heads is one
-  contiguous run of memory.
+  contiguous run of memory, read key by key for all heads at once; a head-major cache (a
+  ``(B, H, S, E)`` array viewed as ``(B, S, H, E)``) is read head by head instead.
 * **Addressing.** Key row ``j`` of sequence ``b`` lives at ``(page, slot) = (block_table[b, j //
   page_size], j % page_size)`` of a cache ``(num_pages, page_size, H, E)``. A contiguous cache
   ``(B, S_max, H, E)`` is the paged cache with ``page_size = S_max`` and ``block_table[b] = [b]``:
