@@ -13,6 +13,7 @@ Usage::
 
     python scripts/ab_decode.py T=1,12,4,2080,64,bhsd G=1,32,8,1024,128
     python scripts/ab_decode.py --order new,old --rev HEAD~1 P=1,32,32,2048,128,fa,16
+    python scripts/ab_decode.py --cpu M=1,32,32,8192,128   # CPU time, on a shared machine
 
 A case is ``name=B,Hq,H,S,D[,layout[,page_size[,Lq]]]``: layout ``fa`` (the cache
 ``(B, S, H, D)``) or ``bhsd`` (transformers' ``(B, H, S, D)`` viewed as ``(B, S, H, D)``);
@@ -120,8 +121,8 @@ def main(argv=None):
             lo_t = {n: min(t) for n, t in times.items()}
             med = {n: statistics.median(t) for n, t in times.items()}
             diff = float(np.abs(outs["old"] - outs["new"]).max())
-            print(f"{name} {spec} ({'parallel' if args.par else '1 thread'}{', CPU time' if args.cpu else ''}, order "
-                  f"{args.order}): " + " | ".join(
+            how = ("parallel" if args.par else "1 thread") + (", CPU time" if args.cpu else "")
+            print(f"{name} {spec} ({how}, order {args.order}): " + " | ".join(
                       f"{n} min {lo_t[n] * 1e3:.3f} med {med[n] * 1e3:.3f} ms "
                       f"({nbytes / lo_t[n] / 1e9:.1f} GB/s)" for n in ("old", "new"))
                   + f" | new/old speed {lo_t['old'] / lo_t['new']:.3f} (medians "
