@@ -13,6 +13,7 @@ Usage::
 
     python scripts/ab_decode.py T=1,12,4,2080,64,bhsd G=1,32,8,1024,128
     python scripts/ab_decode.py --order new,old --rev HEAD~1 P=1,32,32,2048,128,fa,16
+    python scripts/ab_decode.py --cpu M=1,32,32,8192,128   # CPU time, on a shared machine
 
 A case is ``name=B,Hq,H,S,D[,layout[,page_size[,Lq]]]``: layout ``fa`` (the cache
 ``(B, S, H, D)``) or ``bhsd`` (transformers' ``(B, H, S, D)`` viewed as ``(B, S, H, D)``);
@@ -69,9 +70,15 @@ def main(argv=None):
     ap.add_argument("--order", default="old,new", help="import order (see above)")
     ap.add_argument("--rounds", type=int, default=40, help="alternations (40)")
     ap.add_argument("--par", action="store_true", help="the parallel kernel, all threads")
+    ap.add_argument("--cpu", action="store_true",
+                    help="time the calling thread's CPU time (time.thread_time), not wall time: "
+                    "one thread only; steadier where other processes share the cores")
     args = ap.parse_args(argv)
     import numba
 
+    if args.cpu and args.par:
+        ap.error("--cpu times one thread: not with --par")
+    clock = time.thread_time if args.cpu else time.perf_counter
     if not args.par:
         numba.set_num_threads(1)
     where = tempfile.mkdtemp()
@@ -107,15 +114,15 @@ def main(argv=None):
                 for n in pkgs:
                     time.sleep(0.01)
                     calls[n]()  # one warm call: back-to-back, as a model's layers
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     calls[n]()
-                    times[n].append(time.perf_counter() - t0)
+                    times[n].append(clock() - t0)
             nbytes = 2 * kc.shape[2] * kc.shape[3] * 4 * int(lens.sum())
             lo_t = {n: min(t) for n, t in times.items()}
             med = {n: statistics.median(t) for n, t in times.items()}
             diff = float(np.abs(outs["old"] - outs["new"]).max())
-            print(f"{name} {spec} ({'parallel' if args.par else '1 thread'}, order "
-                  f"{args.order}): " + " | ".join(
+            how = ("parallel" if args.par else "1 thread") + (", CPU time" if args.cpu else "")
+            print(f"{name} {spec} ({how}, order {args.order}): " + " | ".join(
                       f"{n} min {lo_t[n] * 1e3:.3f} med {med[n] * 1e3:.3f} ms "
                       f"({nbytes / lo_t[n] / 1e9:.1f} GB/s)" for n in ("old", "new"))
                   + f" | new/old speed {lo_t['old'] / lo_t['new']:.3f} (medians "

@@ -316,16 +316,23 @@ def test_bad_cache_leftpad_is_refused_before_anything_is_written(rng):
 
 # --- variants ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("page_size", [None, 16, 5])
+@pytest.mark.parametrize("page_size", [None, 16, 5, "head_major"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_against_the_reference(rng, variant, page_size):
     # Lq > 1, GQA, an append, left padding (one sequence padded entirely), a sequence of
-    # several chunks, one shorter than the query tokens.
+    # several chunks, one shorter than the query tokens. "head_major": a contiguous cache
+    # stored (B, H, S, E) and passed as its (B, S, H, E) view (transformers' layout), which
+    # the kernel reads head by head.
     B, Lq, Hq, H, E, Ev, new = 4, 3, 4, 2, 6, 5, 2
     kw = VARIANTS[variant](rng, B, Hq)
     is_causal = kw.pop("is_causal", True)
     q, kc, vc = make(rng, B, Lq, Hq, H, E, Ev, CHUNK + 60)
-    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    if page_size == "head_major":
+        kc, vc = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                  for x in (kc, vc))
+        table = None
+    else:
+        kc, vc, table = paged_pair(rng, kc, vc, page_size)
     seqlens = np.array([CHUNK + 41, 37, 0, 8])
     leftpad = np.array([5, 0, 2, 10])
     kn = rng.standard_normal((B, new, H, E))
