@@ -14,7 +14,7 @@ calls of one round ran seconds apart, so a machine whose speed drifts moves both
 Usage::
 
     python scripts/variant_ratios.py --rounds 20
-    python scripts/variant_ratios.py --threads 1 --rounds 10
+    python scripts/variant_ratios.py --threads 1 --rounds 10 --clock cpu
 """
 
 import argparse
@@ -34,6 +34,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="default: Numba's")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--pause", type=float, default=0.05)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the process's CPU time (time.process_time), which a core taken "
+                         "by another process does not count: with --threads 1, the kernel's "
+                         "own time on a shared machine")
     args = ap.parse_args(argv)
 
     from sdpa_numba import scaled_dot_product_attention as sdpa
@@ -50,19 +54,20 @@ def main(argv=None):
            "window": lambda o: sdpa(q, k, v, is_causal=True, window=(args.window, 0), out=o)}
     for n, f in fns.items():  # compile and warm up
         f(outs[n])
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     times = {n: [] for n in fns}
     for _ in range(args.rounds):
         for n, f in fns.items():
             time.sleep(args.pause)
-            t0 = time.perf_counter()
+            t0 = clock()
             f(outs[n])
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     t = {n: np.array(x) for n, x in times.items()}
     frac = visited_fraction(args.L, args.L, args.window, 0)
     cap_speed = t["dense"] / t["softcap"]
     win_ideal = t["window"] / (frac * t["dense"])
     print(f"B1 H{args.heads} L{args.L} D{args.D} float32, {numba.get_num_threads()} threads, "
-          f"{args.rounds} rounds; min ms: " + ", ".join(
+          f"{args.rounds} rounds, {args.clock} clock; min ms: " + ", ".join(
               f"{n} {x.min() * 1e3:.2f}" for n, x in t.items()))
     print(f"softcap={args.softcap:g} speed / dense: min-based "
           f"{t['dense'].min() / t['softcap'].min():.3f}, median of rounds "

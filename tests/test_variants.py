@@ -383,6 +383,24 @@ def test_softcap_tanh_accuracy():
     assert np.isnan(ys[0]) and abs(ys[1] - 1) < 3e-7 and abs(ys[2] + 1) < 3e-7
 
 
+def test_recipe_type_shortcut():
+    """The launcher's cheap recipe type is ``typeof``'s, for plain recipes and others."""
+    from numba import typeof
+
+    from sdpa_numba.cpu.launch import PLAIN_RECIPE, recipe_type
+    from sdpa_numba.score.recipe import recipe, with_batch_offset
+
+    plain = [recipe(left=256, right=0), recipe(softcap=50.0), recipe(offset=7, left=3),
+             with_batch_offset(recipe(right=0, softcap=2.0), 5)]
+    other = [recipe(alibi=np.ones((1, 2), np.float32)), recipe(sinks=np.zeros(2, np.float32)),
+             recipe(mod_args=(np.ones(3),)), recipe(left=3)._replace(left=np.int32(3)),
+             recipe(softcap=1.0)._replace(softcap=np.float32(1.0))]
+    for r in plain:
+        assert recipe_type(r) is PLAIN_RECIPE and typeof(r) == PLAIN_RECIPE
+    for r in other:
+        assert recipe_type(r) == typeof(r) != PLAIN_RECIPE
+
+
 @pytest.mark.parametrize("a", [0.3, 1.0, 50.0, 1e4])
 def test_scaled_tanh_accuracy(a):
     """``scaled_tanh(x, a)``, the forward's soft cap with ``a`` folded into the polynomial:
