@@ -9,7 +9,15 @@ package imports itself relatively), runs ``sdpa_numba.cpu.forward_head`` (or, wi
 one's minimum and median, and checks that both give the same output (dQ for the backward).
 With ``--api`` it times ``scaled_dot_product_attention`` (or
 ``scaled_dot_product_attention_backward``) instead, on ``(1, H, L, D)`` NumPy inputs with all
-of Numba's threads: what ``python -m sdpa_numba bench`` times, launch layer included.
+of Numba's threads (``--threads``), optionally with ``--softcap`` or ``--window``: what
+``python -m sdpa_numba bench`` times, launch layer included.
+
+Read the median of the per-round ratios (each round times both copies back to back), with its
+quartiles: on a 2-core machine shared with other jobs, a 2-thread call stalls whenever another
+process takes a core, and the minimum is one lucky call. An A/A test (``main`` against an
+unchanged tree, ``--api --heads 8 --L 2048``, 2 threads, 30 rounds) read 0.728, 0.991 and
+0.967 by the minima in three runs, 0.997 and 0.999 by the median of the ratios (quartiles
+0.97..1.04). ``--order new,old`` swaps which copy is imported and called first.
 
 Usage::
 
@@ -18,6 +26,8 @@ Usage::
     python scripts/ab_forward.py HEAD~1 --backward
     python scripts/ab_forward.py HEAD~1 --api --heads 4 --L 4096 --D 128
     python scripts/ab_forward.py HEAD~1 --api --backward --heads 8 --L 2048 --causal
+    python scripts/ab_forward.py main --api --heads 8 --L 2048 --softcap 50 --threads 1
+    python scripts/ab_forward.py main --api --heads 8 --L 2048 --causal --window 256
 
 The copies live in a temporary folder, so the first call of each compiles (seconds).
 """
@@ -50,6 +60,16 @@ def parse_args(argv=None):
     ap.add_argument("--api", action="store_true",
                     help="time the public function on (1, H, L, D) with all threads")
     ap.add_argument("--heads", type=int, default=4, help="H for --api (default 4)")
+    ap.add_argument("--order", default="old,new", choices=("old,new", "new,old"),
+                    help="which copy is imported, compiled and called first in each round")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds of sleep before each timed call (default 0)")
+    ap.add_argument("--times", action="store_true", help="print every round's two times")
+    ap.add_argument("--softcap", type=float, default=None, help="--api: softcap= (default none)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="--api: window=(WINDOW, 0) (with --causal: a causal sliding window)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="--api: Numba threads (default: all)")
     return ap.parse_args(argv)
 
 
@@ -79,11 +99,19 @@ def main(argv=None):
 
     if not args.api:
         numba.set_num_threads(1)
+    elif args.threads:
+        numba.set_num_threads(args.threads)
+    variants = {}
+    if args.softcap is not None:
+        variants["softcap"] = args.softcap
+    if args.window is not None:
+        variants["window"] = (args.window, 0 if args.causal else None)
     heads = args.heads if args.api else 1
     with tempfile.TemporaryDirectory() as where:
         _copy_packages(args.rev, where)
         sys.path.insert(0, where)
-        pkgs = {name: importlib.import_module(f"sdpa_{name}.cpu") for name in ("old", "new")}
+        pkgs = {name: importlib.import_module(f"sdpa_{name}.cpu")
+                for name in args.order.split(",")}
         rng = np.random.default_rng(0)
         dt = np.dtype(args.dtype)
         q, k, v = (rng.standard_normal((1, heads, args.L, args.D)).astype(dt) for _ in range(3))
@@ -103,7 +131,7 @@ def main(argv=None):
         elif args.api:
             apis = {name: importlib.import_module(f"sdpa_{name}") for name in pkgs}
             calls = {name: (lambda cpu, res, name=name: apis[name].scaled_dot_product_attention(
-                q, k, v, is_causal=args.causal, out=res[0])) for name in pkgs}
+                q, k, v, is_causal=args.causal, out=res[0], **variants)) for name in pkgs}
             outs = {name: (np.empty_like(q),) for name in pkgs}
         elif args.backward:  # the working tree's forward gives both backwards their out, lse
             out, lse = np.empty_like(q), np.empty((1, 1, args.L), ct)  # q: stored dtype
@@ -122,23 +150,32 @@ def main(argv=None):
         times = {name: [] for name in pkgs}
         for _ in range(args.rounds):
             for name, cpu in pkgs.items():
+                if args.pause:
+                    time.sleep(args.pause)
                 t0 = time.perf_counter()
                 calls[name](cpu, outs[name])
                 times[name].append(time.perf_counter() - t0)
         best = {name: min(t) for name, t in times.items()}
         median = {name: np.median(t) for name, t in times.items()}
+        pair = np.array(times["old"]) / np.array(times["new"])
     flops = ((8 if args.backward else 4) * heads * args.L * args.L * args.D
              / (2 if args.causal else 1))
     diff = np.max(np.abs(_loaded(outs["old"][0]) - _loaded(outs["new"][0])))
     what = "backward" if args.backward else "forward"
+    what += "".join(f" {n}={x}" for n, x in variants.items())
     print(f"{what} L=S={args.L} D={args.D} {args.dtype}{' causal' if args.causal else ''}, "
           f"{f'H={heads}, API, {numba.get_num_threads()} threads' if args.api else '1 thread'}, "
           f"min of {args.rounds} alternations (and medians): "
           f"{args.rev} {flops / best['old'] / 1e9:.1f} "
           f"GFLOP/s, working tree {flops / best['new'] / 1e9:.1f} GFLOP/s "
           f"(new/old speed {best['old'] / best['new']:.3f}; of the medians "
-          f"{median['old'] / median['new']:.3f}); max |difference| {diff:.2e}; "
-          f"V starts {v.ctypes.data % 64} bytes into a cache line")
+          f"{median['old'] / median['new']:.3f}; median of the per-round ratios "
+          f"{np.median(pair):.3f}, quartiles {np.quantile(pair, 0.25):.3f}.."
+          f"{np.quantile(pair, 0.75):.3f}); max |difference| {diff:.2e}; "
+          f"V starts {v.ctypes.data % 64} bytes into a cache line; order {args.order}")
+    if args.times:
+        for a, b in zip(times["old"], times["new"]):
+            print(f"{a * 1e3:8.2f} {b * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, _absent, alibi_bias,
                             modifies_scores, query_range, sink_logit, user_keeps, user_score,
                             window_covers)
 from .storage import is_compute_dtype, load, store
-from .tanh import tanh
+from .tanh import scaled_tanh
 from .tasks import next_task, task_queue
 
 #: Keys per key/value block.
@@ -217,17 +217,17 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
     """The recipe's modified scores (:func:`sdpa_numba.score.recipe.modified_score`: soft cap,
     ALiBi, score_mod, in that order) on the first ``n_keys`` rows of Sᵀ, real lanes.
 
-    The soft cap is the seam's ``c · tanh(s / c)`` with the vectorizable :func:`.tanh.tanh`
-    over the whole tile (``math.tanh`` is a scalar call here); ALiBi and score_mod are the
-    seam's, element by element.
+    The soft cap is the seam's ``c · tanh(s / c)`` with the vectorizable
+    :func:`.tanh.scaled_tanh` over the whole tile (``math.tanh`` is a scalar call here); the
+    tile holds ``s / c`` then (:func:`attend_rows` folds ``1 / c`` into the packed queries).
+    ALiBi and score_mod are the seam's, element by element.
     """
     no_inline()
     prefer_512_bit()
     if r.softcap > 0:
         c = cast(r.softcap, st[0])
-        inv_c = cast(1.0, c) / c  # in the compute dtype: 1 / c would be float64
         for t in range(n_keys * BM):
-            st[t] = c * tanh(st[t] * inv_c)
+            st[t] = scaled_tanh(st[t], c)
     if _mods_scores(r):
         for j in range(n_keys):
             row = ptr_add(st, j * BM)
@@ -237,14 +237,17 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
 
 
 @njit(**CALLED)
-def _softmax_tile(st, n_keys, m, l, alpha, cap):
+def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi):
     """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
 
     Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
     updates ``m``, ``l``, ``alpha`` (pointers to BM lanes). ``cap > 0`` soft-caps the scores
-    first (``cap · tanh(s / cap)``), in the pass that finds their maximum: the caller passes
-    it only for tiles that nothing else modifies or masks (soft cap comes first in the
-    score's order, masks after it); 0 leaves the scores as they are.
+    first, in the pass that finds their maximum: the tile then holds ``s / cap`` and becomes
+    ``cap · tanh(s / cap)``; the caller passes it only for tiles that nothing else modifies
+    (soft cap comes first in the score's order). 0 leaves the scores as they are.
+    ``window``: that pass also masks (to -inf, after the soft cap) the scores of lane ``i``,
+    tile row ``j`` with ``i - j`` outside ``[w_lo, w_hi]`` (the window's band, see
+    :func:`attend_rows`); the caller passes it only for tiles that nothing else masks.
 
     Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
     converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
@@ -267,14 +270,37 @@ def _softmax_tile(st, n_keys, m, l, alpha, cap):
         m_old[i] = m[i]
     for i in range(BM):
         m_new[i] = m_old[i]
-    if cap > 0:
+    if window:
+        # The band test in the max pass, lane-wise: a pass of its own (_mask_tile, scalar
+        # stores over a varying number of lanes per row) cost more than the test. Lane numbers
+        # as floats compare in the scores' vector width; the bounds are small integers
+        # (clamped by the caller), exact in any float type.
+        lane = _lanes(m)
+        for i in range(BM):
+            lane[i] = i
+        neg_inf = cast(-np.inf, m_old[0])
+        for j in range(n_keys):
+            row = ptr_add(st, j * BM)
+            lo = cast(w_lo + j, m_old[0])
+            hi = cast(w_hi + j, m_old[0])
+            if cap > 0:
+                for i in range(BM):
+                    s = scaled_tanh(row[i], cap)
+                    s = s if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
+                    row[i] = s
+                    m_new[i] = s if s > m_new[i] else m_new[i]
+            else:
+                for i in range(BM):
+                    s = row[i] if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
+                    row[i] = s
+                    m_new[i] = s if s > m_new[i] else m_new[i]
+    elif cap > 0:
         # Fused into the max pass: a pass of its own over the tile (which the tile products'
         # operands push out of L1) cost twice as much.
-        inv_cap = cast(1.0, cap) / cap
         for j in range(n_keys):
             row = ptr_add(st, j * BM)
             for i in range(BM):
-                s = cap * tanh(row[i] * inv_cap)
+                s = scaled_tanh(row[i], cap)
                 row[i] = s
                 m_new[i] = s if s > m_new[i] else m_new[i]
     else:
@@ -449,7 +475,10 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     acc_o = aligned_full(n_pad * ev_pad if folds else 1, 0, ct)
     m_o = aligned_full(n_pad, -np.inf, ct)
     l_o = aligned_full(n_pad, 0, ct)
-    _pack_queries(q, i0, n, n_pad, cast(scale, lse), qt)
+    # A soft cap c takes the scores as s / c: its 1 / c is folded into the queries' scale
+    # (one multiply per query element instead of one per score).
+    qscale = cast(scale, lse) if r.softcap <= 0 else cast(scale / r.softcap, lse)
+    _pack_queries(q, i0, n, n_pad, qscale, qt)
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
@@ -494,7 +523,9 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
             in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)
             per_element = element and (not blocked or state == BLOCK_PARTIAL)
-            masked = mask is not None or not in_window or per_element
+            # A tile that only the window masks is masked in the softmax's first pass.
+            band = not in_window and mask is None and not per_element
+            masked = mask is not None or (not in_window and not band) or per_element
             # A soft cap alone on an unmasked tile is done by the softmax's first pass.
             cap = zero
             if r.softcap > 0 and not masked and not _mods_scores(r):
@@ -504,8 +535,14 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             if masked:
                 _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, not in_window,
                            per_element)
+            # Lane i (row i_first + i), tile row j (key j0 + j) is in the window iff
+            # -right <= (i_first + i + offset) - (j0 + j) <= left. i - j is within
+            # (-BN, BM): bounds clamped past that keep the band and fit any float.
+            d = i_first + r.offset - j0
+            w_lo = min(max(-r.right - d, -BN - 1), BM + 1)
+            w_hi = min(max(r.left - d, -BN - 1), BM + 1)
             _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
-                          ptr_add(p_alpha, r0), cap)
+                          ptr_add(p_alpha, r0), cap, band, w_lo, w_hi)
             # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),

@@ -48,9 +48,21 @@ def kernel_types(dtype, mask_kind):
     return st, ct, mask_t
 
 
+#: The Python types of a recipe's numbers (offset, left, right, softcap, batch_offset) whose
+#: Numba types are PLAIN_RECIPE's.
+_PLAIN_NUMBERS = (np.int64, np.int64, np.int64, np.float64, np.int64)
+
+
 def recipe_type(r):
-    """The Numba type of recipe ``r`` (cheap for the plain ones)."""
+    """The Numba type of recipe ``r`` (cheap for the plain ones: dense, causal, windows, soft
+    cap; ``typeof`` of a recipe took ~0.17 ms, 1% of a causal sliding-window call at B1 H8
+    L2048 D64)."""
     if r is DENSE or r is CAUSAL:
+        return PLAIN_RECIPE
+    if (r.alibi is None and r.sinks is None and r.score_mod is None and r.mask_mod is None
+            and r.score_mod_grad is None and r.block_mask is None
+            and type(r.mod_args) is tuple and not r.mod_args
+            and all(type(x) is t for x, t in zip(r[:5], _PLAIN_NUMBERS))):
         return PLAIN_RECIPE
     return typeof(r)
 

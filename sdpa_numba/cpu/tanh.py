@@ -1,16 +1,20 @@
 """A vectorizable tanh for the soft cap (``c · tanh(s / c)``) in float32.
 
 ``math.tanh`` is a scalar libm call here (no SVML in Numba 0.68), so a soft-capped score tile
-would cost more than its Q·Kᵀ. For float32 this is a
-truncation of Lambert's continued fraction ``tanh x = x / (1 + x²/(3 + x²/(5 + ...)))``: its
-13th convergent is ``x · P(x²) / Q(x²)`` with P and Q of degree 6 in ``x²`` and positive
-coefficients (no pole, no cancellation), computed below from the fraction itself. ``x`` is
-clamped to ±7.9053111 (where float32 tanh is 1). Twelve FMAs and one division by a reciprocal
-estimate (vrcp14ps and a Newton step), no exponential. Measured here: 3.2e-7 relative error at
-most (about 3 ulp), odd, exact at 0, |tanh| <= 1; NaN stays NaN. A 64 x 64 score tile costs
-about 0.3 ns per score on one core (the softmax's pass over it: 0.21-0.26; an exp2-based tanh
-with a polynomial near 0: about twice as much). float64 uses ``math.tanh`` (its scalar speed is
-that dtype's usual price). tests/test_variants.py checks the bound on a grid.
+would cost more than its Q·Kᵀ. For float32 this is ``x · P(x²) / Q(x²)`` with P of degree 6 and
+Q of degree 3 in ``x²``, a near-minimax rational for the relative error on [0, 7.9053111]
+(fitted by iteratively reweighted linear least squares on 6000 Chebyshev nodes, ``P - tanh(x)/x
+· Q`` weighted by the previous round's ``1 / (tanh(x)/x · Q)`` and error: 2.9e-9 in exact
+arithmetic, P(0) then pinned to 1). ``x`` is clamped to ±7.9053111 (where float32 tanh is 1).
+Nine FMAs and one division by a reciprocal estimate (vrcp14ps and a Newton step), no
+exponential; the 13th convergent of Lambert's continued fraction, of the same accuracy in
+float32, took twelve FMAs. Measured here: 2.4e-7 relative error at most (about 2 ulp, the
+float32 evaluation's; 3.1e-7 for :func:`scaled_tanh`), odd, exact at 0, |tanh| <= 1; NaN stays
+NaN. The soft cap's pass over
+a 64 x 64 score tile costs about 0.3 ns per score on one core (the softmax's pass over it:
+0.21-0.26; an exp2-based tanh with a polynomial near 0: about twice as much). float64 uses
+``math.tanh`` (its scalar speed is that dtype's usual price). tests/test_variants.py checks the
+bound on a grid.
 """
 
 import math
@@ -21,28 +25,10 @@ from numba.extending import intrinsic, overload
 
 from .options import FASTMATH, INLINE
 
-#: Convergents of Lambert's continued fraction taken: 13 is the first whose float32 error
-#: (with the division below) stays within 3 ulp on [-8, 8].
-_TERMS = 13
-
-
-def _lambert(n):
-    """``(P, Q)``, lowest degree first, of the ``n``-th convergent of Lambert's continued
-    fraction, ``tanh x = x · P(x²) / Q(x²)``, scaled so that ``Q(0) = 1``: the fraction is
-    folded from its last term up, ``K_k = (2k - 1) + x² / K_{k+1}`` as numerator/denominator
-    polynomials in ``x²``, in exact integers."""
-    num, den = [2 * n - 1], [1]  # K_n
-    for k in range(n - 1, 0, -1):  # K_k = ((2k - 1) num + x² den) / num
-        shifted = [0] + den
-        new = [(2 * k - 1) * (num[i] if i < len(num) else 0)
-               + (shifted[i] if i < len(shifted) else 0)
-               for i in range(max(len(num), len(shifted)))]
-        num, den = new, num
-    # tanh x = x / K_1 = x · den / num
-    return tuple(c / num[0] for c in den), tuple(c / num[0] for c in num)
-
-
-_P, _Q = _lambert(_TERMS)
+#: P and Q, lowest degree first, in ``x²``: ``tanh x ≈ x · P(x²) / Q(x²)``.
+_P = (1.0, 0.13128039581959738, 0.003153553667595499, 1.168885925606434e-05,
+      -2.2525310618627864e-08, 6.484600216247213e-11, -1.1935671873931358e-13)
+_Q = (1.0, 0.4646137135106223, 0.024691486600474224, 0.0002619212106737747)
 #: The coefficients below the leading one, highest degree first (Horner's order).
 _P_REST = _P[-2::-1]
 _Q_REST = _Q[-2::-1]
@@ -63,6 +49,24 @@ def _ratio(typingctx, p, q):
                                                      "reassoc"))
 
     return sig, codegen
+
+
+@njit(**INLINE)
+def _scaled_tanh_f32(x, a):
+    """``a · tanh(x)``, with ``a`` folded into P's coefficients: loop-invariant where ``a``
+    is, so the product costs no operation per element."""
+    c = np.float32
+    # Clamped so that a NaN passes through (a compare with NaN is false): vmaxps/vminps.
+    y = c(-_CLAMP) if x < c(-_CLAMP) else x
+    y = c(_CLAMP) if y > c(_CLAMP) else y
+    y2 = y * y
+    p = a * c(_P[-1])
+    for n in literal_unroll(_P_REST):
+        p = p * y2 + a * c(n)
+    q = c(_Q[-1])
+    for n in literal_unroll(_Q_REST):
+        q = q * y2 + c(n)
+    return _ratio(y * p, q)
 
 
 @njit(**INLINE)
@@ -92,4 +96,21 @@ def _tanh(x):
         return lambda x: _tanh_f32(x)
     if x == types.float64:
         return lambda x: math.tanh(x)
+    return None
+
+
+def scaled_tanh(x, a):
+    """``a · tanh(x)`` in x's precision, ``a`` of x's type (jitted code only). For float32,
+    ``a`` is folded into the polynomial's coefficients (a soft cap ``c · tanh(s / c)`` whose
+    ``1 / c`` is already in the scores then costs no multiply per score): within an ulp or two
+    of ``a * tanh(x)``, not bitwise."""
+    raise NotImplementedError("scaled_tanh is only callable from jitted code")
+
+
+@overload(scaled_tanh, fastmath=FASTMATH)
+def _scaled_tanh(x, a):
+    if x == types.float32 and a == types.float32:
+        return lambda x, a: _scaled_tanh_f32(x, a)
+    if x == types.float64 and a == types.float64:
+        return lambda x, a: a * math.tanh(x)
     return None
