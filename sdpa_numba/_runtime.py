@@ -22,8 +22,13 @@ switch and on-disk cache.
   to, each with a warning, instead of failing every later call.
 * :func:`caching_available`: where Numba can write no cache at all (package directory, HOME and
   NUMBA_CACHE_DIR unwritable), the kernels are compiled without caching, with a warning.
+* :func:`stamp_caches`: Numba judges a cached kernel fresh by its own source file only, so a
+  kernel whose inlined helpers changed in another module (a new tanh, a new score seam) would
+  load stale machine code from the cache. Every cached kernel of the package is stamped with a
+  hash of the whole package's source instead: any change to it recompiles them all.
 """
 
+import hashlib
 import os
 import sys
 import threading
@@ -123,6 +128,40 @@ def _package_dispatchers():
                 yield obj
 
 
+_package_stamp = None
+
+
+def package_stamp():
+    """A hash of the contents of every ``.py`` file of the package (once per process)."""
+    global _package_stamp
+    if _package_stamp is None:
+        root = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha256()
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+        _package_stamp = "sdpa_numba:" + h.hexdigest()
+    return _package_stamp
+
+
+def stamp_caches():
+    """Give every cached kernel of the package the package's stamp (:func:`package_stamp`) in
+    place of its own file's modification time and size, before anything loads or saves it.
+
+    Numba keys a cache entry on the function's own bytecode and checks its index against its
+    own file's stamp, but the kernels inline helpers from other modules (the score seam, the
+    micro-kernel, tanh): edited alone, those would leave the kernels' caches "fresh" with old
+    machine code in them. Idempotent; cheap after the first call.
+    """
+    stamp = package_stamp()
+    for d in _package_dispatchers():
+        d._cache._cache_file._source_stamp = stamp
+
+
 def _discard_corrupt_caches():
     """Empty the index of every cache whose index or data files do not load; return the
     index files discarded."""
@@ -159,6 +198,7 @@ def compile_entry(dispatcher, sig):
     discarded and the function recompiled; a cache that cannot be written (a full disk) is
     no longer written to. Both with a warning, instead of failing this and every later call.
     """
+    stamp_caches()  # kernel modules imported after the package's first stamping
     try:
         dispatcher.compile(sig)
     except OSError as e:

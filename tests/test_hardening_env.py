@@ -316,6 +316,36 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))""", 1)
     assert "cannot write Numba's cache" in out
 
 
+_SOFTMAX_CALL = """
+import numpy as np
+from sdpa_numba.cpu import online_softmax_update as f
+s, v = np.ones((1, 3)), np.ones((3, 2))
+m, l, acc = np.full(1, -np.inf), np.zeros(1), np.zeros((1, 2))
+f(s, v, m, l, acc)
+print(sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))
+"""
+
+
+def test_editing_a_helper_module_invalidates_the_cached_kernels(tmp_path):
+    # Numba checks a cached kernel against its own file only; online_softmax_update inlines
+    # exp2 from cpu/exp2.py. A copy of the package, its cache in tmp_path: after an edit of
+    # exp2.py alone the kernel must be recompiled, not loaded.
+    pkg = tmp_path / "pkg"
+    shutil.copytree(ROOT / "sdpa_numba", pkg / "sdpa_numba",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(PYTHONPATH=str(pkg), NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def hits_and_misses():
+        out = ok(run_python(_SOFTMAX_CALL, timeout=300, cwd=tmp_path, **env))
+        return tuple(int(x) for x in out.split()[-2:])
+
+    assert hits_and_misses() == (0, 1)  # compiled and saved
+    assert hits_and_misses() == (1, 0)  # unchanged: loaded from the cache
+    helper = pkg / "sdpa_numba" / "cpu" / "exp2.py"
+    helper.write_text(helper.read_text() + "\n# edited\n")
+    assert hits_and_misses() == (0, 1)  # an inlined helper edited: compiled afresh
+
+
 def test_no_writable_cache_location_compiles_without_cache(tmp_path):
     # A copy of the package whose __pycache__ are files (so nothing can be written next to
     # it, even by root), with HOME, XDG_CACHE_HOME and NUMBA_CACHE_DIR under a regular file.

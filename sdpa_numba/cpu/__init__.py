@@ -13,6 +13,7 @@
   their lse (:mod:`sdpa_numba.score.merge`, target-neutral).
 """
 
+from .._runtime import stamp_caches
 from .backward import backward
 from .decode import decode, decode_serial
 from .forward import forward, forward_head
@@ -20,6 +21,9 @@ from .from_python import explain_float16
 from .online_softmax import online_softmax_finalize, online_softmax_update
 from ..score.merge import merge_row, merge_rows, merge_weights
 from .varlen import varlen_backward, varlen_forward
+
+# Before any kernel loads from Numba's cache: stale caches of edited helpers are not loaded.
+stamp_caches()
 
 for _kernel in (forward, forward_head, backward, online_softmax_update, online_softmax_finalize,
                 decode, decode_serial, varlen_forward, varlen_backward):
