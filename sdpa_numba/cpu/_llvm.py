@@ -5,9 +5,11 @@
 * a fixed-size stack buffer (``alloca``) that LLVM promotes to registers;
 * a function attribute asking for 512-bit vectors in the function being compiled (LLVM prefers
   256-bit code on many AVX-512 CPUs; setting it per function leaves the rest of the user's
-  Numba code untouched, unlike a process-wide ``NUMBA_CPU_FEATURES``);
+  Numba code untouched, unlike a process-wide ``NUMBA_CPU_FEATURES``), and whether the CPU
+  Numba compiles for has 512-bit vector registers at all;
 * float16 <-> float32 conversion of uint16 bit patterns (Numba's CPU target has no float16);
 * bfloat16 <-> float32 conversion of int16 bit patterns (nor bfloat16);
+* a row multiply-add that LLVM may fuse but not reorder, for sums whose order must not change;
 * rint(x) and 2**rint(x) by the magic-number trick, for the vectorizable exp2;
 * an atomic fetch-and-add, for the kernels' task queue (:mod:`.tasks`).
 """
@@ -82,6 +84,37 @@ def prefer_512_bit(typingctx):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+_PROBE_IR = """
+define <16 x float> @probe(<16 x float> %a, <16 x float> %b) {
+  %c = fadd <16 x float> %a, %b
+  ret <16 x float> %c
+}
+"""
+
+
+def has_512_bit_vectors():
+    """Whether the CPU that Numba compiles for has 512-bit vector registers (AVX-512).
+
+    Asks LLVM with the CPU name and features Numba's code generator uses, so that
+    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` are honoured (a CPU name without features, or
+    features that leave ``avx512f`` to the name's defaults, included): a 16-float addition
+    compiled for that target uses zmm registers exactly when it has them. Milliseconds; once,
+    at import.
+    """
+    import llvmlite.binding as ll
+    from numba.core import codegen, config
+
+    codegen.initialize_llvm()
+    name = config.CPU_NAME or ll.get_host_cpu_name()
+    features = (config.CPU_FEATURES if config.CPU_FEATURES is not None
+                else codegen.get_host_cpu_features())
+    tm = ll.Target.from_triple(ll.get_process_triple()).create_target_machine(
+        cpu=name, features=features, opt=2)
+    mod = ll.parse_assembly(_PROBE_IR)
+    mod.verify()
+    return "zmm" in tm.emit_assembly(mod)
 
 
 @intrinsic
@@ -167,6 +200,46 @@ def float32_to_bf16_bits(typingctx, x):
         return builder.trunc(builder.select(is_nan, quiet, rounded), ir.IntType(16))
 
     return sig, codegen
+
+
+def row_mul_add(width):
+    """Make an intrinsic ``f(acc, x, b)``: ``acc[0:width] += x * b[0:width]`` (pointers, a
+    scalar) as one vector operation with only the ``contract`` flag, for ``width`` fixed here.
+
+    The multiply-add may be fused into an FMA, but the additions are never reassociated,
+    whatever fast-math flags the caller has: a running sum of these over a loop keeps its
+    written order. (Written as scalar ``+=`` under ``reassoc``, a register tile of 4 x 16
+    float32 compiled for AVX2 had its loop over k vectorized as reductions, interleaved
+    partial sums, which changed the last bits; written as scalar in-order adds, the SLP
+    vectorizer left it scalar.) ``b`` needs no alignment.
+    """
+
+    @intrinsic
+    def _row_mul_add(typingctx, acc, x, b):
+        if not (isinstance(acc, types.CPointer) and isinstance(acc.dtype, types.Float)
+                and acc == b and x == acc.dtype):
+            return None
+        sig = types.void(acc, x, b)
+
+        def codegen(context, builder, signature, args):
+            fty = context.get_data_type(signature.args[1])
+            align = signature.args[1].bitwidth // 8
+            vty = ir.VectorType(fty, width)
+            i32 = ir.IntType(32)
+            pa = builder.bitcast(args[0], vty.as_pointer())
+            pb = builder.bitcast(args[2], vty.as_pointer())
+            one = builder.insert_element(ir.Constant(vty, ir.Undefined), args[1],
+                                         ir.Constant(i32, 0))
+            splat = builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                           ir.Constant(ir.VectorType(i32, width), [0] * width))
+            prod = builder.fmul(splat, builder.load(pb, align=align), flags=("contract",))
+            total = builder.fadd(builder.load(pa, align=align), prod, flags=("contract",))
+            builder.store(total, pa, align=align)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _row_mul_add
 
 
 @intrinsic

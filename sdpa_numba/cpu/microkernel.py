@@ -3,17 +3,20 @@
 ``c[0:rows, 0:NR] = a[0:rows, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``, or with
 :func:`tile_product_lanes` ``+ c @ diag(alpha)``), on raw pointers with leading dimensions, for
 ``rows`` = MR (4, the backward) or MR_WIDE (6, the forward; 4 for the forward's last value
-rows). The rows x NR accumulator is a fixed-size stack buffer indexed with constant bounds:
-once LLVM unrolls the loops it lives in vector registers (16 or 24 zmm for float32), which is
-what makes this run near the core's FMA peak. A Numba array would stay in
-memory. Rows are independent: row r of c depends only on row r of a, in a fixed order, so the
-result of a row never depends on which tile or thread computed it.
+rows). The accumulator is a fixed-size stack buffer indexed with constant bounds: once LLVM
+unrolls the loops it lives in vector registers, which is what makes this run near the core's
+FMA peak. A Numba array would stay in memory. With AVX-512 (32 zmm) a float32 pass holds the
+whole rows x NR tile (16 or 24 zmm); with 16 ymm registers (AVX2) that tile would spill, so the
+NR columns are done as column chunks of :data:`CHUNK_BYTES` per row (6 x 16 float32 = 12 ymm).
+Each ``c[r, j]`` is summed over k in the same order either way, so the result does not depend
+on the tile shape. Rows are independent: row r of c depends only on row r of a, in a fixed
+order, so the result of a row never depends on which tile or thread computed it.
 """
 
 from numba import njit, types
 from numba.extending import overload
 
-from ._llvm import prefer_512_bit, ptr_add, stack_buffer
+from ._llvm import has_512_bit_vectors, prefer_512_bit, ptr_add, row_mul_add, stack_buffer
 from .options import CALLED, INLINE
 
 #: Rows of the backward's micro-tiles.
@@ -26,34 +29,21 @@ MR_WIDE = 6
 #: per row for float32. (NR = 32 kept the accumulator in memory in our measurements.)
 NR = 64
 
-_acc_buffer = stack_buffer(MR_WIDE * NR)
+#: Whether the CPU Numba compiles for has 32 512-bit vector registers (AVX-512), which pick the
+#: register tile below. A module constant is safe with Numba's cache: the cache index keys on
+#: the CPU name and features that Numba compiles for, the same ones this is derived from, so
+#: code compiled with the other value is never loaded.
+WIDE_VECTORS = has_512_bit_vectors()
+#: Bytes of a row's accumulator in one register pass without AVX-512 (with it a pass holds all
+#: NR columns): 2 ymm (float32: 16 columns, float64: 8), so a 6-row pass holds 12 of the 16
+#: ymm and leaves room for the loads of b and the broadcast of a.
+CHUNK_BYTES = 64
 
 
-@njit(**INLINE)
-def _set(acc, c, ldc, alpha, mr):
-    pass
-
-
-@njit(**INLINE)
-def _row_fold(acc, c, ldc, alpha, mr):
-    for r in range(mr):
-        cr = ptr_add(c, r * ldc)
-        ar = alpha[r]
-        for j in range(NR):
-            acc[r * NR + j] += ar * cr[j]
-
-
-@njit(**INLINE)
-def _lane_fold(acc, c, ldc, alpha, mr):
-    for r in range(mr):
-        cr = ptr_add(c, r * ldc)
-        for j in range(NR):
-            acc[r * NR + j] += alpha[j] * cr[j]
-
-
-def _make_pass(fold):
-    """A register pass over ``mr`` rows: the product is summed from zero in registers, then
-    ``fold`` writes it into ``c`` (``c = a @ b`` or ``c = alpha ∘ c + a @ b``).
+def _make_pass(fold, width):
+    """A register pass over ``mr`` rows and ``width`` columns: the product is summed from zero
+    in registers, then ``fold`` writes it into ``c`` (``c = a @ b`` or
+    ``c = alpha ∘ c + a @ b``).
 
     The old ``c`` is folded in once, at the end, rather than loaded as the sum's start: over
     a long sequence of calls (the forward's P·V over S / BN key blocks, the backward's dK,
@@ -64,30 +54,76 @@ def _make_pass(fold):
     storing into ``c`` while loading ``alpha``, which LLVM cannot prove apart, could keep the
     fold scalar.)
     """
+    acc_buffer = stack_buffer(MR_WIDE * width)
+
+    if width == NR:
+        @njit(**INLINE)
+        def sum_over_k(acc, a, a_rs, a_ks, b, ldb, k_len, mr):
+            for kk in range(k_len):
+                bk = ptr_add(b, kk * ldb)
+                for r in range(mr):
+                    a_rk = a[r * a_rs + kk * a_ks]
+                    for j in range(width):
+                        acc[r * width + j] += a_rk * bk[j]
+    else:
+        # A narrow tile leaves the loop vectorizer few enough scalar sums to vectorize the loop
+        # over k as reductions (interleaved partial sums): one vector multiply-add per row
+        # keeps each sum in the order of the wide tile, so the result does not depend on it.
+        mul_add = row_mul_add(width)
+
+        @njit(**INLINE)
+        def sum_over_k(acc, a, a_rs, a_ks, b, ldb, k_len, mr):
+            for kk in range(k_len):
+                bk = ptr_add(b, kk * ldb)
+                for r in range(mr):
+                    mul_add(ptr_add(acc, r * width), a[r * a_rs + kk * a_ks], bk)
 
     @njit(**INLINE)
     def tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr):
-        acc = _acc_buffer(a)
-        for t in range(mr * NR):
+        acc = acc_buffer(a)
+        for t in range(mr * width):
             acc[t] = 0
-        for kk in range(k_len):
-            bk = ptr_add(b, kk * ldb)
-            for r in range(mr):
-                a_rk = a[r * a_rs + kk * a_ks]
-                for j in range(NR):
-                    acc[r * NR + j] += a_rk * bk[j]
-        fold(acc, c, ldc, alpha, mr)
+        sum_over_k(acc, a, a_rs, a_ks, b, ldb, k_len, mr)
+        fold(acc, c, ldc, alpha, mr, width)
         for r in range(mr):
             cr = ptr_add(c, r * ldc)
-            for j in range(NR):
-                cr[j] = acc[r * NR + j]
+            for j in range(width):
+                cr[j] = acc[r * width + j]
 
     return tile_pass
 
 
-_set_pass = _make_pass(_set)
-_add_pass = _make_pass(_row_fold)
-_lane_add_pass = _make_pass(_lane_fold)
+@njit(**INLINE)
+def _set(acc, c, ldc, alpha, mr, width):
+    pass
+
+
+@njit(**INLINE)
+def _row_fold(acc, c, ldc, alpha, mr, width):
+    for r in range(mr):
+        cr = ptr_add(c, r * ldc)
+        ar = alpha[r]
+        for j in range(width):
+            acc[r * width + j] += ar * cr[j]
+
+
+@njit(**INLINE)
+def _lane_fold(acc, c, ldc, alpha, mr, width):
+    for r in range(mr):
+        cr = ptr_add(c, r * ldc)
+        for j in range(width):
+            acc[r * width + j] += alpha[j] * cr[j]
+
+
+#: The register passes by (fold, columns), made on first use: columns NR (AVX-512) or a chunk.
+_tile_passes = {}
+
+
+def _tile_pass(fold, width):
+    key = (fold, width)
+    if key not in _tile_passes:
+        _tile_passes[key] = _make_pass(fold, width)
+    return _tile_passes[key]
 
 
 @njit(**INLINE)
@@ -133,7 +169,10 @@ def _make_passes(lane_alpha):
         # passes or the other kind of start reaches LLVM (it did, as dead branches, and
         # doubled the forward's compile time).
         scaled = not isinstance(alpha, types.NoneType)
-        tile_pass = (_lane_add_pass if lane_alpha else _add_pass) if scaled else _set_pass
+        fold = (_lane_fold if lane_alpha else _row_fold) if scaled else _set
+        if not WIDE_VECTORS:
+            return _column_chunks(fold, CHUNK_BYTES * 8 // a.dtype.bitwidth, scaled and lane_alpha)
+        tile_pass = _tile_pass(fold, NR)
         if a.dtype != types.float64:
             # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass.
             def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
@@ -161,3 +200,21 @@ def _make_passes(lane_alpha):
 
 _passes = _make_passes(False)
 _lane_passes = _make_passes(True)
+
+
+def _column_chunks(fold, width, per_column):
+    """The tile as NR / ``width`` passes over all its rows, one per chunk of ``width`` columns
+    (the register tile for CPUs with 16 vector registers); ``per_column``: ``alpha`` has one
+    factor per column, so each chunk takes its own."""
+    tile_pass = _tile_pass(fold, width)
+    if per_column:
+        def chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            for j0 in range(0, NR, width):
+                tile_pass(a, a_rs, a_ks, ptr_add(b, j0), ldb, ptr_add(c, j0), ldc, k_len,
+                          ptr_add(alpha, j0), rows)
+    else:  # no alpha, or one per row: the same for every chunk
+        def chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            for j0 in range(0, NR, width):
+                tile_pass(a, a_rs, a_ks, ptr_add(b, j0), ldb, ptr_add(c, j0), ldc, k_len,
+                          alpha, rows)
+    return chunks
