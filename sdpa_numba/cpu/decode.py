@@ -43,12 +43,13 @@ from ..score.merge import merge_finish, merge_max, merge_weight
 from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_range,
                             modified_score, modifies_scores, sink_logit, user_keeps,
                             window_covers)
-from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stash, unstash
+from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
+                    prefer_512_bit, ptr_add, stack_buffer, stash, unstash)
 from .online_softmax import softmax_row
 from .options import CALLED, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..score.numbers import cast
-from .storage import load, store
+from .storage import is_compute_dtype, load, store
 from .tasks import next_task, task_queue
 
 #: Keys per chunk (a task, and a partial result merged by lse). Large enough that a chunk's
@@ -58,6 +59,28 @@ CHUNK = 512
 #: Keys per block: a block's scores of all rows of one key/value head are kept in a scratch row
 #: (``BN`` per row) between the score, softmax and ``P V`` loops.
 BN = 32
+#: Lanes of the score loop's partial sums: one vector of float32 (16 with AVX-512, else 8).
+#: A score is summed lane-wise over E (lane ``l`` takes elements ``e = l mod LANES``), and
+#: LANES such dot products are reduced together (:func:`._llvm.lane_dots`).
+LANES = 16 if has_512_bit_vectors() else 8
+#: Keys per pass of four query rows: 4 x KB dot products, LANES in all.
+KB = LANES // 4
+
+_sums = stack_buffer(LANES)
+_dots_4xkb = lane_dots(4, KB, LANES)
+_dots_1xlanes = lane_dots(1, LANES, LANES)
+
+
+def lanewise(x):
+    """Whether the score loop sums lane-wise for compute dtype ``x.dtype`` (jitted code only;
+    a compile-time constant): float32 only, where LANES partial sums take one vector."""
+    raise NotImplementedError("lanewise is only callable from jitted code")
+
+
+@overload(lanewise)
+def _lanewise(x):
+    yes = x.dtype == types.float32
+    return lambda x: yes
 
 
 @njit(**INLINE)
@@ -127,6 +150,61 @@ def block_offsets(block_table, b, j0, n, page_size, kps, kss, vps, vss, koff, vo
             page += 1
 
 
+@njit(**INLINE)
+def _key_scores(qp, kp, s, i0, rr, rows, e_len, j, zero):
+    """Scores ``s[(i0 + rr') * BN + j]`` of key ``j`` (at ``kp``) for rows ``rr' = rr ..
+    rows - 1`` (queries at ``qp + (i0 + rr') * e_len``), each dot product summed over E and
+    reduced on its own."""
+    # Four rows at once (GQA, Lq > 1): each key element is loaded once for them (CPU time of
+    # one thread, B1 Hq32 H8 S256 D128 in cache: 22 -> 25 GFLOP/s).
+    while rr + 4 <= rows:
+        q0 = ptr_add(qp, (i0 + rr) * e_len)
+        q1 = ptr_add(q0, e_len)
+        q2 = ptr_add(q1, e_len)
+        q3 = ptr_add(q2, e_len)
+        x0 = zero
+        x1 = zero
+        x2 = zero
+        x3 = zero
+        for e in range(e_len):
+            kv = load(kp[e])
+            x0 += q0[e] * kv
+            x1 += q1[e] * kv
+            x2 += q2[e] * kv
+            x3 += q3[e] * kv
+        i = i0 + rr
+        s[i * BN + j] = x0
+        s[(i + 1) * BN + j] = x1
+        s[(i + 2) * BN + j] = x2
+        s[(i + 3) * BN + j] = x3
+        rr += 4
+    for rr in range(rr, rows):
+        qr = ptr_add(qp, (i0 + rr) * e_len)
+        x = zero
+        for e in range(e_len):
+            x += qr[e] * load(kp[e])
+        s[(i0 + rr) * BN + j] = x
+
+
+@njit(**INLINE)
+def _scores_4xkb(qp, kbase, kof, kh, e_len, sp, i, j):
+    """Scores of rows ``i .. i + 3`` (queries at ``qp + row * e_len``) against keys ``j .. j +
+    KB - 1`` (key ``jj`` at ``kbase + kof[jj] + kh``) into ``sp[row * BN + jj]``
+    (:func:`._llvm.lane_dots`). E a multiple of LANES."""
+    sums = _sums(sp)
+    _dots_4xkb(ptr_add(qp, i * e_len), e_len, kbase, ptr_add(kof, j), kh, e_len, sums)
+    for r in range(4):
+        for kk in range(KB):
+            sp[(i + r) * BN + j + kk] = sums[r * KB + kk]
+
+
+@njit(**INLINE)
+def _scores_1xlanes(qp, kbase, kof, kh, e_len, sp, i, j):
+    """Scores of row ``i`` against keys ``j .. j + LANES - 1`` (as :func:`_scores_4xkb`)."""
+    _dots_1xlanes(ptr_add(qp, i * e_len), e_len, kbase, ptr_add(kof, j), kh, e_len,
+                  ptr_add(sp, i * BN + j))
+
+
 @njit(**CALLED)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
            part_lse):
@@ -178,6 +256,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     qp = data_ptr(qs)
     sp = data_ptr(s)
     ap = data_ptr(acc)
+    kofp = data_ptr(koff)
     # Block by block, the block's keys, then its values, in address order (see h_step).
     for h_lo in range(0, h_len, h_step):
         h_hi = h_lo + h_step
@@ -186,40 +265,32 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             block_offsets(block_table, b, b0, n, page_size, kps, kss, vps, vss, koff, voff)
             # The window (and causality) per element only where it cuts the block.
             cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
-            for j in range(n):
+            # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
+            # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
+            j = 0
+            if (lanewise(part_lse) and is_compute_dtype(k_cache, part_lse) and e_len > 0
+                    and e_len % LANES == 0):
+                kb = KB if rows >= 4 else LANES
+                while j + kb <= n:
+                    for h in range(h_lo, h_hi):
+                        i0 = h * rows
+                        kh = h * khs
+                        if rows >= 4:
+                            rr = 0
+                            while rr + 4 <= rows:
+                                _scores_4xkb(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
+                                rr += 4
+                            for jj in range(j, j + kb):  # the rows left over, key by key
+                                kp = ptr_add(kbase, koff[jj] + kh)
+                                _key_scores(qp, kp, s, i0, rr, rows, e_len, jj, zero)
+                        else:
+                            for rr in range(rows):
+                                _scores_1xlanes(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
+                    j += kb
+            for j in range(j, n):
                 for h in range(h_lo, h_hi):
-                    # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t).
                     kp = ptr_add(kbase, koff[j] + h * khs)
-                    rr = 0
-                    # Four rows at once (GQA, Lq > 1): each key element is loaded once for them
-                    # (CPU time of one thread, B1 Hq32 H8 S256 D128 in cache: 22 -> 25 GFLOP/s).
-                    while rr + 4 <= rows:
-                        q0 = ptr_add(qp, (h * rows + rr) * e_len)
-                        q1 = ptr_add(q0, e_len)
-                        q2 = ptr_add(q1, e_len)
-                        q3 = ptr_add(q2, e_len)
-                        x0 = zero
-                        x1 = zero
-                        x2 = zero
-                        x3 = zero
-                        for e in range(e_len):
-                            kv = load(kp[e])
-                            x0 += q0[e] * kv
-                            x1 += q1[e] * kv
-                            x2 += q2[e] * kv
-                            x3 += q3[e] * kv
-                        i = h * rows + rr
-                        s[i * BN + j] = x0
-                        s[(i + 1) * BN + j] = x1
-                        s[(i + 2) * BN + j] = x2
-                        s[(i + 3) * BN + j] = x3
-                        rr += 4
-                    for rr in range(rr, rows):
-                        qr = ptr_add(qp, (h * rows + rr) * e_len)
-                        x = zero
-                        for e in range(e_len):
-                            x += qr[e] * load(kp[e])
-                        s[(h * rows + rr) * BN + j] = x
+                    _key_scores(qp, kp, s, h * rows, 0, rows, e_len, j, zero)
             for h in range(h_lo, h_hi):
                 if cut or modifies_scores(r) or has_element_mask(r):
                     _recipe_block(s[h * rows * BN:(h + 1) * rows * BN], r, b, h, g, lq, kv_len,
@@ -268,7 +339,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                         ar = ptr_add(ap, i * ev)
                         for d in range(ev):
                             ar[d] += p * load(vp[d])
-    keep_alive((k_cache, v_cache, qs, s, acc))
+    keep_alive((k_cache, v_cache, qs, s, acc, koff))
     for i in range(hq * lq):
         if l[i] == 0:
             part_lse[i] = -np.inf
