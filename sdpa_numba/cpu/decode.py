@@ -46,10 +46,10 @@ from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_rang
 from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
                     prefer_512_bit, ptr_add, stack_buffer, stash, unstash)
 from .online_softmax import softmax_row
-from .options import CALLED, INLINE, KERNEL
+from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..score.numbers import cast
-from .storage import is_compute_dtype, load, store
+from .storage import load, store
 from .tasks import next_task, task_queue
 
 #: Keys per chunk (a task, and a partial result merged by lse). Large enough that a chunk's
@@ -69,18 +69,6 @@ KB = LANES // 4
 _sums = stack_buffer(LANES)
 _dots_4xkb = lane_dots(4, KB, LANES)
 _dots_1xlanes = lane_dots(1, LANES, LANES)
-
-
-def lanewise(x):
-    """Whether the score loop sums lane-wise for compute dtype ``x.dtype`` (jitted code only;
-    a compile-time constant): float32 only, where LANES partial sums take one vector."""
-    raise NotImplementedError("lanewise is only callable from jitted code")
-
-
-@overload(lanewise)
-def _lanewise(x):
-    yes = x.dtype == types.float32
-    return lambda x: yes
 
 
 @njit(**INLINE)
@@ -205,6 +193,46 @@ def _scores_1xlanes(qp, kbase, kof, kh, e_len, sp, i, j):
                   ptr_add(sp, i * BN + j))
 
 
+def lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero):
+    """The scores of a block's first keys by :func:`._llvm.lane_dots`, for the heads ``h_lo ..
+    h_hi - 1``: KB keys x 4 rows per pass (LANES keys x 1 row where a head has fewer than four
+    rows), the keys in address order; returns the keys done, the others are left to the
+    caller. Only where the keys are stored in the compute dtype float32 (LANES partial sums in
+    one vector) and E is a multiple of LANES: else none (jitted code only)."""
+    raise NotImplementedError("lanewise_scores is only callable from jitted code")
+
+
+def _lanewise_scores_impl(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero):
+    j = 0
+    if e_len == 0 or e_len % LANES != 0:
+        return j
+    kb = KB if rows >= 4 else LANES
+    while j + kb <= n:
+        for h in range(h_lo, h_hi):
+            i0 = h * rows
+            kh = h * khs
+            if rows >= 4:
+                rr = 0
+                while rr + 4 <= rows:
+                    _scores_4xkb(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
+                    rr += 4
+                for jj in range(j, j + kb):  # the rows left over, key by key
+                    kp = ptr_add(kbase, koff[jj] + kh)
+                    _key_scores(qp, kp, s, i0, rr, rows, e_len, jj, zero)
+            else:
+                for rr in range(rows):
+                    _scores_1xlanes(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
+        j += kb
+    return j
+
+
+@overload(lanewise_scores, fastmath=FASTMATH)
+def _lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero):
+    if qp.dtype == kbase.dtype == types.float32:
+        return _lanewise_scores_impl
+    return lambda qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero: 0
+
+
 @njit(**CALLED)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
            part_lse):
@@ -267,26 +295,8 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
             # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
-            j = 0
-            if (lanewise(part_lse) and is_compute_dtype(k_cache, part_lse) and e_len > 0
-                    and e_len % LANES == 0):
-                kb = KB if rows >= 4 else LANES
-                while j + kb <= n:
-                    for h in range(h_lo, h_hi):
-                        i0 = h * rows
-                        kh = h * khs
-                        if rows >= 4:
-                            rr = 0
-                            while rr + 4 <= rows:
-                                _scores_4xkb(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
-                                rr += 4
-                            for jj in range(j, j + kb):  # the rows left over, key by key
-                                kp = ptr_add(kbase, koff[jj] + kh)
-                                _key_scores(qp, kp, s, i0, rr, rows, e_len, jj, zero)
-                        else:
-                            for rr in range(rows):
-                                _scores_1xlanes(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
-                    j += kb
+            j = lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n,
+                                zero)
             for j in range(j, n):
                 for h in range(h_lo, h_hi):
                     kp = ptr_add(kbase, koff[j] + h * khs)
