@@ -408,3 +408,24 @@ def lane_dots(n_rows, n_keys, width):
         return sig, codegen
 
     return _lane_dots
+
+
+@intrinsic
+def prefetch(typingctx, ptr):
+    """Ask for the cache line at ``ptr`` to be brought into the L2 cache (a hint: never
+    faults, even at an invalid address)."""
+    if not isinstance(ptr, types.CPointer):
+        return None
+    sig = types.void(ptr)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(args[0], i8p), ir.Constant(i32, 0),
+                          ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen

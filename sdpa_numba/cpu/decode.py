@@ -44,7 +44,7 @@ from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_rang
                             modified_score, modifies_scores, sink_logit, user_keeps,
                             window_covers)
 from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
-                    prefer_512_bit, ptr_add, stack_buffer, stash, unstash)
+                    prefer_512_bit, prefetch, ptr_add, stack_buffer, stash, unstash)
 from .online_softmax import softmax_row
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
@@ -193,7 +193,8 @@ def _scores_1xlanes(qp, kbase, kof, kh, e_len, sp, i, j):
                   ptr_add(sp, i * BN + j))
 
 
-def lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero):
+def lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+                    vbase, vofp, vhs, ev):
     """The scores of a block's first keys by :func:`._llvm.lane_dots`, for the heads ``h_lo ..
     h_hi - 1``: KB keys x 4 rows per pass (LANES keys x 1 row where a head has fewer than four
     rows), the keys in address order; returns the keys done, the others are left to the
@@ -202,7 +203,8 @@ def lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, 
     raise NotImplementedError("lanewise_scores is only callable from jitted code")
 
 
-def _lanewise_scores_impl(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero):
+def _lanewise_scores_impl(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+                          vbase, vofp, vhs, ev):
     j = 0
     if e_len == 0 or e_len % LANES != 0:
         return j
@@ -211,6 +213,10 @@ def _lanewise_scores_impl(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e
         for h in range(h_lo, h_hi):
             i0 = h * rows
             kh = h * khs
+            for jj in range(j, j + kb if rows >= 4 else j):
+                vp = ptr_add(vbase, vofp[jj] + h * vhs)
+                for d in range(0, ev, 16):
+                    prefetch(ptr_add(vp, d))
             if rows >= 4:
                 rr = 0
                 while rr + 4 <= rows:
@@ -227,10 +233,12 @@ def _lanewise_scores_impl(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e
 
 
 @overload(lanewise_scores, fastmath=FASTMATH)
-def _lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero):
+def _lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+                     vbase, vofp, vhs, ev):
     if qp.dtype == kbase.dtype == types.float32:
         return _lanewise_scores_impl
-    return lambda qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero: 0
+    return (lambda qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+            vbase, vofp, vhs, ev: 0)
 
 
 @njit(**CALLED)
@@ -296,7 +304,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
             j = lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n,
-                                zero)
+                                zero, vbase, data_ptr(voff), vhs, ev)
             for j in range(j, n):
                 for h in range(h_lo, h_hi):
                     kp = ptr_add(kbase, koff[j] + h * khs)
@@ -319,8 +327,17 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # S16384 1.21x). Head by head it lost (B1 H32 S8192 D128 on (B, H, S, E): 0.72x):
             # there the four value rows are neighbours, and one stream beats four.
             j = 0
+            # The next block's keys, where they lie in this page at the same stride, asked for
+            # while these values are summed (GQA: see lanewise_scores).
+            ahead = (rows >= 4 and b0 % page_size + 2 * BN <= page_size
+                     and b0 + 2 * BN <= j1)
             while j + 4 <= n and h_step > 1:
                 for h in range(h_lo, h_hi):
+                    if ahead:
+                        for jj in range(j, j + 4):
+                            kn = ptr_add(kbase, koff[jj] + BN * kss + h * khs)
+                            for e in range(0, e_len, 64 // ksz):
+                                prefetch(ptr_add(kn, e))
                     v0 = ptr_add(vbase, voff[j] + h * vhs)
                     v1 = ptr_add(vbase, voff[j + 1] + h * vhs)
                     v2 = ptr_add(vbase, voff[j + 2] + h * vhs)
