@@ -20,6 +20,12 @@ once per call, for every query head of its GQA group and every query token at on
   page_size], j % page_size)`` of a cache ``(num_pages, page_size, H, E)``. A contiguous cache
   ``(B, S_max, H, E)`` is the paged cache with ``page_size = S_max`` and ``block_table[b] = [b]``:
   one kernel body serves both (:func:`block_offsets`).
+* **Scores** of float32 caches are summed lane-wise over E, four query rows against
+  ``LANES / 4`` keys per pass (one row against ``LANES`` keys where a key/value head has fewer
+  than four rows, as MHA), the ``LANES`` dot products reduced together
+  (:func:`._llvm.lane_dots`): reduced one by one, their horizontal sums cost about as much as
+  their multiply-adds. With GQA, a block's values and the next block's keys are prefetched
+  into L2 while the block is worked on.
 * **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
   query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
   at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
@@ -213,6 +219,11 @@ def _lanewise_scores_impl(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e
         for h in range(h_lo, h_hi):
             i0 = h * rows
             kh = h * khs
+            # These keys' values, asked for now into L2, are read by P V after the block's
+            # scores: with them and the next block's keys (see _chunk) asked for ahead, GQA
+            # went 1.33x (CPU time of one thread, AMD EPYC Zen 4, B1 Hq32 H8 S16384 D128; the
+            # values alone 1.1x, the keys alone 0.83x of both). Not for MHA (a block of 32
+            # heads is 1 MiB of keys and values, L2's size): its keys ahead lost 0.91x.
             for jj in range(j, j + kb if rows >= 4 else j):
                 vp = ptr_add(vbase, vofp[jj] + h * vhs)
                 for d in range(0, ev, 16):
@@ -328,7 +339,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # there the four value rows are neighbours, and one stream beats four.
             j = 0
             # The next block's keys, where they lie in this page at the same stride, asked for
-            # while these values are summed (GQA: see lanewise_scores).
+            # into L2 while these values are summed (GQA only: see lanewise_scores).
             ahead = (rows >= 4 and b0 % page_size + 2 * BN <= page_size
                      and b0 + 2 * BN <= j1)
             while j + 4 <= n and h_step > 1:
