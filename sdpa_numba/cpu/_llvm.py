@@ -10,6 +10,8 @@
 * float16 <-> float32 conversion of uint16 bit patterns (Numba's CPU target has no float16);
 * bfloat16 <-> float32 conversion of int16 bit patterns (nor bfloat16);
 * a row multiply-add that LLVM may fuse but not reorder, for sums whose order must not change;
+* lane-wise dot products of a few rows with a few keys, reduced together by a
+  transpose-and-add tree;
 * rint(x) and 2**rint(x) by the magic-number trick, for the vectorizable exp2;
 * an atomic fetch-and-add, for the kernels' task queue (:mod:`.tasks`).
 """
@@ -346,5 +348,125 @@ def unstash(typingctx, ptr):
         val = context.data_model_manager[ty].from_data(builder, builder.load(args[0]))
         context.nrt.incref(builder, ty, val)  # Numba releases it after its last use
         return val
+
+    return sig, codegen
+
+
+
+def _sum_tree(builder, vs, width):
+    """The lane sums of the ``width`` vectors ``vs`` as one vector (lane ``d``: the sum of
+    ``vs[d]``), by a transpose-and-add tree: each level adds the halves of two vectors' lane
+    blocks into one vector, ``width - 1`` vector adds in all, where reducing each vector on its
+    own takes ``log2(width)`` shuffles and adds per sum. The order of the additions is fixed by
+    ``width``."""
+    def mask(idx):
+        return ir.Constant(ir.VectorType(ir.IntType(32), width), idx)
+
+    bs = width  # lanes per dot in each input vector
+    while len(vs) > 1:
+        half = bs // 2
+        lo, hi = [], []
+        for src in (0, width):  # lanes of a, then of b
+            for blk in range(width // bs):
+                for o in range(half):
+                    lo.append(src + blk * bs + o)
+                    hi.append(src + blk * bs + half + o)
+        vs = [builder.fadd(builder.shuffle_vector(vs[p], vs[p + 1], mask(lo)),
+                           builder.shuffle_vector(vs[p], vs[p + 1], mask(hi)))
+              for p in range(0, len(vs), 2)]
+        bs = half
+    return vs[0]
+
+
+def lane_dots(n_rows, n_keys, width):
+    """Make an intrinsic ``f(q, q_stride, kbase, koff, kh, e_len, out)``: the ``n_rows x
+    n_keys`` dot products of the rows ``q + r * q_stride`` with the keys ``kbase + koff[kk] +
+    kh`` over ``e_len`` elements (a positive multiple of ``width``), into ``out[r * n_keys +
+    kk]`` (``n_rows * n_keys == width``).
+
+    Each product is summed lane-wise (lane ``l`` takes the elements ``e = l mod width``, one
+    fused multiply-add per vector), the accumulators in registers, and the ``width`` products
+    are reduced together by the transpose-and-add tree: where LLVM vectorizes one dot product
+    over ``e``, it reduces each one horizontally, about as much work as its multiply-adds.
+    Every row vector is loaded once for ``n_keys`` keys and every key vector once for
+    ``n_rows`` rows. The order of the additions depends on ``e_len`` and ``width`` only.
+    """
+    assert n_rows * n_keys == width and width & (width - 1) == 0
+
+    @intrinsic
+    def _lane_dots(typingctx, q, q_stride, kbase, koff, kh, e_len, out):
+        if not (isinstance(q, types.CPointer) and q == kbase == out
+                and koff == types.CPointer(types.int64)
+                and all(isinstance(t, types.Integer) for t in (q_stride, kh, e_len))):
+            return None
+        sig = types.void(q, q_stride, kbase, koff, kh, e_len, out)
+
+        def codegen(context, builder, signature, args):
+            qp, qs, kb, ko, khv, el, op = args
+            i64 = ir.IntType(64)
+            qs, khv, el = (context.cast(builder, args[i], signature.args[i], types.int64)
+                           for i in (1, 4, 5))
+            ty = context.get_data_type(q.dtype)
+            vty = ir.VectorType(ty, width)
+            rows = [builder.gep(qp, [builder.mul(qs, ir.Constant(i64, r))])
+                    for r in range(n_rows)]
+            keys = [builder.gep(kb, [builder.add(builder.load(
+                builder.gep(ko, [ir.Constant(i64, k)])), khv)]) for k in range(n_keys)]
+            entry = builder.block
+            loop = builder.append_basic_block("lane_dots.loop")
+            done = builder.append_basic_block("lane_dots.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            e = builder.phi(i64)
+            e.add_incoming(ir.Constant(i64, 0), entry)
+            accs = []
+            for _ in range(width):
+                a = builder.phi(vty)
+                a.add_incoming(ir.Constant(vty, None), entry)
+                accs.append(a)
+
+            def vload(p):
+                return builder.load(builder.bitcast(builder.gep(p, [e]), vty.as_pointer()),
+                                    align=4)
+
+            kv = [vload(p) for p in keys]
+            qv = [vload(p) for p in rows]
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vty, [vty] * 3),
+                f"llvm.fma.v{width}{'f32' if q.dtype == types.float32 else 'f64'}")
+            new = [builder.call(fma, [qv[r], kv[k], accs[r * n_keys + k]])
+                   for r in range(n_rows) for k in range(n_keys)]
+            e_next = builder.add(e, ir.Constant(i64, width))
+            e.add_incoming(e_next, builder.block)
+            for a, x in zip(accs, new):
+                a.add_incoming(x, builder.block)
+            builder.cbranch(builder.icmp_signed("<", e_next, el), loop, done)
+            builder.position_at_end(done)
+            builder.store(_sum_tree(builder, new, width),
+                          builder.bitcast(op, vty.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _lane_dots
+
+
+@intrinsic
+def prefetch(typingctx, ptr):
+    """Ask for the cache line at ``ptr`` to be brought into the L2 cache (a hint: never
+    faults, even at an invalid address)."""
+    if not isinstance(ptr, types.CPointer):
+        return None
+    sig = types.void(ptr)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(args[0], i8p), ir.Constant(i32, 0),
+                          ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
 
     return sig, codegen

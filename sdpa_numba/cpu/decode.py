@@ -20,6 +20,12 @@ once per call, for every query head of its GQA group and every query token at on
   page_size], j % page_size)`` of a cache ``(num_pages, page_size, H, E)``. A contiguous cache
   ``(B, S_max, H, E)`` is the paged cache with ``page_size = S_max`` and ``block_table[b] = [b]``:
   one kernel body serves both (:func:`block_offsets`).
+* **Scores** of float32 caches are summed lane-wise over E, four query rows against
+  ``LANES / 4`` keys per pass (one row against ``LANES`` keys where a key/value head has fewer
+  than four rows, as MHA), the ``LANES`` dot products reduced together
+  (:func:`._llvm.lane_dots`): reduced one by one, their horizontal sums cost about as much as
+  their multiply-adds. With GQA, a block's values and the next block's keys are prefetched
+  into L2 while the block is worked on.
 * **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
   query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
   at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
@@ -43,9 +49,10 @@ from ..score.merge import merge_finish, merge_max, merge_weight
 from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_range,
                             modified_score, modifies_scores, sink_logit, user_keeps,
                             window_covers)
-from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stash, unstash
+from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
+                    prefer_512_bit, prefetch, ptr_add, stack_buffer, stash, unstash)
 from .online_softmax import softmax_row
-from .options import CALLED, INLINE, KERNEL
+from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..score.numbers import cast
 from .storage import load, store
@@ -58,6 +65,16 @@ CHUNK = 512
 #: Keys per block: a block's scores of all rows of one key/value head are kept in a scratch row
 #: (``BN`` per row) between the score, softmax and ``P V`` loops.
 BN = 32
+#: Lanes of the score loop's partial sums: one vector of float32 (16 with AVX-512, else 8).
+#: A score is summed lane-wise over E (lane ``l`` takes elements ``e = l mod LANES``), and
+#: LANES such dot products are reduced together (:func:`._llvm.lane_dots`).
+LANES = 16 if has_512_bit_vectors() else 8
+#: Keys per pass of four query rows: 4 x KB dot products, LANES in all.
+KB = LANES // 4
+
+_sums = stack_buffer(LANES)
+_dots_4xkb = lane_dots(4, KB, LANES)
+_dots_1xlanes = lane_dots(1, LANES, LANES)
 
 
 @njit(**INLINE)
@@ -127,6 +144,114 @@ def block_offsets(block_table, b, j0, n, page_size, kps, kss, vps, vss, koff, vo
             page += 1
 
 
+@njit(**INLINE)
+def _key_scores(qp, kp, s, i0, rr, rows, e_len, j, zero):
+    """Scores ``s[(i0 + rr') * BN + j]`` of key ``j`` (at ``kp``) for rows ``rr' = rr ..
+    rows - 1`` (queries at ``qp + (i0 + rr') * e_len``), each dot product summed over E and
+    reduced on its own."""
+    # Four rows at once (GQA, Lq > 1): each key element is loaded once for them (CPU time of
+    # one thread, B1 Hq32 H8 S256 D128 in cache: 22 -> 25 GFLOP/s).
+    while rr + 4 <= rows:
+        q0 = ptr_add(qp, (i0 + rr) * e_len)
+        q1 = ptr_add(q0, e_len)
+        q2 = ptr_add(q1, e_len)
+        q3 = ptr_add(q2, e_len)
+        x0 = zero
+        x1 = zero
+        x2 = zero
+        x3 = zero
+        for e in range(e_len):
+            kv = load(kp[e])
+            x0 += q0[e] * kv
+            x1 += q1[e] * kv
+            x2 += q2[e] * kv
+            x3 += q3[e] * kv
+        i = i0 + rr
+        s[i * BN + j] = x0
+        s[(i + 1) * BN + j] = x1
+        s[(i + 2) * BN + j] = x2
+        s[(i + 3) * BN + j] = x3
+        rr += 4
+    for rr in range(rr, rows):
+        qr = ptr_add(qp, (i0 + rr) * e_len)
+        x = zero
+        for e in range(e_len):
+            x += qr[e] * load(kp[e])
+        s[(i0 + rr) * BN + j] = x
+
+
+@njit(**INLINE)
+def _scores_4xkb(qp, kbase, kof, kh, e_len, sp, i, j):
+    """Scores of rows ``i .. i + 3`` (queries at ``qp + row * e_len``) against keys ``j .. j +
+    KB - 1`` (key ``jj`` at ``kbase + kof[jj] + kh``) into ``sp[row * BN + jj]``
+    (:func:`._llvm.lane_dots`). E a multiple of LANES."""
+    sums = _sums(sp)
+    _dots_4xkb(ptr_add(qp, i * e_len), e_len, kbase, ptr_add(kof, j), kh, e_len, sums)
+    for r in range(4):
+        for kk in range(KB):
+            sp[(i + r) * BN + j + kk] = sums[r * KB + kk]
+
+
+@njit(**INLINE)
+def _scores_1xlanes(qp, kbase, kof, kh, e_len, sp, i, j):
+    """Scores of row ``i`` against keys ``j .. j + LANES - 1`` (as :func:`_scores_4xkb`)."""
+    _dots_1xlanes(ptr_add(qp, i * e_len), e_len, kbase, ptr_add(kof, j), kh, e_len,
+                  ptr_add(sp, i * BN + j))
+
+
+def lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+                    vbase, vofp, vhs, ev):
+    """The scores of a block's first keys by :func:`._llvm.lane_dots`, for the heads ``h_lo ..
+    h_hi - 1``: KB keys x 4 rows per pass (LANES keys x 1 row where a head has fewer than four
+    rows), the keys in address order; returns the keys done, the others are left to the
+    caller. Only where the keys are stored in the compute dtype float32 (LANES partial sums in
+    one vector) and E is a multiple of LANES: else none (jitted code only)."""
+    raise NotImplementedError("lanewise_scores is only callable from jitted code")
+
+
+def _lanewise_scores_impl(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+                          vbase, vofp, vhs, ev):
+    j = 0
+    if e_len == 0 or e_len % LANES != 0:
+        return j
+    kb = KB if rows >= 4 else LANES
+    while j + kb <= n:
+        for h in range(h_lo, h_hi):
+            i0 = h * rows
+            kh = h * khs
+            # These keys' values, asked for now into L2, are read by P V after the block's
+            # scores: with them and the next block's keys (see _chunk) asked for ahead, GQA
+            # went 1.33x (CPU time of one thread, AMD EPYC Zen 4, B1 Hq32 H8 S16384 D128; the
+            # values alone 1.1x, the keys alone 0.83x of both). Not for MHA (a block of 32
+            # heads is 1 MiB of keys and values, L2's size): its keys ahead lost 0.91x.
+            for jj in range(j, j + kb if rows >= 4 else j):
+                vp = ptr_add(vbase, vofp[jj] + h * vhs)
+                for d in range(0, ev, 16):
+                    prefetch(ptr_add(vp, d))
+            if rows >= 4:
+                rr = 0
+                while rr + 4 <= rows:
+                    _scores_4xkb(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
+                    rr += 4
+                for jj in range(j, j + kb):  # the rows left over, key by key
+                    kp = ptr_add(kbase, koff[jj] + kh)
+                    _key_scores(qp, kp, s, i0, rr, rows, e_len, jj, zero)
+            else:
+                for rr in range(rows):
+                    _scores_1xlanes(qp, kbase, kofp, kh, e_len, sp, i0 + rr, j)
+        j += kb
+    return j
+
+
+@overload(lanewise_scores, fastmath=FASTMATH)
+def _lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+                     vbase, vofp, vhs, ev):
+    if qp.dtype == kbase.dtype == types.float32:
+        return _lanewise_scores_impl
+    return (lambda qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, zero,
+            vbase, vofp, vhs, ev: 0)
+
+
 @njit(**CALLED)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
            part_lse):
@@ -178,6 +303,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     qp = data_ptr(qs)
     sp = data_ptr(s)
     ap = data_ptr(acc)
+    kofp = data_ptr(koff)
     # Block by block, the block's keys, then its values, in address order (see h_step).
     for h_lo in range(0, h_len, h_step):
         h_hi = h_lo + h_step
@@ -186,40 +312,14 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             block_offsets(block_table, b, b0, n, page_size, kps, kss, vps, vss, koff, voff)
             # The window (and causality) per element only where it cuts the block.
             cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
-            for j in range(n):
+            # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
+            # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
+            j = lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n,
+                                zero, vbase, data_ptr(voff), vhs, ev)
+            for j in range(j, n):
                 for h in range(h_lo, h_hi):
-                    # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t).
                     kp = ptr_add(kbase, koff[j] + h * khs)
-                    rr = 0
-                    # Four rows at once (GQA, Lq > 1): each key element is loaded once for them
-                    # (CPU time of one thread, B1 Hq32 H8 S256 D128 in cache: 22 -> 25 GFLOP/s).
-                    while rr + 4 <= rows:
-                        q0 = ptr_add(qp, (h * rows + rr) * e_len)
-                        q1 = ptr_add(q0, e_len)
-                        q2 = ptr_add(q1, e_len)
-                        q3 = ptr_add(q2, e_len)
-                        x0 = zero
-                        x1 = zero
-                        x2 = zero
-                        x3 = zero
-                        for e in range(e_len):
-                            kv = load(kp[e])
-                            x0 += q0[e] * kv
-                            x1 += q1[e] * kv
-                            x2 += q2[e] * kv
-                            x3 += q3[e] * kv
-                        i = h * rows + rr
-                        s[i * BN + j] = x0
-                        s[(i + 1) * BN + j] = x1
-                        s[(i + 2) * BN + j] = x2
-                        s[(i + 3) * BN + j] = x3
-                        rr += 4
-                    for rr in range(rr, rows):
-                        qr = ptr_add(qp, (h * rows + rr) * e_len)
-                        x = zero
-                        for e in range(e_len):
-                            x += qr[e] * load(kp[e])
-                        s[(h * rows + rr) * BN + j] = x
+                    _key_scores(qp, kp, s, h * rows, 0, rows, e_len, j, zero)
             for h in range(h_lo, h_hi):
                 if cut or modifies_scores(r) or has_element_mask(r):
                     _recipe_block(s[h * rows * BN:(h + 1) * rows * BN], r, b, h, g, lq, kv_len,
@@ -238,8 +338,17 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # S16384 1.21x). Head by head it lost (B1 H32 S8192 D128 on (B, H, S, E): 0.72x):
             # there the four value rows are neighbours, and one stream beats four.
             j = 0
+            # The next block's keys, where they lie in this page at the same stride, asked for
+            # into L2 while these values are summed (GQA only: see lanewise_scores).
+            ahead = (rows >= 4 and b0 % page_size + 2 * BN <= page_size
+                     and b0 + 2 * BN <= j1)
             while j + 4 <= n and h_step > 1:
                 for h in range(h_lo, h_hi):
+                    if ahead:
+                        for jj in range(j, j + 4):
+                            kn = ptr_add(kbase, koff[jj] + BN * kss + h * khs)
+                            for e in range(0, e_len, 64 // ksz):
+                                prefetch(ptr_add(kn, e))
                     v0 = ptr_add(vbase, voff[j] + h * vhs)
                     v1 = ptr_add(vbase, voff[j + 1] + h * vhs)
                     v2 = ptr_add(vbase, voff[j + 2] + h * vhs)
@@ -268,7 +377,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                         ar = ptr_add(ap, i * ev)
                         for d in range(ev):
                             ar[d] += p * load(vp[d])
-    keep_alive((k_cache, v_cache, qs, s, acc))
+    keep_alive((k_cache, v_cache, qs, s, acc, koff))
     for i in range(hq * lq):
         if l[i] == 0:
             part_lse[i] = -np.inf
