@@ -16,6 +16,8 @@
 * an atomic fetch-and-add, for the kernels' task queue (:mod:`.tasks`).
 """
 
+import functools
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -96,6 +98,7 @@ define <16 x float> @probe(<16 x float> %a, <16 x float> %b) {
 """
 
 
+@functools.cache  # asked by the micro-kernel and by decode
 def has_512_bit_vectors():
     """Whether the CPU that Numba compiles for has 512-bit vector registers (AVX-512).
 
