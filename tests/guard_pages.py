@@ -85,7 +85,6 @@ def run_case(L, S, E, Ev, lay, olay, dtype, mask_kind, at_end, seed=0):
 
     rng = np.random.default_rng(seed)
     dtype = np.dtype(dtype)
-    it = dtype.itemsize
     ct = np.float64 if dtype == np.float64 else np.float32
 
     def g(n_rows, n_cols, layout, dt=dtype):

@@ -9,7 +9,6 @@ bfloat16 output in ``D = rowsum(dO * O)``, whose rounding the float32 gradients 
 (see bf16_checks: up to 4.4e-3 measured on these sizes).
 """
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

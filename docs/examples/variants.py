@@ -3,8 +3,6 @@
 Run: python docs/examples/variants.py   (the tests run it too)
 """
 
-import math
-
 import numpy as np
 from numba import njit
 

@@ -4,7 +4,6 @@ Blocks are tiny (conftest.TINY: 4 keys per block).
 """
 
 import numpy as np
-import pytest
 
 import sdpa_numba
 from sdpa_numba import reference
