@@ -19,6 +19,12 @@
    (``is_causal=True, window=(256, 0)``; the peer's block mask from the same rule). TFLOP/s
    count the visited work: the window's ``B·H·Σ_i min(i + 1, 257)·D·4`` flops (8 for the
    backward). Outputs and gradients are checked against the peer's.
+5. Times decode (issue 16): ``attention_with_kvcache`` with one query token against full
+   contiguous and paged (16-key pages, shuffled) caches, MHA B1 H32 S8192 and GQA Hq32 H8 at
+   B1 S16384 and B16 S8192, D128, float16 and float32, against torch's SDPA on the cache in
+   its own layout and FlashAttention's ``flash_attn_with_kvcache`` (float16) if installed.
+   Reported as K+V bytes per second and as a share of the device's streaming read (torch's
+   sum of 1 GiB). ``--skip-decode`` leaves it out.
 
 Usage::
 
@@ -51,6 +57,8 @@ def parse_args(argv=None):
     ap.add_argument("--skip-tests", action="store_true", help="only time")
     ap.add_argument("--skip-bench", action="store_true", help="only test")
     ap.add_argument("--runs", type=int, default=None, help="timed runs per figure")
+    ap.add_argument("--skip-decode", action="store_true",
+                    help="skip the KV-cache decode timings")
     ap.add_argument("--skip-variants", action="store_true",
                     help="do not time the variants (soft cap, sliding window)")
     ap.add_argument("--only-variants", action="store_true",
@@ -398,6 +406,145 @@ def bench_variants(args, started, dev):
     return ok, rows, back_rows
 
 
+def decode_configs(args):
+    """(label, dtype name, B, Hq, H, S, D, page size or 0) of each timed decode problem: the
+    CPU presets' MHA and GQA shapes (issue 16), a batch big enough to fill the GPU, and each
+    with a paged cache of 16-key pages (shuffled)."""
+    if args.simulate:
+        shapes = [("MHA", 1, 2, 2, 37, 4), ("GQA", 1, 4, 2, 37, 4)]
+        pages = (0, 4)
+    elif args.quick:
+        shapes = [("MHA", 1, 32, 32, 4096, 128), ("GQA", 1, 32, 8, 4096, 128)]
+        pages = (0, 16)
+    else:
+        shapes = [("MHA", 1, 32, 32, 8192, 128), ("GQA", 1, 32, 8, 16384, 128),
+                  ("GQA", 16, 32, 8, 8192, 128)]
+        pages = (0, 16)
+    return [(label, dtype, B, Hq, H, S, D, page) for dtype in ("float16", "float32")
+            for label, B, Hq, H, S, D in shapes for page in pages]
+
+
+def read_bandwidth(dev, simulate):
+    """Bytes per second of a streaming read on the device: torch's sum of 1 GiB of float32
+    (None without torch or on the simulator)."""
+    if simulate or dev.torch is None:
+        return None
+    x = dev.torch.ones(1 << 28, dtype=dev.torch.float32, device="cuda")
+    return x.numel() * 4 / dev.time(lambda: x.sum(), 3, 20)
+
+
+def flash_attn_kvcache():
+    """FlashAttention's ``flash_attn_with_kvcache`` (3, else 2), or None if not installed."""
+    for module in ("flash_attn_interface", "flash_attn"):
+        try:
+            return getattr(__import__(module), "flash_attn_with_kvcache")
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def bench_decode(args, started, dev):
+    """Decode (one new query token per sequence against a full cache) with
+    ``attention_with_kvcache`` on contiguous and paged caches, against torch's SDPA on the
+    cache in its own layout ``(B, H, S, D)`` (GQA by ``enable_gqa``) and FlashAttention's
+    ``flash_attn_with_kvcache`` (float16, if installed). Each time is reported as the K+V
+    bytes per second and as a share of the device's streaming read. Outputs are checked
+    against torch's. Returns ``(ok, rows, read bytes/s)``."""
+    import numpy as np
+
+    import sdpa_numba
+
+    runs = args.runs or (1 if args.simulate else 5 if args.quick else 20)
+    warmup = 1 if args.simulate else 3
+    read = read_bandwidth(dev, args.simulate)
+    fa = None if args.simulate else flash_attn_kvcache()
+    rows, ok = [], True
+    for label, dtype, B, Hq, H, S, D, page in decode_configs(args):
+        if time.perf_counter() - started > BUDGET_S:
+            print(f"time budget spent: skipping decode {label} {dtype} page {page}", flush=True)
+            continue
+        rng = np.random.default_rng(2)
+        dt = np_dtype(dtype)
+        q_h = rng.standard_normal((B, 1, Hq, D)).astype(dt)
+        k_h, v_h = (rng.standard_normal((B, S, H, D)).astype(dt) for _ in range(2))
+        seqlens = np.full(B, S, np.int32)
+        table = None
+        if page:  # the same keys in shuffled pages of ``page`` keys
+            n = -(-S // page)  # the last page partly used
+            perm = rng.permutation(B * n)
+            table = perm.reshape(B, n).astype(np.int32)
+            kp, vp = (np.zeros((B * n, page, H, D), dt) for _ in range(2))
+            pad = ((0, 0), (0, n * page - S), (0, 0), (0, 0))
+            kp[perm] = np.pad(k_h, pad).reshape(B * n, page, H, D)
+            vp[perm] = np.pad(v_h, pad).reshape(B * n, page, H, D)
+            kc, vc = dev.put(kp)[0], dev.put(vp)[0]
+        else:
+            kc, vc = dev.put(k_h)[0], dev.put(v_h)[0]
+        q, q_peer = dev.put(q_h)
+        out = dev.put(np.empty_like(q_h))[0]
+
+        def ours():
+            sdpa_numba.attention_with_kvcache(q, kc, vc, seqlens, block_table=table, out=out)
+
+        t_ours = dev.time(ours, warmup, runs)
+        kv_bytes = 2 * B * S * H * D * dt.itemsize
+        t_peer = t_fa = err = None
+        if dev.torch is not None:
+            torch = dev.torch
+            # torch's SDPA layout: (B, H, S, D), contiguous (a copy made once, not timed)
+            qt = q_peer.transpose(1, 2)
+            kt, vt = (dev.put(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))[1]
+                      for x in (k_h, v_h))
+            if dtype == "bfloat16" or (args.simulate and dtype == "float16"):
+                qt, kt, vt = qt.float(), kt.float(), vt.float()  # CPU torch lacks half kernels
+
+            def theirs():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, enable_gqa=Hq != H)
+
+            t_peer = dev.time(theirs, warmup, runs)
+            err = rel_err(dev.to_numpy(out), dev.to_numpy(theirs().transpose(1, 2)))
+            ok &= err <= FORWARD_TOL[dtype]
+            if fa is not None and dtype == "float16":
+                kf, vf = (dev.put(x)[1] for x in ((kp, vp) if page else (k_h, v_h)))
+                tab = None if table is None else torch.from_numpy(table).cuda()
+                lens = torch.from_numpy(seqlens).cuda()
+                try:  # FlashAttention 2 takes pages of a multiple of 256 keys only
+                    t_fa = dev.time(lambda: fa(q_peer, kf, vf, cache_seqlens=lens,
+                                               block_table=tab), warmup, runs)
+                except Exception as e:  # noqa: BLE001  (a peer's refusal is not our failure)
+                    print(f"  flash_attn_with_kvcache refused {label} page {page}: {e}",
+                          flush=True)
+        rows.append((label, dtype, B, Hq, H, S, D, page, t_ours, kv_bytes, t_peer, t_fa, err))
+    print_decode_table(rows, read, args.simulate)
+    return ok
+
+
+def print_decode_table(rows, read, simulate):
+    peer = "torch (CPU)" if simulate else "torch"
+    head = (f"{'case':4} {'dtype':8} {'B':>2} {'Hq':>3} {'H':>2} {'S':>6} {'D':>4} {'page':>4} | "
+            f"{'ours ms':>8} {'GB/s':>7} {'% read':>6} | {peer + ' ms':>11} {'ratio':>7} | "
+            f"{'FA ms':>8} {'ratio':>7} | {'rel err':>8}")
+    print("\nDecode: one query token against a full cache (attention_with_kvcache)")
+    print(head)
+    print("-" * len(head))
+    for label, dtype, B, Hq, H, S, D, page, t, nbytes, t_peer, t_fa, err in rows:
+        line = (f"{label:4} {dtype:8} {B:>2} {Hq:>3} {H:>2} {S:>6} {D:>4} {page or '-':>4} | "
+                f"{t * 1e3:>8.3f} {nbytes / t / 1e9:>7.1f} "
+                f"{'n/a' if read is None else f'{100 * nbytes / t / read:.0f}%':>6} | ")
+        line += (f"{'n/a':>11} {'':>7} | " if t_peer is None else
+                 f"{t_peer * 1e3:>11.3f} {t_peer / t:>6.2f}x | ")
+        line += (f"{'n/a':>8} {'':>7} | " if t_fa is None else
+                 f"{t_fa * 1e3:>8.3f} {t_fa / t:>6.2f}x | ")
+        line += f"{'n/a':>8}" if err is None else f"{err:>8.1e}"
+        print(line)
+    print("\nGB/s: K+V bytes / our time; % read: of the device's streaming read ("
+          + ("not measured on the simulator" if read is None else f"{read / 1e9:.0f} GB/s, "
+             "torch.sum of 1 GiB") + "). ratio = peer time / our time. torch reads its "
+          "contiguous (B, H, S, D) copy of the cache; FA (flash_attn_with_kvcache, float16) "
+          "reads ours.")
+
+
 def print_variant_table(title, rows, simulate):
     peer = "flex (CPU, eager)" if simulate else "flex (compiled)"
     head = (f"{'variant':8} {'dtype':8} {'B':>2} {'H':>3} {'L=S':>5} {'D':>4} | "
@@ -471,6 +618,8 @@ def main(argv=None):
         print_variant_table("Variants, forward", rows, args.simulate)
         print_variant_table("Variants, backward (given out and lse; flex: autograd.grad)",
                             back_rows, args.simulate)
+    if not args.skip_bench and not args.skip_decode and not args.only_variants:
+        matched &= bench_decode(args, started, Device(args.simulate))
     if not matched:
         print("some results differ from torch's beyond tolerance", flush=True)
     print(f"\ngpu_check done in {time.perf_counter() - started:.0f}s", flush=True)
