@@ -121,3 +121,14 @@ def key_work(q, k, bn, work, offset):
     return (0, work[t, SEQ], kh, work[t, FIRST], work[t, Q0], work[t, LQ], work[t, K0],
             work[t, LK], work[t, OFFSET])
 
+
+@cuda.jit(device=True, inline="always")
+def block_span(begin, end, block):
+    """``(first, end)``: the loop bounds, in steps of ``block`` from a block boundary, over
+    the keys (or rows) ``[begin, end)`` of :func:`~sdpa_numba.score.recipe.key_range` (or
+    ``query_range``); ``(0, 0)`` when there are none. (An empty range may start anywhere, even
+    past the last key, e.g. the window of a row beyond ``S + left``: aligned down, it would
+    not be empty, and the kernels would read keys past the end of the sequence.)"""
+    if begin < end:
+        return begin - begin % block, end
+    return 0, 0
