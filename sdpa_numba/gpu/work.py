@@ -96,14 +96,28 @@ def query_work(q, k, bm, work, offset):
     the score seam sees, the query head and its key/value head, the block's first row ``i0``
     in its sequence, the sequence's rows ``q0 .. q0 + L - 1`` and keys ``k0 .. k0 + S - 1``
     in the operands, and its alignment offset (a dense launch: ``offset``)."""
+    # One return statement: NVVM refuses the debug info (lineinfo) of two.
     if work.shape[0] == 0:
         b, h, kh, i0 = query_block(q, k, bm)
-        return b, b, h, kh, i0, 0, q.shape[2], 0, k.shape[2], offset
-    n_heads = q.shape[1]
-    t = cuda.blockIdx.x // n_heads
-    h = cuda.blockIdx.x - t * n_heads
-    return (0, work[t, SEQ], h, h // (n_heads // k.shape[1]), work[t, FIRST], work[t, Q0],
-            work[t, LQ], work[t, K0], work[t, LK], work[t, OFFSET])
+        s = b
+        q0 = 0
+        n_q = q.shape[2]
+        k0 = 0
+        n_k = k.shape[2]
+    else:
+        n_heads = q.shape[1]
+        t = cuda.blockIdx.x // n_heads
+        h = cuda.blockIdx.x - t * n_heads
+        kh = h // (n_heads // k.shape[1])
+        b = 0
+        s = work[t, SEQ]
+        i0 = work[t, FIRST]
+        q0 = work[t, Q0]
+        n_q = work[t, LQ]
+        k0 = work[t, K0]
+        n_k = work[t, LK]
+        offset = work[t, OFFSET]
+    return b, s, h, kh, i0, q0, n_q, k0, n_k, offset
 
 
 @cuda.jit(device=True, inline="always")
@@ -112,14 +126,26 @@ def key_work(q, k, bn, work, offset):
     row, key/value head) of a packed launch, else over (batch, key/value head, block of
     ``bn`` keys): as :func:`query_work`, with the block's first key ``j0`` in its sequence."""
     if work.shape[0] == 0:
-        S = k.shape[2]
-        b, kh, kb = grid_block(k.shape[1], (S + bn - 1) // bn)
-        return b, b, kh, kb * bn, 0, q.shape[2], 0, S, offset
-    n_heads = k.shape[1]
-    t = cuda.blockIdx.x // n_heads
-    kh = cuda.blockIdx.x - t * n_heads
-    return (0, work[t, SEQ], kh, work[t, FIRST], work[t, Q0], work[t, LQ], work[t, K0],
-            work[t, LK], work[t, OFFSET])
+        n_k = k.shape[2]
+        b, kh, kb = grid_block(k.shape[1], (n_k + bn - 1) // bn)
+        s = b
+        j0 = kb * bn
+        q0 = 0
+        n_q = q.shape[2]
+        k0 = 0
+    else:
+        n_heads = k.shape[1]
+        t = cuda.blockIdx.x // n_heads
+        kh = cuda.blockIdx.x - t * n_heads
+        b = 0
+        s = work[t, SEQ]
+        j0 = work[t, FIRST]
+        q0 = work[t, Q0]
+        n_q = work[t, LQ]
+        k0 = work[t, K0]
+        n_k = work[t, LK]
+        offset = work[t, OFFSET]
+    return b, s, kh, j0, q0, n_q, k0, n_k, offset
 
 
 @cuda.jit(device=True, inline="always")
