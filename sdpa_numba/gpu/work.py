@@ -32,10 +32,11 @@ dependent global loads, and cannot order blocks by cost.)
 
 What sharing costs a dense kernel (PTX for cc 9.0, ``scripts/ptx_check.py``, against the
 kernels before packed launches): the addressing adds some 70 to 100 instructions of setup per
-kernel (float64 kernels: 2-3 % more); in the float32, float16 and bfloat16 kernels it also
-changes LLVM's loop unrolling (the online softmax's exponential loop is no longer versioned
-three ways; the dQ, dK and dV accumulation loops over head-dim columns no longer unrolled),
-which leaves 5-16 % fewer instructions. Not yet timed on a GPU.
+kernel (some float64 kernels: up to 3 % more); in most kernels it also changes LLVM's loop
+unrolling (the forward's online-softmax exponential loop is no longer versioned three ways;
+the dQ, dK and dV accumulation loops over head-dim columns are no longer unrolled), which
+leaves up to 17 % fewer instructions (float32, float16, bfloat16: 0.2-17 % fewer; float64:
+8 % fewer to 3 % more). Not yet timed on a GPU.
 """
 
 from collections import namedtuple
