@@ -251,7 +251,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
         if drop_on:
             row_keys(rk, RM, seed, b_off + bs, h, i0 + r0)
 
-        # The forward's work list: key blocks some row sees, less empty block-mask blocks.
+        # The forward's key blocks: those some row sees, less empty block-mask blocks.
         i_last = min(i0 + BM, L) - 1
         j_begin, j_end = key_range(rc, i0, i_last, S)
         j_first, j_end = block_span(j_begin, j_end, BN)

@@ -153,7 +153,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
         if drop_on:
             row_keys(rk, RM, seed, b_off + bs, h, i0 + r0)
 
-        # The work list: key blocks (aligned to BN) that some row of the block sees under the
+        # The block's key blocks (aligned to BN): those some row of the block sees under the
         # window (causal: none above the diagonal), less those the block mask says are empty.
         i_last = min(i0 + BM, L) - 1
         j_begin, j_end = key_range(rc, i0, i_last, S)
@@ -370,7 +370,8 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
     arrays and torch tensors as such). Arguments are trusted:
     :func:`sdpa_numba.scaled_dot_product_attention` validates them. The launch is
     asynchronous, on ``stream``. One compiled kernel per (dtype, mask kind, tiling, optional
-    recipe parts and user functions); the window, alignment and soft cap are run-time values.
+    recipe parts and user functions); the window, alignment and soft cap are run-time values,
+    and so is ``sequences`` (dense and packed launches share the compilation).
     """
     q, k, v, mask, out = (storage_view(a) for a in (q, k, v, mask, out))
     n_bh, L, e = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
