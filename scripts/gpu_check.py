@@ -25,12 +25,21 @@
    its own layout and FlashAttention's ``flash_attn_with_kvcache`` (float16) if installed.
    Reported as K+V bytes per second and as a share of the device's streaming read (torch's
    sum of 1 GiB). ``--skip-decode`` leaves it out.
+6. Times varlen (issue 16): ``varlen_attention`` and its backward, causal, on a packed batch of
+   many short sequences (1000 of 16 to 256 tokens, H16 D128) and of a few long ones (32 of
+   1 to 2048), float16 and float32: one launch per kernel for the whole batch, against the
+   same call made once per sequence (the launches a per-sequence loop costs), torch's SDPA
+   on the batch padded to the longest sequence with a bool mask (causal and padding), and
+   FlashAttention's ``flash_attn_varlen_func`` (float16) if installed. TFLOP/s count the
+   causal work of each sequence, ``Σ_b 2·H·L_b²·D`` (twice that for the backward).
+   ``--skip-varlen`` leaves it out.
 
 Usage::
 
     python scripts/gpu_check.py            # tests, then the full table
     python scripts/gpu_check.py --quick    # smaller problems, fewer runs
     python scripts/gpu_check.py --only-variants  # the soft cap and window against flex
+    python scripts/gpu_check.py --only-varlen    # packed batches: one launch vs one per sequence
     python scripts/gpu_check.py --simulate # no GPU: the same logic on Numba's CUDA simulator,
                                            # tiny sizes (checks the script, times nothing real)
 
@@ -59,6 +68,10 @@ def parse_args(argv=None):
     ap.add_argument("--runs", type=int, default=None, help="timed runs per figure")
     ap.add_argument("--skip-decode", action="store_true",
                     help="skip the KV-cache decode timings")
+    ap.add_argument("--skip-varlen", action="store_true",
+                    help="skip the varlen (packed batch) timings")
+    ap.add_argument("--only-varlen", action="store_true",
+                    help="time only varlen (implies --skip-tests)")
     ap.add_argument("--skip-variants", action="store_true",
                     help="do not time the variants (soft cap, sliding window)")
     ap.add_argument("--only-variants", action="store_true",
@@ -520,6 +533,156 @@ def bench_decode(args, started, dev):
     return ok
 
 
+def varlen_configs(args):
+    """(label, dtype name, number of sequences, shortest, longest, H, D) of each timed varlen
+    problem (sequence lengths uniform in [shortest, longest], queries as many as keys)."""
+    if args.simulate:
+        shapes = [("many", 6, 0, 5, 2, 4)]
+    elif args.quick:
+        shapes = [("many", 200, 16, 128, 8, 64), ("long", 8, 1, 1024, 8, 64)]
+    else:
+        shapes = [("many", 1000, 16, 256, 16, 128), ("long", 32, 1, 2048, 16, 128)]
+    return [(label, dtype, n, lo, hi, H, D) for dtype in ("float16", "float32")
+            for label, n, lo, hi, H, D in shapes]
+
+
+def flash_attn_varlen():
+    """FlashAttention's ``flash_attn_varlen_func`` (3, else 2), or None if not installed."""
+    for module in ("flash_attn_interface", "flash_attn"):
+        try:
+            return getattr(__import__(module), "flash_attn_varlen_func")
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def bench_varlen(args, started, dev):
+    """Causal ``varlen_attention`` (forward, and backward given out and lse) on packed
+    batches, against the same call once per sequence, torch's SDPA on the padded batch with a
+    bool mask (its autograd backward), and ``flash_attn_varlen_func`` (float16, forward) if
+    installed. Outputs and gradients are checked against torch's. Returns ``ok``."""
+    import numpy as np
+
+    import sdpa_numba
+
+    runs = args.runs or (1 if args.simulate else 5 if args.quick else 20)
+    warmup = 1 if args.simulate else 3
+    fa = None if args.simulate else flash_attn_varlen()
+    rows, back_rows, ok = [], [], True
+    for label, dtype, n, lo, hi, H, D in varlen_configs(args):
+        if time.perf_counter() - started > BUDGET_S:
+            print(f"time budget spent: skipping varlen {label} {dtype}", flush=True)
+            continue
+        rng = np.random.default_rng(3)
+        dt = np_dtype(dtype)
+        lengths = rng.integers(lo, hi + 1, n)
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        total, longest = int(cu[-1]), int(lengths.max())
+        q_h, k_h, v_h, g_h = (rng.standard_normal((total, H, D)).astype(dt) for _ in range(4))
+        (q, q_t), (k, k_t), (v, v_t), (g, g_t) = (dev.put(x) for x in (q_h, k_h, v_h, g_h))
+        out = dev.put(np.empty_like(q_h))[0]
+        flops = sum(2 * H * int(m) * int(m) * D for m in lengths)
+        t0 = time.perf_counter()
+
+        def ours():
+            sdpa_numba.varlen_attention(q, k, v, cu, cu, is_causal=True, out=out)
+
+        def per_sequence():  # what a call (a launch) per sequence costs
+            for b in range(n):
+                c0, c1 = int(cu[b]), int(cu[b + 1])
+                one = np.array([0, c1 - c0], np.int32)
+                sdpa_numba.varlen_attention(q[c0:c1], k[c0:c1], v[c0:c1], one, one,
+                                            is_causal=True, out=out[c0:c1])
+
+        t_ours = dev.time(ours, warmup, runs)
+        t_loop = dev.time(per_sequence, 1, min(runs, 3))
+        o, lse = sdpa_numba.varlen_attention(q, k, v, cu, cu, is_causal=True, return_lse=True)
+        grads = []
+
+        def ours_backward():
+            grads[:] = sdpa_numba.varlen_attention_backward(g, q, k, v, o, lse, cu, cu,
+                                                            is_causal=True)
+
+        t_ours_b = dev.time(ours_backward, warmup, runs)
+        t_pad = t_pad_b = t_fa = err = err_b = None
+        if dev.torch is not None:
+            torch = dev.torch
+            cpu_half = args.simulate and dtype != "float32"  # CPU torch lacks half SDPA
+
+            def padded(x):  # (B, H, longest, D), zeros past each sequence
+                p = np.zeros((n, longest, H, D), np.float32 if cpu_half else dt)
+                for b in range(n):
+                    p[b, :lengths[b]] = x[cu[b]:cu[b + 1]]
+                return dev.put(np.ascontiguousarray(p.transpose(0, 2, 1, 3)))[1]
+
+            i = np.arange(longest)
+            keep = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lengths[:, None, None])
+            keep[:, :, 0] = True  # padding rows see a key (their rows are not compared)
+            mask = dev.put(keep[:, None])[1]
+            leaves = [padded(x).requires_grad_() for x in (q_h, k_h, v_h)]
+
+            def theirs():
+                return torch.nn.functional.scaled_dot_product_attention(*leaves,
+                                                                        attn_mask=mask)
+
+            plain = [x.detach() for x in leaves]  # the forward timed without autograd
+            t_pad = dev.time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                *plain, attn_mask=mask), warmup, runs)
+            out_pad = theirs()
+            g_pad = padded(g_h)
+
+            def unpad(x):  # (B, H, longest, D) -> packed (total, H, D), float32
+                x = dev.to_numpy(x).transpose(0, 2, 1, 3)
+                return np.concatenate([x[b, :lengths[b]] for b in range(n)])
+
+            def theirs_backward():
+                return torch.autograd.grad(out_pad, leaves, g_pad, retain_graph=True)
+
+            t_pad_b = dev.time(theirs_backward, warmup, runs)
+            err = rel_err(dev.to_numpy(out), unpad(out_pad.detach()))
+            err_b = max(rel_err(dev.to_numpy(a), unpad(b))
+                        for a, b in zip(grads, theirs_backward()))
+            ok &= err <= FORWARD_TOL[dtype] and err_b <= BACKWARD_TOL[dtype]
+            if fa is not None and dtype == "float16":
+                cu_t = torch.from_numpy(cu).cuda()
+                try:
+                    t_fa = dev.time(lambda: fa(q_t, k_t, v_t, cu_t, cu_t, longest, longest,
+                                               causal=True), warmup, runs)
+                except Exception as e:  # noqa: BLE001  (a peer's refusal is not our failure)
+                    print(f"  flash_attn_varlen_func refused {label}: {e}", flush=True)
+        rows.append((label, dtype, n, lo, hi, H, D, t_ours, flops, t_loop, t_pad, t_fa, err))
+        back_rows.append((label, dtype, n, lo, hi, H, D, t_ours_b, 2 * flops, None, t_pad_b,
+                          None, err_b))
+        print(f"  timed varlen {label} {dtype} ({n} sequences, {total} tokens) in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+    print_varlen_table("Varlen, forward (causal)", rows, args.simulate)
+    print_varlen_table("Varlen, backward (given out and lse; torch: autograd.grad of the "
+                       "padded SDPA)", back_rows, args.simulate)
+    return ok
+
+
+def print_varlen_table(title, rows, simulate):
+    peer = "padded (CPU)" if simulate else "padded"
+    head = (f"{'case':4} {'dtype':8} {'seqs':>5} {'lengths':>9} {'H':>3} {'D':>4} | "
+            f"{'ours ms':>8} {'TFLOP/s':>8} | {'per seq ms':>10} {'ratio':>7} | "
+            f"{peer + ' ms':>15} {'ratio':>7} | {'FA ms':>8} {'ratio':>7} | {'rel err':>8}")
+    print(f"\n{title}")
+    print(head)
+    print("-" * len(head))
+    for label, dtype, n, lo, hi, H, D, t, flops, t_loop, t_pad, t_fa, err in rows:
+        line = (f"{label:4} {dtype:8} {n:>5} {f'{lo}-{hi}':>9} {H:>3} {D:>4} | "
+                f"{t * 1e3:>8.3f} {flops / t / 1e12:>8.2f} | ")
+        for peer_t, width in ((t_loop, 10), (t_pad, 15), (t_fa, 8)):
+            line += (f"{'n/a':>{width}} {'':>7} | " if peer_t is None else
+                     f"{peer_t * 1e3:>{width}.3f} {peer_t / t:>6.2f}x | ")
+        line += f"{'n/a':>8}" if err is None else f"{err:>8.1e}"
+        print(line)
+    print("\nratio = other time / our time (above 1: ours faster). per seq: our call once per "
+          "sequence (a launch each); padded: torch's SDPA on the batch padded to the longest "
+          "sequence with a causal and padding bool mask; FA: flash_attn_varlen_func (float16). "
+          "TFLOP/s: each sequence's causal work.")
+
+
 def print_decode_table(rows, read, simulate):
     peer = "torch (CPU)" if simulate else "torch"
     head = (f"{'case':4} {'dtype':8} {'B':>2} {'Hq':>3} {'H':>2} {'S':>6} {'D':>4} {'page':>4} | "
@@ -602,11 +765,13 @@ def main(argv=None):
             return 2
         print(f"GPU: {what}", flush=True)
     passed = True
+    if args.only_varlen:
+        args.skip_tests = args.skip_variants = args.skip_decode = True
     if not args.skip_tests and not args.only_variants:
         passed, seconds = run_tests(args.simulate)
         print(f"tests/cuda {'passed' if passed else 'FAILED'} in {seconds:.0f}s", flush=True)
     matched = True
-    if not args.skip_bench and not args.only_variants:
+    if not args.skip_bench and not args.only_variants and not args.only_varlen:
         matched = bench(args, started)
     if not args.skip_bench and not args.skip_variants:
         if args.simulate:
@@ -620,6 +785,12 @@ def main(argv=None):
                             back_rows, args.simulate)
     if not args.skip_bench and not args.skip_decode and not args.only_variants:
         matched &= bench_decode(args, started, Device(args.simulate))
+    if not args.skip_bench and not args.skip_varlen and not args.only_variants:
+        if args.simulate:
+            from sdpa_numba.gpu import Blocks, options
+
+            options.BLOCKS = Blocks(4, 4, 4, 2)
+        matched &= bench_varlen(args, started, Device(args.simulate))
     if not matched:
         print("some results differ from torch's beyond tolerance", flush=True)
     print(f"\ngpu_check done in {time.perf_counter() - started:.0f}s", flush=True)

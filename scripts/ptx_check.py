@@ -7,10 +7,11 @@ does. Needs the CUDA compiler wheels (``pip install "numba-cuda[cu13]"``), no GP
     python scripts/ptx_check.py [--cc 9.0] [--out DIR]
 
 For each kernel (the forward; the backward's dQ and dK/dV kernels) and each (dtype, mask kind)
-of two default tilings it prints the compile time and counts of PTX instructions worth reading
-before spending device time: shared-memory loads, local-memory traffic (register arrays that
-spilled), float64 instructions in float32 kernels, fast exponentials, FMAs and 64-bit integer
-divisions. ``--kernels forward`` (or ``dq``, ``dkv``) restricts the list.
+of two default tilings it prints the compile time, the number of PTX instructions (static, as
+written: to compare two versions of a kernel's code, not their speed) and counts of those
+worth reading before spending device time: shared-memory loads, local-memory traffic
+(register arrays that spilled), float64 instructions in float32 kernels, fast exponentials,
+FMAs and 64-bit integer divisions. ``--kernels forward`` (or ``dq``, ``dkv``) restricts the list.
 
 ``--variants`` compiles the score recipe's variants instead (float32, one tiling, no mask and
 an additive mask): plain attention (whose kernel also runs windows, alignments and soft caps:
@@ -115,7 +116,10 @@ def main(argv=None):
                     def count(*words):
                         return sum(any(w in line for w in words) for line in lines)
 
-                    print(f"{name:36} {time.perf_counter() - t0:5.1f}s  "
+                    # instructions: indented lines that are neither directives nor comments
+                    n_instr = sum(1 for line in lines if line[:1] == "\t"
+                                  and line.strip()[:1] not in ("", ".", "/", "{", "}"))
+                    print(f"{name:36} {time.perf_counter() - t0:5.1f}s  instr {n_instr:5}  "
                           f"ld.shared {count('ld.shared'):4}  "
                           f"local {count('ld.local', 'st.local'):3}  "
                           f"f64 {count('.f64'):4}  ex2.approx {count('ex2.approx'):3}  "

@@ -141,7 +141,8 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     NumPy (host) arrays run on the CPU: one parallel launch covers the whole batch (tasks of
     sequence x head x query rows, costliest first); results are bitwise the same for any
     thread count. CUDA arrays (q, k, v, out all on the device; the cu_seqlens are read on
-    the host) run the dense CUDA kernel once per sequence, on views.
+    the host) run the dense CUDA kernel in one launch over the whole batch (a work list of
+    (sequence, block of rows), :mod:`sdpa_numba.gpu.work`).
     """
     named = [("q", q), ("k", k), ("v", v), ("out", out)]
     device = _device_of(named, ("q", "k", "v"))

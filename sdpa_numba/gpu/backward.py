@@ -20,6 +20,9 @@ kernels, launched in this order on one stream:
   order) and the query blocks that see them, recomputes the same tiles and accumulates
   ``dV += (P Z)ᵀ dO`` and ``dK += dSᵀ (scale · Q)``.
 
+A packed (varlen) batch is one launch of each kernel too: "batch" above is then a sequence,
+and each block finds its sequence's rows and keys in :mod:`.work`'s work list.
+
 Every gradient element is accumulated by one thread, over keys (dQ) or over query heads and
 rows (dK, dV), in a fixed order, and written once: there are no atomics, and results are bitwise
 the same on every launch. The price is that the score tiles are computed twice, once per
@@ -43,13 +46,14 @@ from ..score.recipe import BLOCK_EMPTY, BLOCK_PARTIAL, DENSE, keeps, key_range, 
     modified_score, query_range, score_slope, window_covers
 from .arrays import device_array
 from .dropout import NO_DROPOUT, dropout_factor, row_keys
-from .forward import DROPOUT_ARGS, arr, jit_options, launch_blocks, mask_kind_of, \
+from .forward import DROPOUT_ARGS, WORK, arr, jit_options, launch_blocks, mask_kind_of, \
     operand_types, resolve_recipe
 from .options import FASTMATH
 from .storage import load, storage_view
-from .tiles import clear, grid_block, load_tile, query_block, tile_product, tile_thread, u
+from .tiles import clear, load_tile, tile_product, tile_thread, u
 from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, \
     store_grad, tile_state, unpack
+from .work import block_span, key_work, no_work, query_work, work_list
 
 _kernels = {}
 
@@ -101,22 +105,22 @@ def _tiling(blocks):
 
 
 def dq_signature(dtype, mask_kind, parts=compile_key(DENSE), mask_grad=False):
-    """``(q, k, v, mask, scale, dout, out, lse, *dropout, D, dq, dmask_t, *recipe)``: every
-    array 'A', one compilation per dtype, mask kind, recipe parts
+    """``(q, k, v, mask, scale, dout, out, lse, work, *dropout, D, dq, dmask_t, *recipe)``:
+    every array 'A', one compilation per dtype, mask kind, recipe parts
     (:func:`.variants.compile_key`) and ``mask_grad`` (``dmask_t`` is ``(dmask,)``, else
-    ``()``)."""
+    ``()``), for dense and packed launches (``work``: :mod:`.work`)."""
     st, ct, mask = operand_types(dtype, mask_kind)
     dmask_t = types.UniTuple(arr(ct, 4), 1) if mask_grad else types.Tuple(())
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
-                      arr(st, 4), arr(st, 4), arr(ct, 3), *DROPOUT_ARGS, arr(ct, 3),
+                      arr(st, 4), arr(st, 4), arr(ct, 3), WORK, *DROPOUT_ARGS, arr(ct, 3),
                       arr(ct, 4), dmask_t, *arg_types(parts, ct)), ct
 
 
 def dkv_signature(dtype, mask_kind, parts=compile_key(DENSE)):
-    """``(q, k, v, mask, scale, dout, lse, *dropout, D, dk, dv, *recipe)``."""
+    """``(q, k, v, mask, scale, dout, lse, work, *dropout, D, dk, dv, *recipe)``."""
     st, ct, mask = operand_types(dtype, mask_kind)
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
-                      arr(st, 4), arr(ct, 3), *DROPOUT_ARGS, arr(ct, 3), arr(ct, 4),
+                      arr(st, 4), arr(ct, 3), WORK, *DROPOUT_ARGS, arr(ct, 3), arr(ct, 4),
                       arr(ct, 4), *arg_types(parts, ct)), ct
 
 
@@ -128,12 +132,14 @@ def _pair_grads(blocks, mask_kind, ct):
     CT = ct
 
     @cuda.jit(device=True, inline="always")
-    def pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h, drop_on, rk,
-                   threshold, inv, dmask_t):
+    def pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, bs, q0, k0, h,
+                   drop_on, rk, threshold, inv, dmask_t):
         """``at`` = (Q row length, dO row length, then the dO, lse, D, Kᵀ, Vᵀ, P Z and dS
         offsets; Q is at 0); a negative P Z offset: not wanted. Rows past ``L`` and keys past
         ``nj`` get zeros. ``rc``: the recipe; ``test``: whether the tile needs the
-        per-element window and mask_mod tests. With ``dmask_t = (dmask,)``, this thread's
+        per-element window and mask_mod tests. Rows ``i`` and keys ``j`` count from the
+        sequence's start for the score seam (batch index ``bs``), from ``q0`` and ``k0`` in
+        the operands (batch entry ``b``: the mask). With ``dmask_t = (dmask,)``, this thread's
         entries of dS with respect to the final score (the additive mask's gradient) go to
         ``dmask`` (``()``: none wanted);
         the shared dS is with respect to the scaled ``q · k`` (the recipe's slope applied)."""
@@ -161,9 +167,9 @@ def _pair_grads(blocks, mask_kind, ct):
                     s = neg_inf
                 else:  # the score seam, as in the forward
                     if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
-                        s = CT(modified_score(rc, s, b, h, i, j0 + j))
-                    s = masked(s, mask, b, h, i, j0 + j, neg_inf)
-                    if test and not keeps(rc, b, h, i, j0 + j):
+                        s = CT(modified_score(rc, s, bs, h, i, j0 + j))
+                    s = masked(s, mask, b, h, q0 + i, k0 + j0 + j, neg_inf)
+                    if test and not keeps(rc, bs, h, i, j0 + j):
                         s = neg_inf
                 p = math.exp(s - lse)  # the forward's probability (0 where masked)
                 z = CT(1)
@@ -173,9 +179,9 @@ def _pair_grads(blocks, mask_kind, ct):
                     sm[pz_at + r * SP + j] = p * z
                 ds = p * (dpreg[a * SC + c] * z - dd)
                 if i < L and j < nj:
-                    store_grad(dmask_t, b, h, i, j0 + j, ds)
+                    store_grad(dmask_t, b, h, q0 + i, k0 + j0 + j, ds)
                 if mod_on and p != 0:  # chain rule through soft cap, ALiBi, score_mod
-                    ds *= CT(score_slope(rc, s0, b, h, i, j0 + j))
+                    ds *= CT(score_slope(rc, s0, bs, h, i, j0 + j))
                 sm[ds_at + r * SP + j] = ds
 
     return pair_grads
@@ -198,13 +204,13 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
     HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK = _recipe_constants(parts)
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
-    def dq_kernel(q, k, v, mask, scale, dout, out, lse, seed, threshold, inv_keep, b_off, D, dq,
-                  dmask_t, offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq,
-                  bk, mod_args):
-        _, _, L, E = q.shape
-        S = k.shape[2]
+    def dq_kernel(q, k, v, mask, scale, dout, out, lse, work, seed, threshold, inv_keep, b_off,
+                  D, dq, dmask_t, offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t,
+                  bq, bk, mod_args):
+        E = q.shape[3]
         Ev = v.shape[3]
-        b, h, kh, i0 = query_block(q, k, BM)
+        # Operand rows q0 + i, keys k0 + j; the score seam sees i, j, batch index bs.
+        b, bs, h, kh, i0, q0, L, k0, S, offset = query_work(q, k, BM, work, offset)
         rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
                     MASK_MOD, SCORE_MOD_GRAD, mod_args)
         nv = min(BM, L - i0)
@@ -217,8 +223,8 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
         zero = CT(0)
         one = CT(1)
 
-        load_tile(q, b, h, i0, nv, BM, E, E, CT(scale), sm, 0, QP, 1, tid, NT)
-        load_tile(dout, b, h, i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
+        load_tile(q, b, h, q0 + i0, nv, BM, E, E, CT(scale), sm, 0, QP, 1, tid, NT)
+        load_tile(dout, b, h, q0 + i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
         for e in range(tc, E, TC):
             for a in range(RM):
                 sm[dq_at + (r0 + a) * E + e] = zero
@@ -231,9 +237,9 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
             dd = zero
             if r < nv:
                 for d in range(Ev):
-                    dd += sm[do_at + r * DP + d] * CT(load(out[b, h, i0 + r, d]))
-                D[b, h, i0 + r] = dd
-                x = lse[b, h, i0 + r]
+                    dd += sm[do_at + r * DP + d] * CT(load(out[b, h, q0 + i0 + r, d]))
+                D[b, h, q0 + i0 + r] = dd
+                x = lse[b, h, q0 + i0 + r]
                 if x == -math.inf:
                     x = zero
             sm[lse_at + r] = x
@@ -243,30 +249,31 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
         inv = CT(inv_keep)
         rk = cuda.local.array(RM, numba.uint64)
         if drop_on:
-            row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
+            row_keys(rk, RM, seed, b_off + bs, h, i0 + r0)
 
-        # The forward's work list: key blocks some row sees, less empty block-mask blocks.
+        # The forward's key blocks: those some row sees, less empty block-mask blocks.
         i_last = min(i0 + BM, L) - 1
         j_begin, j_end = key_range(rc, i0, i_last, S)
-        j_first = j_begin - j_begin % BN
+        j_first, j_end = block_span(j_begin, j_end, BN)
         for j0 in range(j_first, j_end, BN):
             nj = min(BN, j_end - j0)
-            state = tile_state(rc, HAS_BM, bq, bk, b, h, i0, i_last, j0, j0 + nj - 1)
+            state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
             if state == BLOCK_EMPTY:  # uniform across the thread block
                 if MASK_GRAD:  # never visited: dS is 0
                     for a in range(RM):
                         if r0 + a < nv:
                             for j in range(tc, nj, TC):
-                                store_grad(dmask_t, b, h, i0 + r0 + a, j0 + j, zero)
+                                store_grad(dmask_t, b, h, q0 + i0 + r0 + a, k0 + j0 + j,
+                                           zero)
                 continue
             test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
                 ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
             cuda.syncthreads()  # the previous block's tiles are consumed (and lse, D written)
-            load_tile(k, b, kh, j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)
-            load_tile(v, b, kh, j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
+            load_tile(k, b, kh, k0 + j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)
+            load_tile(v, b, kh, k0 + j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
             cuda.syncthreads()
-            pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h, drop_on,
-                       rk, threshold, inv, dmask_t)
+            pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, bs, q0, k0, h,
+                       drop_on, rk, threshold, inv, dmask_t)
             cuda.syncthreads()  # the dS tile is complete
             # dQ += dS K for this thread's rows and columns e = tc, tc + TC, ...
             for e in range(tc, E, TC):
@@ -282,14 +289,14 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
             for a in range(RM):
                 if r0 + a < nv:
                     for j in range(tc, j_first, TC):
-                        store_grad(dmask_t, b, h, i0 + r0 + a, j, zero)
+                        store_grad(dmask_t, b, h, q0 + i0 + r0 + a, k0 + j, zero)
                     for j in range(max(j_end, j_first) + tc, S, TC):
-                        store_grad(dmask_t, b, h, i0 + r0 + a, j, zero)
+                        store_grad(dmask_t, b, h, q0 + i0 + r0 + a, k0 + j, zero)
         sc = CT(scale)
         for e in range(tc, E, TC):
             for a in range(RM):
                 if r0 + a < nv:
-                    dq[b, h, i0 + r0 + a, e] = sm[dq_at + (r0 + a) * E + e] * sc
+                    dq[b, h, q0 + i0 + r0 + a, e] = sm[dq_at + (r0 + a) * E + e] * sc
 
     return dq_kernel
 
@@ -304,19 +311,18 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
     HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK = _recipe_constants(parts)
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
-    def dkv_kernel(q, k, v, mask, scale, dout, lse, seed, threshold, inv_keep, b_off, D, dk, dv,
-                   offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq, bk,
-                   mod_args):
-        _, Hq, L, E = q.shape
-        H, S = k.shape[1], k.shape[2]
+    def dkv_kernel(q, k, v, mask, scale, dout, lse, work, seed, threshold, inv_keep, b_off, D,
+                   dk, dv, offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq,
+                   bk, mod_args):
+        Hq, E = q.shape[1], q.shape[3]
+        H = k.shape[1]
         Ev = v.shape[3]
         group = Hq // H
-        nkb = (S + BN - 1) // BN
-        b, kh, kb = grid_block(H, nkb)
+        # Operand rows q0 + i, keys k0 + j; the score seam sees i, j, batch index bs. (Under
+        # causal the first key blocks are seen by the most rows: they go first.)
+        b, bs, kh, j0, q0, L, k0, S, offset = key_work(q, k, BN, work, offset)
         rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
                     MASK_MOD, SCORE_MOD_GRAD, mod_args)
-        # Under causal the first key blocks are seen by the most rows: they go first.
-        j0 = kb * BN
         nj = min(BN, S - j0)
         tid, g, tc = tile_thread(TC)
         # g: this thread's row group (first column of dK, dV); tc: its first key
@@ -331,8 +337,8 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
         one = CT(1)
         qscale = CT(scale)
 
-        load_tile(k, b, kh, j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)
-        load_tile(v, b, kh, j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
+        load_tile(k, b, kh, k0 + j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)
+        load_tile(v, b, kh, k0 + j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
         for c in range(SC):
             j = tc + TC * c
             for e in range(g, E, G):
@@ -347,34 +353,35 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
         # The query blocks whose rows see some of these keys under the window (causal: none
         # above the diagonal), less empty block-mask blocks.
         i_begin, i_end = query_range(rc, j0, j0 + nj - 1, L)
+        i_first, i_end = block_span(i_begin, i_end, BM)
         # Query heads of the group, then query blocks, in order: a fixed order of the sums.
         for h in range(kh * group, (kh + 1) * group):
-            for i0 in range(i_begin - i_begin % BM, i_end, BM):
+            for i0 in range(i_first, i_end, BM):
                 nv = min(BM, L - i0)
                 i_last = i0 + nv - 1
-                state = tile_state(rc, HAS_BM, bq, bk, b, h, i0, i_last, j0, j0 + nj - 1)
+                state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
                 if state == BLOCK_EMPTY:  # uniform across the thread block
                     continue
                 test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
                     ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
                 cuda.syncthreads()  # the previous pair's tiles are consumed (K, V staged)
-                load_tile(q, b, h, i0, nv, BM, E, E, qscale, sm, 0, QP, 1, tid, NT)
-                load_tile(dout, b, h, i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
+                load_tile(q, b, h, q0 + i0, nv, BM, E, E, qscale, sm, 0, QP, 1, tid, NT)
+                load_tile(dout, b, h, q0 + i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
                 for r in range(tid, BM, NT):
                     x = zero
                     dd = zero
                     if r < nv:
-                        x = lse[b, h, i0 + r]
-                        dd = D[b, h, i0 + r]
+                        x = lse[b, h, q0 + i0 + r]
+                        dd = D[b, h, q0 + i0 + r]
                         if x == -math.inf:  # fully masked row: P = 0, not NaN (see dQ)
                             x = zero
                     sm[lse_at + r] = x
                     sm[dd_at + r] = dd
                 if drop_on:
-                    row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
+                    row_keys(rk, RM, seed, b_off + bs, h, i0 + r0)
                 cuda.syncthreads()
-                pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, h,
-                           drop_on, rk, threshold, inv, NO_MASK)  # no mask gradient here
+                pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, bs, q0, k0,
+                           h, drop_on, rk, threshold, inv, NO_MASK)  # no mask gradient here
                 cuda.syncthreads()  # the P Z and dS tiles are complete
                 # dV += (P Z)ᵀ dO and dK += dSᵀ (scale Q), this thread's keys and columns,
                 # summed over the block's rows in order
@@ -399,9 +406,9 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
             j = tc + TC * c
             if j < nj:
                 for e in range(g, E, G):
-                    dk[b, kh, j0 + j, e] = sm[dk_at + e * BN + j]
+                    dk[b, kh, k0 + j0 + j, e] = sm[dk_at + e * BN + j]
                 for d in range(g, Ev, G):
-                    dv[b, kh, j0 + j, d] = sm[dv_at + d * BN + j]
+                    dv[b, kh, k0 + j0 + j, d] = sm[dv_at + d * BN + j]
 
     return dkv_kernel
 
@@ -419,8 +426,10 @@ def _kernel(which, dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_grad
 
 
 def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropout=None,
-             dmask=None, blocks=None, stream=0, recipe=None, block_sizes=(1, 1)):
-    """Launch the attention backward on 4-D device arrays: the dQ kernel, then the dK/dV one.
+             dmask=None, blocks=None, stream=0, recipe=None, block_sizes=(1, 1),
+             sequences=None):
+    """Launch the attention backward on 4-D device arrays: the dQ kernel, then the dK/dV one,
+    each one launch (one grid) for the whole batch, dense or packed.
 
     Parameters
     ----------
@@ -448,6 +457,10 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     recipe, block_sizes
         The forward's (see :func:`~sdpa_numba.gpu.forward`). A recipe with a ``score_mod``
         needs its ``score_mod_grad`` (the public layer checks); ALiBi slopes get no gradient.
+    sequences : Sequences, optional
+        The forward's packed (varlen) batch (see :func:`~sdpa_numba.gpu.forward`): every
+        array has batch dim 1, ``dq`` the rows of ``q``, ``dk``, ``dv`` those of ``k``;
+        keys of sequences without query rows get zero gradients. No ``mask``, no ``dmask``.
 
     Returns
     -------
@@ -474,16 +487,28 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     drop = NO_DROPOUT if dropout is None else dropout
     drop = (np.uint64(drop[0]), np.uint64(drop[1]), float(drop[2]), int(drop[3]))
     D = device_array((n_b, n_hq, L), lse.dtype)
+
+    def grid_and_work(n, n_rows, block, by_keys):
+        """The grid size and work list of a launch over ``n`` heads (:mod:`.work`)."""
+        if sequences is None:
+            return n_b * n * ((n_rows + block - 1) // block), no_work()
+        items = work_list(sequences, block, by_keys, rc.offset, rc.left, rc.right)
+        return items.shape[0] * n, (cuda.to_device(items, stream=stream) if items.shape[0]
+                                    else None)
+
     if n_b * n_hq and L:
         bq, shared = launch_blocks(blocks, itemsize, e, ev, dq_shared_elements)
-        grid = n_b * n_hq * ((L + bq.block_m - 1) // bq.block_m)
-        _kernel("dq", q.dtype, mask_kind, bq, parts, dmask is not None)[
-            grid, bq.threads, stream, shared](q, k, v, m, float(scale), dout, out, lse, *drop,
-                                              D, dq, NO_MASK if dmask is None else (dmask,),
-                                              *rargs)
+        grid, work = grid_and_work(n_hq, L, bq.block_m, False)
+        if grid:
+            _kernel("dq", q.dtype, mask_kind, bq, parts, dmask is not None)[
+                grid, bq.threads, stream, shared](q, k, v, m, float(scale), dout, out, lse,
+                                                  work, *drop, D, dq,
+                                                  NO_MASK if dmask is None else (dmask,),
+                                                  *rargs)
     if n_b * n_h and S:  # also with L == 0: dK and dV are then zeros
         bkv, shared = launch_blocks(blocks, itemsize, e, ev, dkv_shared_elements)
-        grid = n_b * n_h * ((S + bkv.block_n - 1) // bkv.block_n)
-        _kernel("dkv", q.dtype, mask_kind, bkv, parts)[grid, bkv.threads, stream, shared](
-            q, k, v, m, float(scale), dout, lse, *drop, D, dk, dv, *rargs)
+        grid, work = grid_and_work(n_h, S, bkv.block_n, True)
+        if grid:
+            _kernel("dkv", q.dtype, mask_kind, bkv, parts)[grid, bkv.threads, stream, shared](
+                q, k, v, m, float(scale), dout, lse, work, *drop, D, dk, dv, *rargs)
     return D

@@ -1,8 +1,10 @@
 """The attention forward on CUDA, FlashAttention-2 style, without tensor cores.
 
-One thread block computes ``block_m`` query rows of one (batch, head). Its Q tile, pre-scaled,
-stays in shared memory; key/value blocks of ``block_n`` keys are staged through shared memory
-one after the other (keys transposed, so that threads of a warp read consecutive keys). For each
+One thread block computes ``block_m`` query rows of one (batch, head), or of one (sequence,
+head) of a packed (varlen) batch: the whole batch is one grid either way, each block's rows
+found by :mod:`.work` (work list and addressing). Its Q tile, pre-scaled, stays in shared
+memory; key/value blocks of ``block_n`` keys are staged through shared memory one after the
+other (keys transposed, so that threads of a warp read consecutive keys). For each
 key block the threads compute the score tile, each a small register tile of it; the online
 softmax of each row runs on one thread (:func:`~.online_softmax.online_softmax_update`); then
 each thread folds ``p · V`` into its register tile of the output. Shared memory is
@@ -42,14 +44,18 @@ from ..score.recipe import BLOCK_EMPTY, BLOCK_PARTIAL, CAUSAL, DENSE, fold_sink,
 from .online_softmax import online_softmax_lse, online_softmax_update
 from .options import CANDIDATES, FASTMATH, Blocks
 from .storage import storage_view, store
-from .tiles import clear, load_tile, query_block, tile_product, tile_thread
+from .tiles import clear, load_tile, tile_product, tile_thread
 from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, sink_of, \
     tile_state, unpack
+from .work import block_span, no_work, query_work, work_list
 
 _kernels = {}
 
 #: Numba types of the kernels' dropout arguments (seed, threshold, inv_keep, batch_offset).
 DROPOUT_ARGS = (numba.uint64, numba.uint64, numba.float64, numba.int64)
+
+#: Numba type of the kernels' work list (:mod:`.work`; empty for a dense launch).
+WORK = numba.types.Array(numba.int64, 2, "A")
 
 
 def arr(t, nd):
@@ -75,10 +81,11 @@ def _signature(dtype, mask_kind, parts=compile_key(DENSE)):
     """Every array 'A' (any strides): one compilation per dtype, mask kind and recipe parts
     (:func:`.variants.compile_key`), whatever the operands' layouts (each compilation takes
     seconds). Dropout is four runtime arguments (see :mod:`.dropout`), the recipe's numbers
-    five more (window, alignment and soft cap): no extra compilation."""
+    five more (window, alignment and soft cap), the work list (:mod:`.work`) one more: dense
+    and packed (varlen) launches share the compilation."""
     st, ct, mask = operand_types(dtype, mask_kind)
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
-                      arr(st, 4), arr(ct, 3), *DROPOUT_ARGS, *arg_types(parts, ct)), ct
+                      arr(st, 4), arr(ct, 3), WORK, *DROPOUT_ARGS, *arg_types(parts, ct)), ct
 
 
 def jit_options(threads):
@@ -106,12 +113,12 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
     ELEMENT_MASK = MASK_MOD is not None  # a mask_mod: tested per element unless a block is full
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
-    def kernel(q, k, v, mask, scale, out, lse, seed, threshold, inv_keep, b_off, offset, left,
-               right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq, bk, mod_args):
-        _, _, L, E = q.shape
-        S = k.shape[2]
+    def kernel(q, k, v, mask, scale, out, lse, work, seed, threshold, inv_keep, b_off, offset,
+               left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq, bk, mod_args):
+        E = q.shape[3]
         Ev = v.shape[3]
-        b, h, kh, i0 = query_block(q, k, BM)
+        # Operand rows q0 + i, keys k0 + j; the score seam sees i, j, batch index bs.
+        b, bs, h, kh, i0, q0, L, k0, S, offset = query_work(q, k, BM, work, offset)
         rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
                    MASK_MOD, SCORE_MOD_GRAD, mod_args)
         tid, g, tc = tile_thread(TC)
@@ -129,7 +136,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
         one = CT(1)
         neg_inf = CT(-math.inf)
 
-        load_tile(q, b, h, i0, L - i0, BM, E, E, CT(scale), sm, 0, QP, 1, tid, NT)
+        load_tile(q, b, h, q0 + i0, L - i0, BM, E, E, CT(scale), sm, 0, QP, 1, tid, NT)
         for r in range(tid, BM, NT):
             sm[m_at + r] = neg_inf
             sm[l_at + r] = zero
@@ -144,25 +151,26 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
         inv = CT(inv_keep)
         rk = cuda.local.array(RM, numba.uint64)
         if drop_on:
-            row_keys(rk, RM, seed, b_off + b, h, i0 + r0)
+            row_keys(rk, RM, seed, b_off + bs, h, i0 + r0)
 
-        # The work list: key blocks (aligned to BN) that some row of the block sees under the
+        # The block's key blocks (aligned to BN): those some row of the block sees under the
         # window (causal: none above the diagonal), less those the block mask says are empty.
         i_last = min(i0 + BM, L) - 1
         j_begin, j_end = key_range(rc, i0, i_last, S)
+        j_first, j_end = block_span(j_begin, j_end, BN)
         mod_on = modifies(rc)
-        for j0 in range(j_begin - j_begin % BN, j_end, BN):
+        for j0 in range(j_first, j_end, BN):
             nj = min(BN, j_end - j0)
-            state = tile_state(rc, HAS_BM, bq, bk, b, h, i0, i_last, j0, j0 + nj - 1)
+            state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
             if state == BLOCK_EMPTY:
                 continue  # uniform across the thread block
             # Per-element tests only where the window cuts the tile or a mask_mod may.
             test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
                 ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
             cuda.syncthreads()  # the previous block's tiles are consumed
-            load_tile(k, b, kh, j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)  # Kᵀ
+            load_tile(k, b, kh, k0 + j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)  # Kᵀ
             # V rows zero-padded to whole thread columns
-            load_tile(v, b, kh, j0, nj, BN, Ev, VP, one, sm, vs_at, VP, 1, tid, NT)
+            load_tile(v, b, kh, k0 + j0, nj, BN, Ev, VP, one, sm, vs_at, VP, 1, tid, NT)
             cuda.syncthreads()
 
             clear(sreg, NS)
@@ -178,9 +186,9 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
                         # the score seam: soft cap, ALiBi, score_mod; the attention mask;
                         # window, causality and mask_mod
                         if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
-                            s = CT(modified_score(rc, s, b, h, i, j0 + j))
-                        s = masked(s, mask, b, h, i, j0 + j, neg_inf)
-                        if test and not keeps(rc, b, h, i, j0 + j):
+                            s = CT(modified_score(rc, s, bs, h, i, j0 + j))
+                        s = masked(s, mask, b, h, q0 + i, k0 + j0 + j, neg_inf)
+                        if test and not keeps(rc, bs, h, i, j0 + j):
                             s = neg_inf
                     sm[ss_at + (r0 + a) * SP + j] = s
             cuda.syncthreads()
@@ -227,11 +235,11 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
                     d = tc + TC * c
                     if d < Ev:
                         if l == 0:  # every key masked (or S == 0): zeros, as torch
-                            out[b, h, i, d] = store(zero, out)
+                            out[b, h, q0 + i, d] = store(zero, out)
                         elif HAS_SINKS:
-                            out[b, h, i, d] = store(alpha * acc[a * DC + c] / l, out)
+                            out[b, h, q0 + i, d] = store(alpha * acc[a * DC + c] / l, out)
                         else:
-                            out[b, h, i, d] = store(acc[a * DC + c] / l, out)
+                            out[b, h, q0 + i, d] = store(acc[a * DC + c] / l, out)
         for t in range(tid, BM, NT):
             if i0 + t < L:
                 m = sm[m_at + t]
@@ -239,7 +247,7 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
                 if HAS_SINKS:
                     m, l, _ = fold_sink(m, l, sink)
                     m, l = CT(m), CT(l)
-                lse[b, h, i0 + t] = online_softmax_lse(m, l)
+                lse[b, h, q0 + i0 + t] = online_softmax_lse(m, l)
 
     return kernel
 
@@ -302,8 +310,9 @@ def mask_kind_of(mask):
 
 
 def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dropout=None,
-            recipe=None, block_sizes=(1, 1)):
-    """Launch the batched attention forward on 4-D device arrays.
+            recipe=None, block_sizes=(1, 1), sequences=None):
+    """Launch the batched attention forward on 4-D device arrays: one launch (one grid) for
+    the whole batch, dense or packed.
 
     Parameters
     ----------
@@ -342,6 +351,16 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
         (right side of the window at most 0).
     block_sizes : (int, int), optional
         Query rows and keys per block of the recipe's block mask.
+    sequences : Sequences, optional
+        A packed (varlen) batch (:class:`~.work.Sequences`: ``cu_q``, ``cu_k`` int64 NumPy
+        arrays of shape ``(n + 1,)``, ``bottom_right``): ``q``, ``k``, ``v``, ``out``,
+        ``lse`` have batch dim 1 and sequence ``s`` is rows ``cu_q[s]:cu_q[s + 1]`` of
+        ``q``, ``out`` and ``lse`` and ``cu_k[s]:cu_k[s + 1]`` of ``k`` and ``v``, attended
+        on its own (:mod:`.work`): rows and keys count from the sequence's start, the
+        window is aligned per sequence (``bottom_right``: offset ``S_s - L_s``, else the
+        recipe's), and the recipe's functions, ALiBi and the dropout stream see batch index
+        ``s`` (plus the batch offsets). No ``mask``, no block mask. Rows of sequences without
+        keys get zeros and lse ``-inf``. None: a dense batch.
 
     Notes
     -----
@@ -351,7 +370,8 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
     arrays and torch tensors as such). Arguments are trusted:
     :func:`sdpa_numba.scaled_dot_product_attention` validates them. The launch is
     asynchronous, on ``stream``. One compiled kernel per (dtype, mask kind, tiling, optional
-    recipe parts and user functions); the window, alignment and soft cap are run-time values.
+    recipe parts and user functions); the window, alignment and soft cap are run-time values,
+    and so is ``sequences`` (dense and packed launches share the compilation).
     """
     q, k, v, mask, out = (storage_view(a) for a in (q, k, v, mask, out))
     n_bh, L, e = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
@@ -362,10 +382,18 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
     blocks, shared = launch_blocks(blocks, np.dtype(lse.dtype).itemsize, e, ev)
     parts = compile_key(rc)
     kernel = _kernel(q.dtype, mask_kind_of(mask), blocks, blocks.out_cols(ev), parts)
-    n_qblocks = (L + blocks.block_m - 1) // blocks.block_m
+    if sequences is None:
+        work = no_work()
+        grid = n_bh * ((L + blocks.block_m - 1) // blocks.block_m)
+    else:
+        items = work_list(sequences, blocks.block_m, False, rc.offset, rc.left, rc.right)
+        if items.shape[0] == 0:
+            return
+        work = cuda.to_device(items, stream=stream)
+        grid = items.shape[0] * n_bh
     seed, threshold, inv_keep, b_off = NO_DROPOUT if dropout is None else dropout
-    kernel[n_bh * n_qblocks, blocks.threads, stream, shared](
-        q, k, v, NO_MASK if mask is None else (mask,), float(scale), out, lse,
+    kernel[grid, blocks.threads, stream, shared](
+        q, k, v, NO_MASK if mask is None else (mask,), float(scale), out, lse, work,
         np.uint64(seed), np.uint64(threshold), float(inv_keep), int(b_off),
         *kernel_args(rc, block_sizes))
 

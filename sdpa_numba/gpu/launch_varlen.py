@@ -1,81 +1,67 @@
 """From a validated :class:`~sdpa_numba.problem.varlen.VarlenPlan` and Numba device arrays to
-the dense CUDA kernels, one launch per sequence.
+the CUDA kernels: one launch of the forward kernel, and one of each backward kernel, for the
+whole packed batch, whatever the number of sequences.
 
-The addressing rule is a view: sequence ``b`` of a packed ``(total, H, D)`` array is the
-strided ``(1, H, L_b, D)`` view of its rows (nothing copied), and its recipe is the plan's in
-the sequence's frame (:func:`~sdpa_numba.score.recipe.sequence_recipe`: window and ALiBi
-aligned per sequence, ``b`` the batch index the user's functions, ALiBi and the dropout stream
-see). The dense kernels (:func:`.forward.forward`, :func:`.backward.backward`) run on those
-views unchanged, with the compilations the dense calls use. A launch per sequence costs a
-launch overhead per sequence; one grid over the whole batch would need the kernels to look up
-their sequence, which they do not do yet.
+Varlen is addressing, not copies of the kernel (as FlashAttention's
+``flash_attn_varlen_func``): the packed ``(total, H, D)`` arrays are seen as ``(1, H, total,
+D)`` strided views (nothing copied), and the dense kernels (:func:`.forward.forward`,
+:func:`.backward.backward`, with the compilations the dense calls use) run on them with the
+batch's cumulative lengths (:class:`~.work.Sequences`). Each thread block looks up its
+sequence and block in a work list the launcher builds from them (:mod:`.work`) and applies the
+plan's recipe in the sequence's frame, as
+:func:`~sdpa_numba.score.recipe.sequence_recipe` defines it: rows and keys counted from the
+sequence's start, the window aligned per sequence (bottom right: offset ``S_b - L_b``), and
+batch index ``b``, the sequence's, for the user's functions, ALiBi and the dropout stream.
 """
 
 
 from ..block_mask import K_BLOCK, Q_BLOCK
-from ..dropout import NO_DROPOUT
-from ..score.recipe import sequence_recipe
 from .arrays import as_strided, device_array
 from .backward import backward
 from .forward import forward
 from .launch import device_recipe
 from .reduce import sum_to
+from .work import Sequences
 
 #: The kernels run the plan's recipe.
 TAKES_RECIPE = True
 
 
-def _rows(x, i0, i1):
-    """Rows ``[i0, i1)`` of packed ``(total, H, D)`` device array ``x`` as ``(1, H, n, D)``."""
-    part = x[i0:i1]
-    s0, s1, s2 = part.strides
-    return as_strided(part, (1, part.shape[1], part.shape[0], part.shape[2]), (0, s1, s0, s2))
+def _rows(x):
+    """Packed ``(total, H, D)`` device array ``x`` as ``(1, H, total, D)``."""
+    s0, s1, s2 = x.strides
+    return as_strided(x, (1, x.shape[1], x.shape[0], x.shape[2]), (0, s1, s0, s2))
 
 
-def _lse_rows(lse, i0, i1):
-    """Columns ``[i0, i1)`` of an ``(Hq, total)`` device array as ``(1, Hq, n)``."""
-    part = lse[:, i0:i1]
-    return as_strided(part, (1, *part.shape), (0, *part.strides))
+def _lse_rows(lse):
+    """An ``(Hq, total)`` device array as ``(1, Hq, total)``."""
+    return as_strided(lse, (1, *lse.shape), (0, *lse.strides))
 
 
-def _sequences(p, dropout):
-    """Per sequence: ``(b, q0, q1, k0, k1, recipe, dropout)`` with the sequence's recipe (host
-    arrays already on the device) and dropout batch offset."""
-    rc = device_recipe(p.recipe)
-    drop = NO_DROPOUT if dropout is None else dropout
-    for b in range(p.n_seq):
-        q0, q1 = int(p.cu_q[b]), int(p.cu_q[b + 1])
-        k0, k1 = int(p.cu_k[b]), int(p.cu_k[b + 1])
-        rs = sequence_recipe.py_func(rc, b, q1 - q0, k1 - k0, p.bottom_right)
-        yield b, q0, q1, k0, k1, rs, (drop[0], drop[1], drop[2], drop[3] + b)
+def _sequences(p):
+    return Sequences(p.cu_q, p.cu_k, p.bottom_right)
 
 
 def run(p, q, k, v, out, dropout=None):
     """The forward on the GPU for plan ``p``: ``(out, lse)`` as device arrays, lse
-    ``(Hq, total_q)``; the launches are asynchronous on the default stream."""
+    ``(Hq, total_q)``; one launch, asynchronous on the default stream."""
     result = device_array(p.out_shape, p.dtype) if out is None else out
     lse = device_array(p.lse_shape, p.compute_dtype)
-    for b, q0, q1, k0, k1, rs, drop in _sequences(p, dropout):
-        if q1 == q0:
-            continue
-        forward(_rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1), None, p.is_causal,
-                p.scale, _rows(result, q0, q1), _lse_rows(lse, q0, q1), dropout=drop,
-                recipe=rs, block_sizes=(Q_BLOCK, K_BLOCK))
+    forward(_rows(q), _rows(k), _rows(v), None, p.is_causal, p.scale, _rows(result),
+            _lse_rows(lse), dropout=dropout, recipe=device_recipe(p.recipe),
+            block_sizes=(Q_BLOCK, K_BLOCK), sequences=_sequences(p))
     return result, lse
 
 
 def run_backward(p, grad_out, q, k, v, out, lse, dropout=None):
     """Gradients on the GPU for plan ``p``: ``(dq, dk, dv)`` as device arrays of the inputs'
-    dtype."""
+    dtype; one launch of each backward kernel."""
     ct = p.compute_dtype
     dq = device_array(q.shape, ct)
     dk = device_array(k.shape, ct)
     dv = device_array(v.shape, ct)
-    for b, q0, q1, k0, k1, rs, drop in _sequences(p, dropout):
-        if q1 == q0 and k1 == k0:
-            continue
-        backward(_rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1), None, p.is_causal,
-                 p.scale, _rows(grad_out, q0, q1), _rows(out, q0, q1), _lse_rows(lse, q0, q1),
-                 _rows(dq, q0, q1), _rows(dk, k0, k1), _rows(dv, k0, k1), drop, None,
-                 recipe=rs, block_sizes=(Q_BLOCK, K_BLOCK))
+    backward(_rows(q), _rows(k), _rows(v), None, p.is_causal, p.scale, _rows(grad_out),
+             _rows(out), _lse_rows(lse), _rows(dq), _rows(dk), _rows(dv), dropout, None,
+             recipe=device_recipe(p.recipe), block_sizes=(Q_BLOCK, K_BLOCK),
+             sequences=_sequences(p))
     return tuple(sum_to(g, g.shape, p.dtype) for g in (dq, dk, dv))

@@ -351,6 +351,19 @@ def test_public_window_softcap_alibi_sinks_gqa():
                  sinks=np.array([0.2, -1.0, 0.0, 2.0], np.float32), is_causal=True)
 
 
+@pytest.mark.parametrize("L, S, window", [(11, 2, (1, 0)), (3, 10, (0, 1))])
+def test_public_window_past_the_end(L, S, window):
+    """Top-left windows that miss every key of some rows (L > S + left) or every row of some
+    keys: those rows get zeros and lse -inf, those keys zero gradients. An empty key (row)
+    range of a block may start past the last key (row), and must not be aligned down to a
+    block boundary (the kernels then read keys past the end of the array)."""
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((1, 2, L, 5))
+    k = rng.standard_normal((1, 2, S, 5))
+    v = rng.standard_normal((1, 2, S, 3))
+    public_check(q, k, v, tol=1e-12, window=window)
+
+
 def test_public_split_launches_carry_the_batch_offset():
     """Batch dims that no view merges: one launch per leading index, each with its batch
     offset, which ALiBi per batch entry and a mask_mod on ``b`` (through its block mask) read."""
