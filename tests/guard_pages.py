@@ -77,8 +77,12 @@ CASES = [(L, S, E, Ev, lay, olay)
          for lay, olay in [("c", "c"), ("overlap", "pad"), ("neg", "neg"), ("odd", "odd"),
                            ("pad", "c"), ("bcast", "c")]]
 
+#: Windows (left, right) of the window cases, and their shapes: many more rows than keys.
+WINDOWS = [(1, 0), (2, 0), (0, 3)]
+WINDOW_CASES = [(300, 3, 8, 8, "c", "c"), (70, 5, 3, 5, "odd", "odd")]
 
-def run_case(L, S, E, Ev, lay, olay, dtype, mask_kind, at_end, seed=0):
+
+def run_case(L, S, E, Ev, lay, olay, dtype, mask_kind, at_end, seed=0, window=None):
     from sdpa_numba import scaled_dot_product_attention as sdpa
     from sdpa_numba import scaled_dot_product_attention_backward as sdpa_backward
     from sdpa_numba import reference
@@ -108,8 +112,8 @@ def run_case(L, S, E, Ev, lay, olay, dtype, mask_kind, at_end, seed=0):
         mask = g(L, S, lay)
         moderate(mask)
     out = g(L, Ev, olay)
-    got, lse = sdpa(q, k, v, attn_mask=mask, out=out, return_lse=True)
-    want, want_lse = reference.attention(q, k, v, attn_mask=mask)
+    got, lse = sdpa(q, k, v, attn_mask=mask, out=out, return_lse=True, window=window)
+    want, want_lse = reference.attention(q, k, v, attn_mask=mask, window=window)
     tol = {np.dtype(np.float16): 3e-3, np.dtype(np.float32): 2e-5,
            np.dtype(np.float64): 1e-12}[dtype]
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
@@ -121,8 +125,8 @@ def run_case(L, S, E, Ev, lay, olay, dtype, mask_kind, at_end, seed=0):
     lse2 = guarded((L,), (np.dtype(ct).itemsize,), ct, at_end, rng)
     lse2[...] = lse
     grads = sdpa_backward(gout, q, k, v, o2, lse2, mask,
-                          mask_grad=mask_kind == "additive")
-    want_g = reference.attention_backward(gout, q, k, v, mask)
+                          mask_grad=mask_kind == "additive", window=window)
+    want_g = reference.attention_backward(gout, q, k, v, mask, window=window)
     gtol = {np.dtype(np.float16): 3e-2, np.dtype(np.float32): 1e-4,
             np.dtype(np.float64): 1e-10}[dtype]
     for a, b in zip(grads, want_g):
@@ -140,6 +144,14 @@ def run_cases(dtypes=("float32", "float16", "float64"), masks=("none", "bool", "
                           flush=True)
                     run_case(*case, dtype, mask_kind, at_end)
                     n += 1
+        # Top-left windows that end before the last rows: those rows see no keys at all,
+        # and their empty key range starts past the last key (nothing may be read there).
+        for window in WINDOWS:
+            for case in WINDOW_CASES:
+                print("case", case, "float32 window", window,
+                      "at_end" if at_end else "at_start", flush=True)
+                run_case(*case, "float32", "none", at_end, window=window)
+                n += 1
     print("all", n, "cases passed", flush=True)
 
 

@@ -117,12 +117,15 @@ def test_key_range_and_cover():
         return out
 
     for r in (R.DENSE, R.CAUSAL, R.recipe(offset=4, left=3, right=1),
+              R.recipe(offset=10, left=1, right=0),
               R.recipe(offset=-7, left=0, right=R.NO_LIMIT)):
         for i0, i1, j0, j1, jb, je, covers in ranges(r, 17, 23, 4, 5):
             seen = [(i, j) for i in range(i0, i1 + 1) for j in range(23)
                     if i + r.offset - r.left <= j <= i + r.offset + r.right]
             js = sorted({j for _, j in seen})
-            assert (jb, je) == ((js[0], js[-1] + 1) if js else (jb, jb))
+            # none: (0, 0), not an empty range past the last key (blocks aligned down from
+            # there would be read)
+            assert (jb, je) == ((js[0], js[-1] + 1) if js else (0, 0))
             tile = [(i, j) for i in range(i0, i1 + 1) for j in range(j0, j1 + 1)]
             assert covers == all(p in set(seen) for p in tile)
 

@@ -159,24 +159,27 @@ def in_window(r, i, j):
 @njit(**INLINE)
 def key_range(r, i_first, i_last, s_len):
     """``(j_begin, j_end)``: the keys that any of rows ``i_first..i_last`` (inclusive) can see
-    under the window, within ``[0, s_len)``; ``j_begin == j_end`` when none."""
+    under the window, within ``[0, s_len)``; ``(0, 0)`` when none. (Not an empty range at
+    ``j_begin``: that may lie past the last key, and a loop over key blocks aligned down from
+    it would read keys that do not exist.)"""
     j_begin = max(i_first + r.offset - r.left, 0)
     j_end = min(i_last + r.offset + r.right + 1, s_len)
-    if j_end < j_begin:
-        j_end = j_begin
+    if j_end <= j_begin:
+        j_begin = j_end = 0
     return j_begin, j_end
 
 
 @njit(**INLINE)
 def query_range(r, j_first, j_last, l_len):
     """``(i_begin, i_end)``: the query rows that see any of keys ``j_first..j_last``
-    (inclusive) under the window, within ``[0, l_len)``; ``i_begin == i_end`` when none. The
+    (inclusive) under the window, within ``[0, l_len)``. The
     inverse of :func:`key_range`, for work lists that go key block first (the backward):
-    row ``i`` sees key ``j`` iff ``j - offset - right <= i <= j - offset + left``."""
+    row ``i`` sees key ``j`` iff ``j - offset - right <= i <= j - offset + left``; ``(0, 0)``
+    when none, as :func:`key_range`."""
     i_begin = max(j_first - r.offset - r.right, 0)
     i_end = min(j_last - r.offset + r.left + 1, l_len)
-    if i_end < i_begin:
-        i_end = i_begin
+    if i_end <= i_begin:
+        i_begin = i_end = 0
     return i_begin, i_end
 
 
