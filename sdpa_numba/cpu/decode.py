@@ -26,6 +26,10 @@ once per call, for every query head of its GQA group and every query token at on
   (:func:`._llvm.lane_dots`): reduced one by one, their horizontal sums cost about as much as
   their multiply-adds. With GQA, a block's values and the next block's keys are prefetched
   into L2 while the block is worked on.
+* **P V** of float32 values (``Ev`` a multiple of ``PV_VEC * LANES``) keeps four rows'
+  accumulators in registers over :data:`PV_KEYS` keys of a head (:func:`._llvm.rows_pv`), each
+  value vector loaded once for the four rows; the adds into an element stay in key order, one
+  fused multiply-add each, as the plain loops that do the other dtypes.
 * **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
   query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
   at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
@@ -388,14 +392,17 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                     ar = ptr_add(ap, i * ev)
                     for d in range(ev):
                         ar[d] *= alpha
-            # P V. Heads inner, four keys at a time: each accumulator row is loaded and stored
+            # P V: by registers_pv where it applies (float32, see PV_KEYS); else here, for all
+            # dtypes. Heads inner, four keys at a time: each accumulator row is loaded and stored
             # once for four value rows, the adds in key order, so bitwise as one at a time
             # (CPU time of one thread, AMD EPYC Zen 4: B1 H32 S8192 D128 1.10x, B1 Hq32 H8
             # S16384 1.21x). Head by head it lost (B1 H32 S8192 D128 on (B, H, S, E): 0.72x):
             # there the four value rows are neighbours, and one stream beats four.
             j = 0
             # The next block's keys, where they lie in this page at the same stride, asked for
-            # into L2 while these values are summed (GQA only: see lanewise_scores).
+            # into L2 while these values are summed (GQA only: see lanewise_scores). Head-major
+            # caches too, through registers_pv (B1 Hq32 H8 S16384 D128 on (B, H, S, E): 2.0x
+            # with the P V change, CPU time of one thread).
             ahead = (rows >= 4 and b0 % page_size + 2 * BN <= page_size
                      and b0 + 2 * BN <= j1)
             if registers_pv(ap, ev, sp, vbase, data_ptr(voff), vhs, rows, h_lo, h_hi, n, kbase,
