@@ -405,8 +405,14 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # with the P V change, CPU time of one thread).
             ahead = (rows >= 4 and b0 % page_size + 2 * BN <= page_size
                      and b0 + 2 * BN <= j1)
-            if registers_pv(ap, ev, sp, vbase, data_ptr(voff), vhs, rows, h_lo, h_hi, n, kbase,
-                            koff, kss, khs, e_len, ahead):
+            # Head-major with fewer than four rows (no prefetch), only where one pass covers a
+            # value row: the loops below read each row once, in address order, where rows_pv
+            # reads a key group's rows once per PV_VEC * LANES elements (CPU time of one
+            # thread, on (B, H, S, E) D128: B1 H32 S8192 0.83x, B1 Hq8 H4 S4096 0.80-0.89x;
+            # D64: B1 Hq12 H4 S2080 1.24-1.28x).
+            if (h_step > 1 or rows >= 4 or ev == PV_VEC * LANES) and registers_pv(
+                    ap, ev, sp, vbase, data_ptr(voff), vhs, rows, h_lo, h_hi, n, kbase, koff, kss,
+                    khs, e_len, ahead):
                 j = n
             while j + 4 <= n and h_step > 1:
                 for h in range(h_lo, h_hi):
