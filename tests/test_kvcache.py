@@ -422,12 +422,14 @@ def test_the_plan_reads_only_the_window_and_past_the_padding(is_causal):
 
 @pytest.mark.parametrize("page_size", [None, 5, 16])
 @pytest.mark.parametrize("lq", [1, 2])
-def test_float32_wide_values_in_registers(rng, page_size, lq, monkeypatch):
+@pytest.mark.parametrize("Hq,Ev", [(10, 128), (6, 64)])
+def test_float32_wide_values_in_registers(rng, page_size, lq, Hq, Ev, monkeypatch):
     # float32 with Ev a multiple of 64 takes P V through _llvm.rows_pv (4 rows at once, then
-    # one by one: 5 or 10 rows per key/value head), over partial blocks and key groups, a
-    # sequence split into chunks, pages, and the head-major view; the parallel kernel gives
-    # the same bits on any thread count and on pages as on the contiguous cache.
-    B, Hq, H, E, Ev = 3, 10, 2, 64, 128
+    # one by one: 5 or 10 rows per key/value head; 3 or 6 rows, and on the head-major view
+    # with one pass of 64 elements), over partial blocks and key groups, a sequence split into
+    # chunks, pages, and the head-major view; the parallel kernel gives the same bits on any
+    # thread count and on pages as on the contiguous cache.
+    B, H, E = 3, 2, 64
     q, kc, vc = make(rng, B, lq, Hq, H, E, Ev, CHUNK + 45, np.float32)
     seqlens = np.array([CHUNK + 45, 37, 1])
     causal = lq > 1
