@@ -16,7 +16,8 @@ Usage::
     python scripts/ab_decode.py --cpu M=1,32,32,8192,128   # CPU time, on a shared machine
 
 A case is ``name=B,Hq,H,S,D[,layout[,page_size[,Lq]]]``: layout ``fa`` (the cache
-``(B, S, H, D)``) or ``bhsd`` (transformers' ``(B, H, S, D)`` viewed as ``(B, S, H, D)``);
+``(B, S, H, D)``), ``ragged`` (the same, cache lengths ``np.linspace(128, S, B)``, as the
+bench's ragged case) or ``bhsd`` (transformers' ``(B, H, S, D)`` viewed as ``(B, S, H, D)``);
 page_size > 0 pages the cache in shuffled pages; Lq > 1 is causal.
 """
 
@@ -60,7 +61,10 @@ def _cache(rng, spec):
             c[order] = np.pad(x, pad).reshape(B * per, page, H, D)
             caches.append(c)
         k, v = caches
-    return q, k, v, table, np.full(B, S, np.int64), lq
+    lens = np.full(B, S, np.int64)
+    if layout == "ragged":
+        lens = np.linspace(128, S, B).astype(np.int64)
+    return q, k, v, table, lens, lq
 
 
 def main(argv=None):

@@ -418,3 +418,38 @@ def test_the_plan_reads_only_the_window_and_past_the_padding(is_causal):
     r = R.recipe(left=255, right=0)
     first, k_lo, k_hi = decode_module._plan(kv_lens[:1], None, r, 1)
     assert (k_lo[0], k_hi[0], first[1]) == (8192 - 256, 8192, 1)
+
+
+@pytest.mark.parametrize("page_size", [None, 5, 16])
+@pytest.mark.parametrize("lq", [1, 2])
+@pytest.mark.parametrize("Hq,Ev", [(10, 128), (6, 64)])
+def test_float32_wide_values_in_registers(rng, page_size, lq, Hq, Ev, monkeypatch):
+    # float32 with Ev a multiple of 64 takes P V through _llvm.rows_pv (4 rows at once, then
+    # one by one: 5 or 10 rows per key/value head; 3 or 6 rows, and on the head-major view
+    # with one pass of 64 elements), over partial blocks and key groups, a sequence split into
+    # chunks, pages, and the head-major view; the parallel kernel gives the same bits on any
+    # thread count and on pages as on the contiguous cache.
+    B, H, E = 3, 2, 64
+    q, kc, vc = make(rng, B, lq, Hq, H, E, Ev, CHUNK + 45, np.float32)
+    seqlens = np.array([CHUNK + 45, 37, 1])
+    causal = lq > 1
+    pk, pv, table = paged_pair(rng, kc, vc, page_size)
+    hk, hv = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+              for x in (kc, vc))  # (B, H, S, E) storage viewed as (B, S, H, E)
+    out, lse = kvattn(q, hk, hv, seqlens, is_causal=causal, return_lse=True)
+    check_against_reference(q, kc, vc, seqlens, out, lse, causal)
+    monkeypatch.setattr(kvcache_module, "SERIAL_BYTES", 0)
+    n = numba.get_num_threads()
+    results = []
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            results.append(kvattn(q, pk, pv, seqlens, block_table=table, is_causal=causal,
+                                  return_lse=True))
+            results.append(kvattn(q, kc, vc, seqlens, is_causal=causal, return_lse=True))
+    finally:
+        numba.set_num_threads(n)
+    check_against_reference(q, kc, vc, seqlens, *results[0], causal)
+    for o, s in results[1:]:
+        np.testing.assert_array_equal(o, results[0][0])
+        np.testing.assert_array_equal(s, results[0][1])

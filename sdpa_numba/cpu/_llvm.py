@@ -473,3 +473,93 @@ def prefetch(typingctx, ptr):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def rows_pv(n_rows, n_vec, width):
+    """Make an intrinsic ``f(acc, acc_stride, p, p_stride, vbase, voff, vh, n)``: for the rows
+    ``r < n_rows``, ``acc[r * acc_stride + d] += p[r * p_stride + j] * v_j[d]`` for the keys
+    ``j = 0 .. n - 1`` in order (one fused multiply-add each) and ``d < n_vec * width``, where
+    ``v_j = vbase + voff[j] + vh``.
+
+    The ``n_rows x n_vec`` accumulator vectors stay in registers over all ``n`` keys: each is
+    loaded and stored once per call, each value vector is loaded once for the ``n_rows`` rows,
+    and each weight once per key and row (a broadcast). Written as Numba loops, LLVM reloads the
+    value vectors after every store to the accumulators (they might alias), so it loads about
+    as often as it multiplies. The additions into one element are in key order: bitwise those of
+    a loop ``acc[d] += p_j * v_j[d]`` contracted to fused multiply-adds.
+    """
+    @intrinsic
+    def _rows_pv(typingctx, acc, acc_stride, p, p_stride, vbase, voff, vh, n):
+        if not (isinstance(acc, types.CPointer) and acc == p == vbase
+                and voff == types.CPointer(types.int64)
+                and all(isinstance(t, types.Integer) for t in (acc_stride, p_stride, vh, n))):
+            return None
+        sig = types.void(acc, acc_stride, p, p_stride, vbase, voff, vh, n)
+
+        def codegen(context, builder, signature, args):
+            ap, _, pp, _, vb, vo, _, _ = args
+            i64 = ir.IntType(64)
+            as_, ps, vhv, nv = (context.cast(builder, args[i], signature.args[i], types.int64)
+                                for i in (1, 3, 6, 7))
+            ty = context.get_data_type(acc.dtype)
+            vty = ir.VectorType(ty, width)
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vty, [vty] * 3),
+                f"llvm.fma.v{width}{'f32' if acc.dtype == types.float32 else 'f64'}")
+
+            def vptr(base, off, v):
+                return builder.bitcast(
+                    builder.gep(base, [builder.add(off, ir.Constant(i64, v * width))]),
+                    vty.as_pointer())
+
+            aptrs = [[vptr(ap, builder.mul(as_, ir.Constant(i64, r)), v) for v in range(n_vec)]
+                     for r in range(n_rows)]
+            prows = [builder.gep(pp, [builder.mul(ps, ir.Constant(i64, r))])
+                     for r in range(n_rows)]
+            init = [[builder.load(a, align=4) for a in row] for row in aptrs]
+            entry = builder.block
+            loop = builder.append_basic_block("rows_pv.loop")
+            done = builder.append_basic_block("rows_pv.done")
+            builder.cbranch(builder.icmp_signed(">", nv, ir.Constant(i64, 0)), loop, done)
+            builder.position_at_end(loop)
+            j = builder.phi(i64)
+            j.add_incoming(ir.Constant(i64, 0), entry)
+            accs = []
+            for row in init:
+                accs.append([])
+                for x in row:
+                    a = builder.phi(vty)
+                    a.add_incoming(x, entry)
+                    accs[-1].append(a)
+            off = builder.add(builder.load(builder.gep(vo, [j])), vhv)
+            vs = [builder.load(vptr(vb, off, v), align=4) for v in range(n_vec)]
+            new = []
+            for r in range(n_rows):
+                w = builder.load(builder.gep(prows[r], [j]))
+                wv = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(vty, None), w, ir.Constant(ir.IntType(32), 0)),
+                    ir.Constant(vty, None), ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                        [0] * width))
+                new.append([builder.call(fma, [wv, vs[v], accs[r][v]]) for v in range(n_vec)])
+            j_next = builder.add(j, ir.Constant(i64, 1))
+            j.add_incoming(j_next, builder.block)
+            for r in range(n_rows):
+                for v in range(n_vec):
+                    accs[r][v].add_incoming(new[r][v], builder.block)
+            builder.cbranch(builder.icmp_signed("<", j_next, nv), loop, done)
+            builder.position_at_end(done)
+            res = []
+            for r in range(n_rows):
+                for v in range(n_vec):
+                    x = builder.phi(vty)
+                    x.add_incoming(init[r][v], entry)
+                    x.add_incoming(new[r][v], loop)
+                    res.append((x, aptrs[r][v]))
+            for x, a in res:
+                builder.store(x, a, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _rows_pv
+

@@ -26,6 +26,10 @@ once per call, for every query head of its GQA group and every query token at on
   (:func:`._llvm.lane_dots`): reduced one by one, their horizontal sums cost about as much as
   their multiply-adds. With GQA, a block's values and the next block's keys are prefetched
   into L2 while the block is worked on.
+* **P V** of float32 values (``Ev`` a multiple of ``PV_VEC * LANES``) keeps four rows'
+  accumulators in registers over :data:`PV_KEYS` keys of a head (:func:`._llvm.rows_pv`), each
+  value vector loaded once for the four rows; the adds into an element stay in key order, one
+  fused multiply-add each, as the plain loops that do the other dtypes.
 * **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
   query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
   at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
@@ -50,7 +54,7 @@ from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_rang
                             modified_score, modifies_scores, sink_logit, user_keeps,
                             window_covers)
 from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
-                    prefer_512_bit, prefetch, ptr_add, stack_buffer, stash, unstash)
+                    prefer_512_bit, prefetch, ptr_add, rows_pv, stack_buffer, stash, unstash)
 from .online_softmax import softmax_row
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
@@ -75,6 +79,17 @@ KB = LANES // 4
 _sums = stack_buffer(LANES)
 _dots_4xkb = lane_dots(4, KB, LANES)
 _dots_1xlanes = lane_dots(1, LANES, LANES)
+#: Value vectors per row of one P V pass (:func:`._llvm.rows_pv`): 4 rows x PV_VEC accumulator
+#: vectors in registers (16 of AVX-512's 32 registers, 8 of AVX2's 16).
+PV_VEC = 4 if LANES == 16 else 2
+_pv_4 = rows_pv(4, PV_VEC, LANES)
+_pv_1 = rows_pv(1, PV_VEC, LANES)
+#: Keys per P V pass of all heads (:func:`registers_pv`): the values are read in address order,
+#: PV_KEYS keys of a head, then the next head's. Against 4 and 32, one thread, CPU time, AMD
+#: EPYC Zen 4, D128 (``scripts/ab_decode.py --cpu``, new/old against the Numba loops):
+#: Hq32 H8 S16384 1.14 / 1.22 / 1.08, H32 S8192 1.02 / 1.06 / 0.78 (a block's 32 keys of one
+#: head jump over 16 KiB between keys, where the hardware prefetchers stop).
+PV_KEYS = 8
 
 
 @njit(**INLINE)
@@ -252,6 +267,51 @@ def _lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
             vbase, vofp, vhs, ev: 0)
 
 
+def registers_pv(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff, kss,
+                 khs, e_len, ahead):
+    """P V of a block (keys ``0 .. n - 1``, weights ``sp[i * BN + j]``) into the accumulator
+    rows ``ap + i * ev`` of the heads ``h_lo .. h_hi - 1`` by :func:`._llvm.rows_pv`; returns
+    whether it did (float32 values, ``ev`` a multiple of ``PV_VEC * LANES``), else the caller
+    does (jitted code only)."""
+    raise NotImplementedError("registers_pv is only callable from jitted code")
+
+
+def _registers_pv_impl(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff,
+                       kss, khs, e_len, ahead):
+    step = PV_VEC * LANES
+    if ev == 0 or ev % step != 0:
+        return False
+    for j0 in range(0, n, PV_KEYS):
+        nk = min(PV_KEYS, n - j0)
+        for h in range(h_lo, h_hi):
+            if ahead:
+                for jj in range(j0, j0 + nk):
+                    kn = ptr_add(kbase, koff[jj] + BN * kss + h * khs)
+                    for e in range(0, e_len, 16):  # float32: 16 a cache line
+                        prefetch(ptr_add(kn, e))
+            rr = 0
+            while rr < rows:
+                i = h * rows + rr
+                for d0 in range(0, ev, step):
+                    if rr + 4 <= rows:
+                        _pv_4(ptr_add(ap, i * ev + d0), ev, ptr_add(sp, i * BN + j0), BN,
+                              vbase, ptr_add(vofp, j0), h * vhs + d0, nk)
+                    else:
+                        _pv_1(ptr_add(ap, i * ev + d0), ev, ptr_add(sp, i * BN + j0), BN,
+                              vbase, ptr_add(vofp, j0), h * vhs + d0, nk)
+                rr += 4 if rr + 4 <= rows else 1
+    return True
+
+
+@overload(registers_pv, fastmath=FASTMATH)
+def _registers_pv(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff, kss,
+                  khs, e_len, ahead):
+    if ap.dtype == vbase.dtype == kbase.dtype == types.float32:
+        return _registers_pv_impl
+    return (lambda ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff, kss,
+            khs, e_len, ahead: False)
+
+
 @njit(**CALLED)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
            part_lse):
@@ -332,16 +392,28 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                     ar = ptr_add(ap, i * ev)
                     for d in range(ev):
                         ar[d] *= alpha
-            # P V. Heads inner, four keys at a time: each accumulator row is loaded and stored
+            # P V: by registers_pv where it applies (float32, see PV_KEYS); else here, for all
+            # dtypes. Heads inner, four keys at a time: each accumulator row is loaded and stored
             # once for four value rows, the adds in key order, so bitwise as one at a time
             # (CPU time of one thread, AMD EPYC Zen 4: B1 H32 S8192 D128 1.10x, B1 Hq32 H8
             # S16384 1.21x). Head by head it lost (B1 H32 S8192 D128 on (B, H, S, E): 0.72x):
             # there the four value rows are neighbours, and one stream beats four.
             j = 0
             # The next block's keys, where they lie in this page at the same stride, asked for
-            # into L2 while these values are summed (GQA only: see lanewise_scores).
+            # into L2 while these values are summed (GQA only: see lanewise_scores). Head-major
+            # caches too, through registers_pv (B1 Hq32 H8 S16384 D128 on (B, H, S, E): 2.0x
+            # with the P V change, CPU time of one thread).
             ahead = (rows >= 4 and b0 % page_size + 2 * BN <= page_size
                      and b0 + 2 * BN <= j1)
+            # Head-major with fewer than four rows (no prefetch), only where one pass covers a
+            # value row: the loops below read each row once, in address order, where rows_pv
+            # reads a key group's rows once per PV_VEC * LANES elements (CPU time of one
+            # thread, on (B, H, S, E) D128: B1 H32 S8192 0.83x, B1 Hq8 H4 S4096 0.80-0.89x;
+            # D64: B1 Hq12 H4 S2080 1.24-1.28x).
+            if (h_step > 1 or rows >= 4 or ev == PV_VEC * LANES) and registers_pv(
+                    ap, ev, sp, vbase, data_ptr(voff), vhs, rows, h_lo, h_hi, n, kbase, koff, kss,
+                    khs, e_len, ahead):
+                j = n
             while j + 4 <= n and h_step > 1:
                 for h in range(h_lo, h_hi):
                     if ahead:
