@@ -1,8 +1,9 @@
 """Decode benchmarks, for ``python -m sdpa_numba bench --preset decode``.
 
 Decoding is memory-bound, so its figure is bandwidth: bytes of K and V read per second,
-against a NumPy streaming read on as many threads as the kernels run (:func:`read_bandwidth`:
-each thread reduces its part of a 256 MiB float32 array) measured in the same run, and against torch's SDPA on the same cache (laid
+against a NumPy streaming read on as many threads as the kernels run (:class:`StreamingRead`:
+each thread reduces its part of a 256 MiB float32 array) timed in the same interleaved rounds
+as the case, and against torch's SDPA on the same cache (laid
 out ``(B, H, S, D)``, torch's preferred layout; ``enable_gqa`` for GQA), with a pause before
 each timed call (see
 :data:`sdpa_numba.bench.PAUSE`). ``attention_with_kvcache`` reads the cache in FlashAttention's
@@ -74,29 +75,51 @@ IDLE = 0.05
 TINY_CALLS = 41
 
 
-def read_bandwidth(nbytes=256 << 20, repeats=5, threads=None):
-    """Bytes per second of NumPy's streaming read of a float32 array of ``nbytes``, split in
-    ``threads`` parts (default: Numba's thread count, what the kernels run on) reduced at
-    once in as many Python threads (NumPy releases the GIL): the faster of ``np.sum`` and
-    ``np.max`` (best of ``repeats``). One thread read less than the decode kernel on two
-    (over 100% of it), so the reference reads with the same cores. ``np.sum``'s pairwise
-    summation is compute-bound on some CPUs (9 GB/s of CPU time against 17 for ``np.max``),
-    which would flatter every ratio to it."""
-    from concurrent.futures import ThreadPoolExecutor
+#: Bytes of the NumPy streaming read that decode's bandwidth is compared with.
+READ_BYTES = 256 << 20
 
-    import numba
 
-    threads = numba.get_num_threads() if threads is None else threads
-    parts = np.array_split(np.ones(nbytes // 4, np.float32), threads)
-    with ThreadPoolExecutor(threads) as pool:
-        def read(reduce):
-            return list(pool.map(reduce, parts))
+class StreamingRead:
+    """NumPy's streaming read of ``nbytes`` of float32, split in ``threads`` parts (default:
+    Numba's thread count, what the kernels run on) reduced at once in as many Python threads
+    (NumPy releases the GIL): ``fns`` holds the read by ``np.sum`` and by ``np.max``. One
+    thread read less than the decode kernel on two (over 100% of it), so the reference reads
+    with the same cores. ``np.sum``'s pairwise summation is compute-bound on some CPUs (9 GB/s
+    of CPU time against 17 for ``np.max``), which would flatter every ratio to it: the
+    reference is the faster of the two."""
 
-        fns = {"sum": lambda: read(np.sum), "max": lambda: read(np.max)}
-        for fn in fns.values():
+    def __init__(self, nbytes=None, threads=None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import numba
+
+        self.nbytes = READ_BYTES if nbytes is None else nbytes
+        threads = numba.get_num_threads() if threads is None else threads
+        self.parts = np.array_split(np.ones(self.nbytes // 4, np.float32), threads)
+        self.pool = ThreadPoolExecutor(threads)
+        self.fns = {f"read {name}": self._reader(reduce)
+                    for name, reduce in (("sum", np.sum), ("max", np.max))}
+        for fn in self.fns.values():
             fn()
-        best = time_interleaved(fns, repeats, pause=0.05)
-    return nbytes / min(best.values())
+
+    def _reader(self, reduce):
+        return lambda: list(self.pool.map(reduce, self.parts))
+
+    def bytes_per_s(self, best):
+        """The read's bytes per second from ``best``, times of :attr:`fns` among others."""
+        return self.nbytes / min(best[name] for name in self.fns)
+
+    def close(self):
+        self.pool.shutdown()
+
+
+def read_bandwidth(nbytes=None, repeats=5, threads=None):
+    """Bytes per second of :class:`StreamingRead` (best of ``repeats``)."""
+    read = StreamingRead(nbytes, threads)
+    try:
+        return read.bytes_per_s(time_interleaved(read.fns, repeats, pause=0.05))
+    finally:
+        read.close()
 
 
 def read_label(threads):
@@ -178,27 +201,45 @@ def median_after_idle(fns, calls=TINY_CALLS, idle=IDLE):
 
 
 def run(cases=DECODE, repeats=7, pause=None):
-    """Time every case; return ``(read_bytes_per_s, results)``."""
+    """Time every case; return ``(read_bytes_per_s, results)``: the read before the cases,
+    and per case its figures. A case's share of the read (``of_read_bandwidth``) is against
+    the read timed in the case's own interleaved rounds (``read_bytes_per_s``; a tiny case:
+    the read before the cases): on a shared machine the bandwidth left to us moves by 10-20%
+    within a minute, and a reference timed minutes before would move every share with it."""
     bw = read_bandwidth()
+    read = StreamingRead()
     results = []
-    for case in cases:
-        fns = prepare(case)
-        outs = {name: np.asarray(fn(), np.float64) for name, fn in fns.items()}  # warm-up
-        if case.tiny:
-            best = median_after_idle(fns)
-        else:
-            best = time_interleaved(fns, repeats, pause)
-        r = {"case": case.label, "kv_bytes": case.kv_bytes, "time_s": best,
-             "gb_per_s": {n: case.kv_bytes / t / 1e9 for n, t in best.items()},
-             "of_read_bandwidth": best and case.kv_bytes / best["sdpa_numba"] / bw,
-             "timing": f"median after {IDLE * 1e3:.0f} ms idle" if case.tiny
-                       else f"min of {repeats}"}
-        if "sdpa_numba 1 thread" in best:
-            r["speedup_vs_one_thread"] = best["sdpa_numba 1 thread"] / best["sdpa_numba"]
-        if "torch" in best:
-            r["speed_vs_torch"] = best["torch"] / best["sdpa_numba"]
-            ref = outs["torch"]
-            r["rel_err_vs_torch"] = float(np.linalg.norm(outs["sdpa_numba"] - ref)
-                                          / max(np.linalg.norm(ref), 1e-300))
-        results.append(r)
+    try:
+        for case in cases:
+            results.append(_run_case(case, repeats, pause, read, bw))
+    finally:
+        read.close()
     return bw, results
+
+
+def _run_case(case, repeats, pause, read, bw):
+    """The figures of ``case``; ``read``'s functions join its interleaved rounds (a
+    :class:`StreamingRead`), ``bw`` is the read timed before the cases."""
+    fns = prepare(case)
+    outs = {name: np.asarray(fn(), np.float64) for name, fn in fns.items()}  # warm-up
+    if case.tiny:
+        best = median_after_idle(fns)
+        case_bw = bw
+    else:
+        best = time_interleaved({**read.fns, **fns}, repeats, pause)
+        case_bw = read.bytes_per_s(best)
+        best = {name: t for name, t in best.items() if name not in read.fns}
+    r = {"case": case.label, "kv_bytes": case.kv_bytes, "time_s": best,
+         "gb_per_s": {n: case.kv_bytes / t / 1e9 for n, t in best.items()},
+         "read_bytes_per_s": case_bw,
+         "of_read_bandwidth": best and case.kv_bytes / best["sdpa_numba"] / case_bw,
+         "timing": f"median after {IDLE * 1e3:.0f} ms idle" if case.tiny
+                   else f"min of {repeats}"}
+    if "sdpa_numba 1 thread" in best:
+        r["speedup_vs_one_thread"] = best["sdpa_numba 1 thread"] / best["sdpa_numba"]
+    if "torch" in best:
+        r["speed_vs_torch"] = best["torch"] / best["sdpa_numba"]
+        ref = outs["torch"]
+        r["rel_err_vs_torch"] = float(np.linalg.norm(outs["sdpa_numba"] - ref)
+                                      / max(np.linalg.norm(ref), 1e-300))
+    return r

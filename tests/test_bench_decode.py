@@ -17,6 +17,7 @@ def test_decode_preset_runs_and_reports_bandwidth(capsys, monkeypatch):
     monkeypatch.setattr(bench_decode, "IDLE", 0.001)
     real_read = bench_decode.read_bandwidth
     monkeypatch.setattr(bench_decode, "read_bandwidth", lambda: real_read(1 << 20, 2))
+    monkeypatch.setattr(bench_decode, "READ_BYTES", 1 << 20)
     assert real_read(1 << 20, 1, threads=2) > 0  # two threads, each half
     code = cli.main(["bench", "--preset", "decode", "--repeats", "1", "--pause", "0", "--json"])
     assert code == cli.EXIT_OK
@@ -27,6 +28,12 @@ def test_decode_preset_runs_and_reports_bandwidth(capsys, monkeypatch):
         assert r["kv_bytes"] == 2 * c.heads_kv * int(c.lengths().sum()) * c.dim * 4
         t = r["time_s"]["sdpa_numba"]
         assert abs(r["gb_per_s"]["sdpa_numba"] - c.kv_bytes / t / 1e9) < 1e-9
+        # the share of the read is against the read timed with the case (tiny: the one before)
+        assert set(r["time_s"]) <= {"sdpa_numba", "sdpa_numba 1 thread", "torch"}
+        assert r["read_bytes_per_s"] > 0
+        share = r["of_read_bandwidth"] * r["read_bytes_per_s"] * t
+        assert abs(share - c.kv_bytes) < 1e-6 * c.kv_bytes
+        assert c.tiny == (r["read_bytes_per_s"] == doc["read_bytes_per_s"])
         if "torch" in r["time_s"]:
             assert r["rel_err_vs_torch"] < 1e-5  # paged, ragged (torch: masked) agree too
         assert ("speedup_vs_one_thread" in r) == c.one_thread
