@@ -446,11 +446,12 @@ def read_bandwidth(dev, simulate):
     return x.numel() * 4 / dev.time(lambda: x.sum(), 3, 20)
 
 
-def flash_attn_kvcache():
-    """FlashAttention's ``flash_attn_with_kvcache`` (3, else 2), or None if not installed."""
+def flash_attn(name):
+    """FlashAttention's function ``name`` (from FlashAttention 3, else 2), or None if it is not
+    installed."""
     for module in ("flash_attn_interface", "flash_attn"):
         try:
-            return getattr(__import__(module), "flash_attn_with_kvcache")
+            return getattr(__import__(module), name)
         except (ImportError, AttributeError):
             continue
     return None
@@ -470,7 +471,7 @@ def bench_decode(args, started, dev):
     runs = args.runs or (1 if args.simulate else 5 if args.quick else 20)
     warmup = 1 if args.simulate else 3
     read = read_bandwidth(dev, args.simulate)
-    fa = None if args.simulate else flash_attn_kvcache()
+    fa = None if args.simulate else flash_attn("flash_attn_with_kvcache")
     rows, ok = [], True
     for label, dtype, B, Hq, H, S, D, page in decode_configs(args):
         if time.perf_counter() - started > BUDGET_S:
@@ -546,16 +547,6 @@ def varlen_configs(args):
             for label, n, lo, hi, H, D in shapes]
 
 
-def flash_attn_varlen():
-    """FlashAttention's ``flash_attn_varlen_func`` (3, else 2), or None if not installed."""
-    for module in ("flash_attn_interface", "flash_attn"):
-        try:
-            return getattr(__import__(module), "flash_attn_varlen_func")
-        except (ImportError, AttributeError):
-            continue
-    return None
-
-
 def bench_varlen(args, started, dev):
     """Causal ``varlen_attention`` (forward, and backward given out and lse) on packed
     batches, against the same call once per sequence, torch's SDPA on the padded batch with a
@@ -567,7 +558,7 @@ def bench_varlen(args, started, dev):
 
     runs = args.runs or (1 if args.simulate else 5 if args.quick else 20)
     warmup = 1 if args.simulate else 3
-    fa = None if args.simulate else flash_attn_varlen()
+    fa = None if args.simulate else flash_attn("flash_attn_varlen_func")
     rows, back_rows, ok = [], [], True
     for label, dtype, n, lo, hi, H, D in varlen_configs(args):
         if time.perf_counter() - started > BUDGET_S:

@@ -99,6 +99,13 @@ def work_list(seqs, block, by_keys, offset, left, right):
 # --- inside the kernels -------------------------------------------------------------------
 
 @cuda.jit(device=True, inline="always")
+def work_row(work, t):
+    """Row ``t`` of a packed launch's work list: ``(s, first, q0, L, k0, S, offset)``."""
+    return (work[t, SEQ], work[t, FIRST], work[t, Q0], work[t, LQ], work[t, K0], work[t, LK],
+            work[t, OFFSET])
+
+
+@cuda.jit(device=True, inline="always")
 def query_work(q, k, bm, work, offset):
     """``(b, s, h, kh, i0, q0, L, k0, S, offset)`` of this thread block in a grid over (work
     row, query head) of a packed launch, else over (batch, query head, block of ``bm`` rows)
@@ -120,13 +127,7 @@ def query_work(q, k, bm, work, offset):
         h = cuda.blockIdx.x - t * n_heads
         kh = h // (n_heads // k.shape[1])
         b = 0
-        s = work[t, SEQ]
-        i0 = work[t, FIRST]
-        q0 = work[t, Q0]
-        n_q = work[t, LQ]
-        k0 = work[t, K0]
-        n_k = work[t, LK]
-        offset = work[t, OFFSET]
+        s, i0, q0, n_q, k0, n_k, offset = work_row(work, t)
     return b, s, h, kh, i0, q0, n_q, k0, n_k, offset
 
 
@@ -148,13 +149,7 @@ def key_work(q, k, bn, work, offset):
         t = cuda.blockIdx.x // n_heads
         kh = cuda.blockIdx.x - t * n_heads
         b = 0
-        s = work[t, SEQ]
-        j0 = work[t, FIRST]
-        q0 = work[t, Q0]
-        n_q = work[t, LQ]
-        k0 = work[t, K0]
-        n_k = work[t, LK]
-        offset = work[t, OFFSET]
+        s, j0, q0, n_q, k0, n_k, offset = work_row(work, t)
     return b, s, kh, j0, q0, n_q, k0, n_k, offset
 
 
