@@ -663,9 +663,7 @@ def print_varlen_table(title, rows, simulate):
     for label, dtype, n, lo, hi, H, D, t, flops, t_loop, t_pad, t_fa, err in rows:
         line = (f"{label:4} {dtype:8} {n:>5} {f'{lo}-{hi}':>9} {H:>3} {D:>4} | "
                 f"{t * 1e3:>8.3f} {flops / t / 1e12:>8.2f} | ")
-        for peer_t, width in ((t_loop, 10), (t_pad, 15), (t_fa, 8)):
-            line += (f"{'n/a':>{width}} {'':>7} | " if peer_t is None else
-                     f"{peer_t * 1e3:>{width}.3f} {peer_t / t:>6.2f}x | ")
+        line += peer_cells(t, ((t_loop, 10), (t_pad, 15), (t_fa, 8)))
         line += f"{'n/a':>8}" if err is None else f"{err:>8.1e}"
         print(line)
     print("\nratio = other time / our time (above 1: ours faster). per seq: our call once per "
@@ -673,6 +671,13 @@ def print_varlen_table(title, rows, simulate):
           "sequence with a causal and padding bool mask; FA: flash_attn_varlen_func (float16). "
           "TFLOP/s: each sequence's causal work.")
 
+
+def peer_cells(t, peers):
+    """Table cells of each ``(peer time or None, width)`` in ``peers``: its ms and its ratio
+    to our time ``t`` (``n/a`` where the peer was not timed)."""
+    return "".join(f"{'n/a':>{width}} {'':>7} | " if peer_t is None else
+                   f"{peer_t * 1e3:>{width}.3f} {peer_t / t:>6.2f}x | "
+                   for peer_t, width in peers)
 
 def print_decode_table(rows, read, simulate):
     peer = "torch (CPU)" if simulate else "torch"
@@ -686,10 +691,7 @@ def print_decode_table(rows, read, simulate):
         line = (f"{label:4} {dtype:8} {B:>2} {Hq:>3} {H:>2} {S:>6} {D:>4} {page or '-':>4} | "
                 f"{t * 1e3:>8.3f} {nbytes / t / 1e9:>7.1f} "
                 f"{'n/a' if read is None else f'{100 * nbytes / t / read:.0f}%':>6} | ")
-        line += (f"{'n/a':>11} {'':>7} | " if t_peer is None else
-                 f"{t_peer * 1e3:>11.3f} {t_peer / t:>6.2f}x | ")
-        line += (f"{'n/a':>8} {'':>7} | " if t_fa is None else
-                 f"{t_fa * 1e3:>8.3f} {t_fa / t:>6.2f}x | ")
+        line += peer_cells(t, ((t_peer, 11), (t_fa, 8)))
         line += f"{'n/a':>8}" if err is None else f"{err:>8.1e}"
         print(line)
     print("\nGB/s: K+V bytes / our time; % read: of the device's streaming read ("
@@ -710,10 +712,7 @@ def print_variant_table(title, rows, simulate):
     for variant, dtype, B, H, L, D, t_ours, flops, t_flex, t_masked, err in rows:
         line = (f"{variant:8} {dtype:8} {B:>2} {H:>3} {L:>5} {D:>4} | "
                 f"{t_ours * 1e3:>9.3f} {flops / t_ours / 1e12:>8.2f} | ")
-        line += (f"{'n/a':>20} {'':>7} | " if t_flex is None else
-                 f"{t_flex * 1e3:>20.3f} {t_flex / t_ours:>6.2f}x | ")
-        line += (f"{'n/a':>12} {'':>7} | " if t_masked is None else
-                 f"{t_masked * 1e3:>12.3f} {t_masked / t_ours:>6.2f}x | ")
+        line += peer_cells(t_ours, ((t_flex, 20), (t_masked, 12)))
         line += f"{'n/a':>8}" if err is None else f"{err:>8.1e}"
         print(line)
     print("\nratio = peer time / our time (above 1: faster than the peer). TFLOP/s: visited "
