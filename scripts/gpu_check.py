@@ -657,9 +657,7 @@ def print_varlen_table(title, rows, simulate):
     head = (f"{'case':4} {'dtype':8} {'seqs':>5} {'lengths':>9} {'H':>3} {'D':>4} | "
             f"{'ours ms':>8} {'TFLOP/s':>8} | {'per seq ms':>10} {'ratio':>7} | "
             f"{peer + ' ms':>15} {'ratio':>7} | {'FA ms':>8} {'ratio':>7} | {'rel err':>8}")
-    print(f"\n{title}")
-    print(head)
-    print("-" * len(head))
+    print_head(title, head)
     for label, dtype, n, lo, hi, H, D, t, flops, t_loop, t_pad, t_fa, err in rows:
         line = (f"{label:4} {dtype:8} {n:>5} {f'{lo}-{hi}':>9} {H:>3} {D:>4} | "
                 f"{t * 1e3:>8.3f} {flops / t / 1e12:>8.2f} | ")
@@ -671,6 +669,12 @@ def print_varlen_table(title, rows, simulate):
           "sequence with a causal and padding bool mask; FA: flash_attn_varlen_func (float16). "
           "TFLOP/s: each sequence's causal work.")
 
+
+def print_head(title, head):
+    """A table's title, column heads and rule."""
+    print(f"\n{title}")
+    print(head)
+    print("-" * len(head))
 
 def peer_cells(t, peers):
     """Table cells of each ``(peer time or None, width)`` in ``peers``: its ms and its ratio
@@ -684,9 +688,7 @@ def print_decode_table(rows, read, simulate):
     head = (f"{'case':4} {'dtype':8} {'B':>2} {'Hq':>3} {'H':>2} {'S':>6} {'D':>4} {'page':>4} | "
             f"{'ours ms':>8} {'GB/s':>7} {'% read':>6} | {peer + ' ms':>11} {'ratio':>7} | "
             f"{'FA ms':>8} {'ratio':>7} | {'rel err':>8}")
-    print("\nDecode: one query token against a full cache (attention_with_kvcache)")
-    print(head)
-    print("-" * len(head))
+    print_head("Decode: one query token against a full cache (attention_with_kvcache)", head)
     for label, dtype, B, Hq, H, S, D, page, t, nbytes, t_peer, t_fa, err in rows:
         line = (f"{label:4} {dtype:8} {B:>2} {Hq:>3} {H:>2} {S:>6} {D:>4} {page or '-':>4} | "
                 f"{t * 1e3:>8.3f} {nbytes / t / 1e9:>7.1f} "
@@ -706,9 +708,7 @@ def print_variant_table(title, rows, simulate):
     head = (f"{'variant':8} {'dtype':8} {'B':>2} {'H':>3} {'L=S':>5} {'D':>4} | "
             f"{'ours ms':>9} {'TFLOP/s':>8} | {peer + ' ms':>20} {'ratio':>7} | "
             f"{'SDPA+mask ms':>12} {'ratio':>7} | {'rel err':>8}")
-    print(f"\n{title}")
-    print(head)
-    print("-" * len(head))
+    print_head(title, head)
     for variant, dtype, B, H, L, D, t_ours, flops, t_flex, t_masked, err in rows:
         line = (f"{variant:8} {dtype:8} {B:>2} {H:>3} {L:>5} {D:>4} | "
                 f"{t_ours * 1e3:>9.3f} {flops / t_ours / 1e12:>8.2f} | ")
@@ -724,9 +724,7 @@ def print_table(title, rows, simulate, flops_note):
     head = (f"{'dtype':8} {'B':>2} {'H':>3} {'L=S':>5} {'D':>4} {'causal':>6} | "
             f"{'ours ms':>9} {'TFLOP/s':>8} | {peer + ' ms':>11} {'TFLOP/s':>8} | "
             f"{'speed vs torch':>14} {'rel err':>8}")
-    print(f"\n{title}")
-    print(head)
-    print("-" * len(head))
+    print_head(title, head)
     for dtype, B, H, L, D, causal, t_ours, flops, t_peer, err in rows:
         line = (f"{dtype:8} {B:>2} {H:>3} {L:>5} {D:>4} {str(causal):>6} | "
                 f"{t_ours * 1e3:>9.3f} {flops / t_ours / 1e12:>8.2f} | ")
