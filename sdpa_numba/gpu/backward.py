@@ -53,7 +53,7 @@ from .storage import load, storage_view
 from .tiles import clear, load_tile, tile_product, tile_thread, u
 from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, \
     store_grad, tile_state, unpack
-from .work import block_span, key_work, no_work, query_work, work_list
+from .work import key_work, no_work, query_work, work_list
 
 _kernels = {}
 
@@ -253,8 +253,8 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
 
         # The forward's key blocks: those some row sees, less empty block-mask blocks.
         i_last = min(i0 + BM, L) - 1
-        j_begin, j_end = key_range(rc, i0, i_last, S)
-        j_first, j_end = block_span(j_begin, j_end, BN)
+        j_begin, j_end = key_range(rc, i0, i_last, S)  # (0, 0) when none: no block
+        j_first = j_begin - j_begin % BN
         for j0 in range(j_first, j_end, BN):
             nj = min(BN, j_end - j0)
             state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
@@ -352,11 +352,10 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
 
         # The query blocks whose rows see some of these keys under the window (causal: none
         # above the diagonal), less empty block-mask blocks.
-        i_begin, i_end = query_range(rc, j0, j0 + nj - 1, L)
-        i_first, i_end = block_span(i_begin, i_end, BM)
+        i_begin, i_end = query_range(rc, j0, j0 + nj - 1, L)  # (0, 0) when none
         # Query heads of the group, then query blocks, in order: a fixed order of the sums.
         for h in range(kh * group, (kh + 1) * group):
-            for i0 in range(i_first, i_end, BM):
+            for i0 in range(i_begin - i_begin % BM, i_end, BM):
                 nv = min(BM, L - i0)
                 i_last = i0 + nv - 1
                 state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)

@@ -47,7 +47,7 @@ from .storage import storage_view, store
 from .tiles import clear, load_tile, tile_product, tile_thread
 from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, sink_of, \
     tile_state, unpack
-from .work import block_span, no_work, query_work, work_list
+from .work import no_work, query_work, work_list
 
 _kernels = {}
 
@@ -156,10 +156,9 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
         # The block's key blocks (aligned to BN): those some row of the block sees under the
         # window (causal: none above the diagonal), less those the block mask says are empty.
         i_last = min(i0 + BM, L) - 1
-        j_begin, j_end = key_range(rc, i0, i_last, S)
-        j_first, j_end = block_span(j_begin, j_end, BN)
+        j_begin, j_end = key_range(rc, i0, i_last, S)  # (0, 0) when none: no block
         mod_on = modifies(rc)
-        for j0 in range(j_first, j_end, BN):
+        for j0 in range(j_begin - j_begin % BN, j_end, BN):
             nj = min(BN, j_end - j0)
             state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
             if state == BLOCK_EMPTY:

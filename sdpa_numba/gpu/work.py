@@ -151,15 +151,3 @@ def key_work(q, k, bn, work, offset):
         b = 0
         s, j0, q0, n_q, k0, n_k, offset = work_row(work, t)
     return b, s, kh, j0, q0, n_q, k0, n_k, offset
-
-
-@cuda.jit(device=True, inline="always")
-def block_span(begin, end, block):
-    """``(first, end)``: the loop bounds, in steps of ``block`` from a block boundary, over
-    the keys (or rows) ``[begin, end)`` of :func:`~sdpa_numba.score.recipe.key_range` (or
-    ``query_range``); ``(0, 0)`` when there are none. (An empty range may start anywhere, even
-    past the last key, e.g. the window of a row beyond ``S + left``: aligned down, it would
-    not be empty, and the kernels would read keys past the end of the sequence.)"""
-    if begin < end:
-        return begin - begin % block, end
-    return 0, 0
