@@ -1,4 +1,5 @@
-"""The public function: validation and dispatch to the CPU or CUDA kernels.
+"""The public function: validation, then dispatch through the operands' target
+(:mod:`sdpa_numba.targets`: the CPU or the CUDA kernels).
 
 Validation happens here, in the public layer, before any jitted code runs; the kernels trust
 their arguments. The checks themselves are the target-neutral problem layer's
@@ -7,20 +8,17 @@ argument and ``out`` checks); each back end then lays the operands out as stride
 copies) in the kernels' 4-D layout, with the same layer's views and batching.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from ._typing import F16, F32, ArrayT, Mask, SelfComputed
-from .problem.variants import is_plain
 from .dropout import new_seed
 from .dropout import params as dropout_params
-from .host_arrays import adopt as adopt_host
-from .host_arrays import is_host_array
-from .problem import (Plan, check_device_strides, check_dropout, check_flag, check_out,
-                      check_seed, host_address, may_self_overlap, plan)
+from .problem import (Plan, check_dropout, check_flag, check_out, check_seed, may_self_overlap,
+                      plan)
+from .targets import by_name, is_device_array, target_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -31,76 +29,22 @@ __all__ = ["scaled_dot_product_attention", "Plan", "plan", "check_dropout", "may
            "adopt", "address"]
 
 
-def _is_device_array(x):
-    if hasattr(x, "__cuda_array_interface__"):
-        return True
-    # Numba's CUDA simulator arrays have no __cuda_array_interface__.
-    return type(x).__name__ in ("FakeCUDAArray", "DeviceNDArray") and hasattr(x, "copy_to_host")
-
-
-def _device_of(named, required=()):
-    """'host' or 'cuda' for the operands; TypeError for anything else or a mix.
-
-    ``required``: the names that may not be None (the others are optional arguments).
-    """
-    kinds = {}
-    for name, x in named:
-        if x is None:
-            if name in required:
-                raise TypeError(f"{name} must be an array (NumPy, another host array or a "
-                                f"CUDA array), got None")
-            continue
-        if isinstance(x, np.ma.MaskedArray):  # the kernels would read masked values as data
-            raise TypeError(f"{name} is a masked array, whose mask attention would ignore: "
-                            f"pass np.ma.filled({name}, value) or use attn_mask")
-        if isinstance(x, np.matrix):
-            raise TypeError(f"{name} is a np.matrix: pass np.asarray({name})")
-        if _is_device_array(x):
-            kinds[name] = "cuda"
-        elif is_host_array(x):
-            kinds[name] = "host"
-        else:
-            raise TypeError(f"{name} must be an array: NumPy, any host array with the array "
-                            f"interface, DLPack or the buffer protocol (torch CPU tensors, JAX "
-                            f"arrays, ...), or a CUDA array (an object with "
-                            f"__cuda_array_interface__), got {type(x).__name__}")
-    if not kinds:
-        raise TypeError("no array given: query, key and value must be arrays")
-    if len(set(kinds.values())) > 1:
-        desc = ", ".join(f"{n} on {k}" for n, k in kinds.items())
-        raise TypeError(f"inputs mix host and device arrays ({desc}): put them on one device")
-    return next(iter(kinds.values()))
-
-
-def check_takes_recipe(launcher, p, direction, device):
-    """NotImplementedError for variants on a launcher that does not pass recipes to its
-    kernels yet (a launcher module says it does with ``TAKES_RECIPE = True``)."""
-    if not is_plain(p.recipe) and not getattr(launcher, "TAKES_RECIPE", False):
-        where = "CPU" if device == "host" else "CUDA"
-        raise NotImplementedError(f"the {where} {direction} does not run attention variants "
-                                  f"(window, alignment, softcap, alibi_slopes, sinks, "
-                                  f"score_mod, mask_mod, block_mask) yet")
+#: Kept for callers of the old name: :func:`sdpa_numba.targets.is_device_array`.
+_is_device_array = is_device_array
 
 
 def address(device):
-    """The target's ``address(x)`` of an array's element 0 (for the ``out`` checks)."""
-    if device == "cuda":
-        from .gpu.arrays import address as device_address
-
-        return device_address
-    return host_address
+    """The target's ``address(x)`` of an array's element 0 (for the ``out`` checks). Kept for
+    callers of the old name: ``target.address`` (:mod:`sdpa_numba.targets`); ``device``: a
+    target or its name."""
+    return by_name(device).address
 
 
 def adopt(device, named, out=None):
-    """The operands as the arrays the back end reads (NumPy arrays on the host, Numba device
-    arrays on the GPU; no copies), and ``restore(x)``, which hands a result back as the
-    query's kind of array: see :mod:`sdpa_numba.host_arrays` and
-    :func:`sdpa_numba.gpu.arrays.adopt`."""
-    if device == "cuda":
-        from .gpu.arrays import adopt as adopt_device
-
-        return adopt_device(named, out)
-    return adopt_host(named, out)
+    """The operands as the arrays the back end reads, and ``restore(x)``. Kept for callers of
+    the old name: ``target.adopt(named, out)`` (:mod:`sdpa_numba.targets`); ``device``: a
+    target or its name."""
+    return by_name(device).adopt(named, out)
 
 
 @overload
@@ -265,10 +209,10 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     ``attn_mask`` and ``mask_mod`` mask it (see the documentation's variants page). With
     ``sinks``, a row whose every key is masked gives zeros and ``lse`` = its head's sink.
     """
-    device = _device_of([("query", query), ("key", key), ("value", value),
-                         ("attn_mask", attn_mask), ("out", out)], ("query", "key", "value"))
-    arrays, restore = adopt(device, [("query", query), ("key", key), ("value", value),
-                                     ("attn_mask", attn_mask)], out)
+    target = target_of([("query", query), ("key", key), ("value", value),
+                        ("attn_mask", attn_mask), ("out", out)], ("query", "key", "value"))
+    arrays, restore = target.adopt([("query", query), ("key", key), ("value", value),
+                                    ("attn_mask", attn_mask)], out)
     query, key, value, attn_mask = arrays[:4]
     out = arrays[4] if out is not None else None
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=window,
@@ -279,16 +223,12 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     seed = check_seed(seed)
     return_lse = check_flag("return_lse", return_lse)
     inputs = [("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)]
-    if device == "cuda":
-        check_device_strides([*inputs, ("out", out)])
+    target.check_strides([*inputs, ("out", out)])
     if out is not None:
-        check_out(p, out, inputs, address(device))
+        check_out(p, out, inputs, target.address)
     dropout = None
     if dropout_p > 0:
         dropout = dropout_params(dropout_p, new_seed() if seed is None else seed)
-    launch = importlib.import_module(".cpu.launch" if device == "host" else ".gpu.launch",
-                                     __package__)
-    check_takes_recipe(launch, p, "forward", device)
-    result, lse = launch.run(p, query, key, value, attn_mask, out, dropout)
+    result, lse = target.forward(p, query, key, value, attn_mask, out, dropout)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -1,17 +1,16 @@
 """The public backward: validation (shared with the forward: :mod:`sdpa_numba.problem`) and
-dispatch to the CPU or CUDA kernels."""
+dispatch through the operands' target (:mod:`sdpa_numba.targets`)."""
 
-import importlib
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
 from ._typing import ArrayT, Mask
-from .api import _device_of, adopt, check_takes_recipe
 from .dropout import params as dropout_params
-from .problem import check_device_strides, check_dropout, check_flag, check_seed, plan, shape_str
+from .problem import check_dropout, check_flag, check_seed, plan, shape_str
 from .problem.variants import host_array
 from .problem.variants import sinks_grad
+from .targets import target_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -132,9 +131,9 @@ def scaled_dot_product_attention_backward(
     """
     named = [("query", query), ("grad_out", grad_out), ("key", key), ("value", value),
              ("out", out), ("lse", lse), ("attn_mask", attn_mask)]
-    device = _device_of(named, ("query", "grad_out", "key", "value", "out", "lse"))
+    target = target_of(named, ("query", "grad_out", "key", "value", "out", "lse"))
     # As in the forward: the arrays the back end reads (no copy), results as the caller's kind.
-    (query, grad_out, key, value, out, lse, attn_mask), restore = adopt(device, named)
+    (query, grad_out, key, value, out, lse, attn_mask), restore = target.adopt(named)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward=True,
              window=window, alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
              sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
@@ -152,21 +151,17 @@ def scaled_dot_product_attention_backward(
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
                          "regenerates the dropout mask from it")
-    if device == "cuda":
-        check_device_strides([("grad_out", grad_out), ("query", query), ("key", key),
-                              ("value", value), ("out", out), ("lse", lse),
-                              ("attn_mask", attn_mask)])
+    target.check_strides([("grad_out", grad_out), ("query", query), ("key", key),
+                          ("value", value), ("out", out), ("lse", lse),
+                          ("attn_mask", attn_mask)])
     dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
-    launcher = importlib.import_module(
-        ".cpu.launch_backward" if device == "host" else ".gpu.launch_backward", __package__)
-    check_takes_recipe(launcher, p, "backward", device)
-    grads = launcher.run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
-                                  mask_grad)
+    grads = target.backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
+                            mask_grad)
     grads = [None if g is None else restore(g) for g in grads]
     result = tuple(grads) if mask_grad else tuple(grads[:3])
     if p.recipe.sinks is None:
         return result
-    host = (lambda x: x.copy_to_host()) if device == "cuda" else np.asarray
+    host = target.to_host
     dsinks = sinks_grad(p.recipe, host(grad_out), host(out), host(lse))
     # In the dtype the caller gave the sinks in (float32 or float64, checked by the plan).
     return (*result, dsinks.astype(host_array("sinks", sinks).dtype))

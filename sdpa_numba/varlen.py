@@ -6,21 +6,17 @@ Validation (:mod:`sdpa_numba.problem.varlen`) happens here, before any jitted co
 kernels are :func:`sdpa_numba.cpu.varlen.varlen_forward` and ``varlen_backward``.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-import numpy as np
-
 from ._typing import ArrayT
-
-from .api import _device_of, adopt, address
 from .backward import _check_like
 from .dropout import new_seed
 from .dropout import params as dropout_params
-from .problem import check_device_strides, check_dropout, check_flag, check_out, check_seed
+from .problem import check_dropout, check_flag, check_out, check_seed
 from .problem.variants import host_array as _host_array
 from .problem.variants import sinks_grad
 from .problem.varlen import varlen_plan
+from .targets import target_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -28,12 +24,6 @@ if TYPE_CHECKING:
     from ._typing import ForwardVariants, Variants
 
 __all__ = ["varlen_attention", "varlen_attention_backward"]
-
-
-def _launcher(device):
-    """The back end's varlen launcher module."""
-    return importlib.import_module(".cpu.launch_varlen" if device == "host"
-                                   else ".gpu.launch_varlen", __package__)
 
 
 @overload
@@ -145,8 +135,8 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     (sequence, block of rows), :mod:`sdpa_numba.gpu.work`).
     """
     named = [("q", q), ("k", k), ("v", v), ("out", out)]
-    device = _device_of(named, ("q", "k", "v"))
-    arrays, restore = adopt(device, named[:3], out)
+    target = target_of(named, ("q", "k", "v"))
+    arrays, restore = target.adopt(named[:3], out)
     q, k, v = arrays[:3]
     out = arrays[3] if out is not None else None
     p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -157,14 +147,13 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     return_lse = check_flag("return_lse", return_lse)
-    if device == "cuda":
-        check_device_strides([("q", q), ("k", k), ("v", v), ("out", out)])
+    target.check_strides([("q", q), ("k", k), ("v", v), ("out", out)])
     if out is not None:
-        check_out(p, out, [("q", q), ("k", k), ("v", v)], address(device))
+        check_out(p, out, [("q", q), ("k", k), ("v", v)], target.address)
     dropout = None
     if dropout_p > 0:
         dropout = dropout_params(dropout_p, new_seed() if seed is None else seed)
-    result, lse = _launcher(device).run(p, q, k, v, out, dropout)
+    result, lse = target.varlen_forward(p, q, k, v, out, dropout)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result
 
@@ -236,8 +225,8 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     are split into groups sums its partial dQs in group order).
     """
     named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
-    device = _device_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
-    (q, grad_out, k, v, out, lse), restore = adopt(device, named)
+    target = target_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
+    (q, grad_out, k, v, out, lse), restore = target.adopt(named)
     p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale,
                     backward=True, window=window, alignment=alignment, softcap=softcap,
@@ -253,14 +242,13 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs the seed the forward used: the backward "
                          "regenerates the dropout mask from it")
-    if device == "cuda":
-        check_device_strides(named)
+    target.check_strides(named)
     dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
-    grads = _launcher(device).run_backward(p, grad_out, q, k, v, out, lse, dropout)
+    grads = target.varlen_backward(p, grad_out, q, k, v, out, lse, dropout)
     grads = tuple(restore(g) for g in grads)
     if p.recipe.sinks is None:
         return grads
-    host = (lambda x: x.copy_to_host()) if device == "cuda" else np.asarray
+    host = target.to_host
     # sinks_grad reads (..., Hq, L) rows: the packed rows as one batch entry
     dsinks = sinks_grad(p.recipe, host(grad_out).transpose(1, 0, 2),
                         host(out).transpose(1, 0, 2), host(lse))

@@ -7,6 +7,8 @@ written: the plan, both back ends' kernel types and the PyTorch operator's ``lse
 
 import numpy as np
 
+from .._bf16 import is_bfloat16
+
 #: The storage dtypes the public functions accept.
 FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -26,3 +28,22 @@ def compute_dtype(dtype):
     except TypeError:  # not a NumPy dtype (torch's, bfloat16 without ml_dtypes): by its name
         wide = str(dtype).rsplit(".", 1)[-1] == "float64"
     return _F64 if wide else _F32
+
+
+def check_storage_dtype(name, x, like=None):
+    """``x``'s dtype, checked to be a storage dtype (float16, bfloat16, float32 or float64);
+    TypeError naming ``name`` otherwise (a float dtype in the other byte order is told so).
+
+    ``like``: None, or ``(like_name, dtype)``: ``x``'s dtype must also be that one (e.g.
+    ``("query", np.dtype(query.dtype))``).
+    """
+    dt = np.dtype(x.dtype)
+    if dt not in FLOATS and not is_bfloat16(dt):
+        if dt.kind == "f" and dt.newbyteorder("=") in FLOATS:
+            raise TypeError(f"{name} dtype {dt.str} is not in the machine's byte order: "
+                            f"pass {name}.astype({name}.dtype.newbyteorder('='))")
+        raise TypeError(f"{name} dtype {dt} is not supported: use float16, bfloat16 "
+                        f"(ml_dtypes.bfloat16), float32 or float64")
+    if like is not None and dt != like[1]:
+        raise TypeError(f"{name} dtype {dt} differs from {like[0]} dtype {like[1]}")
+    return dt

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arguments import check_flag, check_scale, shape_str
-from .._bf16 import is_bfloat16
-from .dtypes import FLOATS, compute_dtype
+from .dtypes import check_storage_dtype, compute_dtype
 from .variants import variants_recipe, with_block_mask
 from ..score.recipe import DENSE, Recipe
 
@@ -73,16 +72,9 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, backward
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., L, E), got shape "
                              f"{shape_str(x)}")
-    dtype = np.dtype(query.dtype)
-    if dtype not in FLOATS and not is_bfloat16(dtype):
-        if dtype.kind == "f" and dtype.newbyteorder("=") in FLOATS:
-            raise TypeError(f"query dtype {dtype.str} is not in the machine's byte order: "
-                            f"pass query.astype(query.dtype.newbyteorder('='))")
-        raise TypeError(f"query dtype {dtype} is not supported: use float16, bfloat16 "
-                        f"(ml_dtypes.bfloat16), float32 or float64")
+    dtype = check_storage_dtype("query", query)
     for name, x in (("key", key), ("value", value)):
-        if np.dtype(x.dtype) != dtype:
-            raise TypeError(f"{name} dtype {np.dtype(x.dtype)} differs from query dtype {dtype}")
+        check_storage_dtype(name, x, ("query", dtype))
 
     L, E = query.shape[-2:]
     S, Ek = key.shape[-2:]

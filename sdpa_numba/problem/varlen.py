@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._bf16 import is_bfloat16
 from ..score.recipe import Recipe
 from .arguments import check_flag, check_scale, shape_str
-from .dtypes import FLOATS, compute_dtype
+from .dtypes import check_storage_dtype, compute_dtype
 from .variants import check_alignment, host_array, variants_recipe
 
 
@@ -99,13 +98,9 @@ def varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_s
         if x.ndim != 3:
             raise ValueError(f"{name} must have 3 dims (total, heads, head dim), got shape "
                              f"{shape_str(x)}")
-    dtype = np.dtype(q.dtype)
-    if dtype not in FLOATS and not is_bfloat16(dtype):
-        raise TypeError(f"q dtype {dtype} is not supported: use float16, bfloat16 "
-                        f"(ml_dtypes.bfloat16), float32 or float64")
+    dtype = check_storage_dtype("q", q)
     for name, x in (("k", k), ("v", v)):
-        if np.dtype(x.dtype) != dtype:
-            raise TypeError(f"{name} dtype {np.dtype(x.dtype)} differs from q dtype {dtype}")
+        check_storage_dtype(name, x, ("q", dtype))
     total_q, hq, E = (int(n) for n in q.shape)
     total_k, h, Ek = (int(n) for n in k.shape)
     if Ek != E:
