@@ -111,7 +111,7 @@ def test_edge_values_of_lse():
 
 
 def test_parallel_and_serial_merges_are_bitwise_equal(rng, monkeypatch):
-    import sdpa_numba.merge as merge_module
+    import sdpa_numba.cpu.launch_merge as merge_module
 
     o = randn(rng, (3, 200, 33))  # more rows than one parallel task
     l = randn(rng, (3, 200)) * 5
@@ -142,6 +142,23 @@ def test_bad_input_is_refused_naming_the_argument():
         merge_attention_states(np.zeros(3), np.zeros(()))
     with pytest.raises(ValueError, match="lses must have shape"):
         merge_attention_states(np.zeros((2, 3, 4)), np.zeros((3, 3)))
+
+
+def test_lists_that_do_not_stack_are_refused_naming_the_argument():
+    # NumPy's own messages ("need at least one array to stack") named no argument.
+    o, l = np.zeros((2, 3)), np.zeros(2)
+    with pytest.raises(ValueError, match="outs is an empty list"):
+        merge_attention_states([], [])
+    with pytest.raises(ValueError, match="lses is an empty tuple"):
+        merge_attention_states([o, o], ())
+    with pytest.raises(ValueError, match=r"outs\[1\] has shape \(2, 4\), outs\[0\] \(2, 3\)"):
+        merge_attention_states([o, np.zeros((2, 4))], [l, l])
+    with pytest.raises(ValueError, match=r"lses\[2\] has shape \(3\)"):
+        merge_attention_states([o, o, o], [l, l, np.zeros(3)])
+    with pytest.raises(TypeError, match=r"outs\[1\] has dtype float32"):
+        merge_attention_states([o, o.astype(np.float32)], [l, l])
+    with pytest.raises(TypeError, match="out_a must be an array, got a list"):
+        merge_attention_states([o], l, o, l)
 
 
 def test_merge_functions_from_a_users_njit(rng):

@@ -50,6 +50,21 @@ class Cuda:
         return device_array(shape, dtype)
 
     @staticmethod
+    def stack(name, arrays):
+        """Numba device arrays of one shape and dtype, each C-contiguous (ValueError naming
+        ``name[i]`` otherwise), stacked along a new leading axis (a copy, on the device)."""
+        from ..gpu.arrays import device_array
+
+        for i, x in enumerate(arrays):
+            if not x.is_c_contiguous():
+                raise ValueError(f"{name}[{i}] is not contiguous: pass a stacked array ({name} "
+                                 f"of shape (n, ...)) instead of a list")
+        y = device_array((len(arrays), *arrays[0].shape), arrays[0].dtype)
+        for i, x in enumerate(arrays):
+            y[i].copy_to_device(x)
+        return y
+
+    @staticmethod
     def to_host(x):
         """A NumPy copy of device array ``x``."""
         return x.copy_to_host()
@@ -89,6 +104,14 @@ class Cuda:
         from ..gpu.launch_varlen import run_backward
 
         return run_backward(p, grad_out, q, k, v, out, lse, dropout)
+
+
+    @staticmethod
+    def merge(parts, dt, ct, lead, ev):
+        """:func:`sdpa_numba.gpu.launch_merge.run`."""
+        from ..gpu.launch_merge import run
+
+        return run(parts, dt, ct, lead, ev)
 
 
 #: The CUDA target.

@@ -36,6 +36,11 @@ class Host:
         return np.empty(shape, dtype)
 
     @staticmethod
+    def stack(name, arrays):
+        """NumPy arrays of one shape and dtype stacked along a new leading axis (a copy)."""
+        return np.stack(arrays)
+
+    @staticmethod
     def to_host(x):
         """``x`` as a NumPy array (no copy)."""
         return np.asarray(x)
@@ -72,6 +77,14 @@ class Host:
         from ..cpu.launch_varlen import run_backward
 
         return run_backward(p, grad_out, q, k, v, out, lse, dropout)
+
+
+    @staticmethod
+    def merge(parts, dt, ct, lead, ev):
+        """:func:`sdpa_numba.cpu.launch_merge.run`."""
+        from ..cpu.launch_merge import run
+
+        return run(parts, dt, ct, lead, ev)
 
 
 #: The host target.
