@@ -5,7 +5,7 @@ import numba
 import numpy as np
 import pytest
 
-import sdpa_numba.kvcache as kvcache_module
+import sdpa_numba.cpu.launch_decode as launch_decode
 from checks import TOL, rel_err
 from kvcache_checks import (VARIANTS, check_against_reference, logical, paged_copy,
                             paged_pair)
@@ -124,7 +124,7 @@ def test_result_does_not_depend_on_threads(rng, monkeypatch):
     q, kc, vc = make(rng, 2, 2, 4, 2, 8, 8, 3 * CHUNK + 10)
     seqlens = np.array([3 * CHUNK + 10, CHUNK - 1])
     serial = kvattn(q, kc, vc, seqlens, return_lse=True)
-    monkeypatch.setattr(kvcache_module, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(launch_decode, "SERIAL_BYTES", 0)
     n = numba.get_num_threads()
     try:
         results = []
@@ -373,9 +373,9 @@ def test_a_window_skips_the_keys_before_it_exactly(rng, left):
 def test_window_and_softcap_share_the_plain_compilation(rng):
     q, kc, vc = make(rng, 1, 1, 2, 2, 4, 4, 20)
     kvattn(q, kc, vc, 20)
-    n = len(kvcache_module._entries)
+    n = len(launch_decode._entries)
     kvattn(q, kc, vc, 20, window=(3, 0), softcap=2.0)
-    assert len(kvcache_module._entries) == n
+    assert len(launch_decode._entries) == n
 
 
 def test_variants_on_float32_and_the_alibi_forms(rng):
@@ -438,7 +438,7 @@ def test_float32_wide_values_in_registers(rng, page_size, lq, Hq, Ev, monkeypatc
               for x in (kc, vc))  # (B, H, S, E) storage viewed as (B, S, H, E)
     out, lse = kvattn(q, hk, hv, seqlens, is_causal=causal, return_lse=True)
     check_against_reference(q, kc, vc, seqlens, out, lse, causal)
-    monkeypatch.setattr(kvcache_module, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(launch_decode, "SERIAL_BYTES", 0)
     n = numba.get_num_threads()
     results = []
     try:
