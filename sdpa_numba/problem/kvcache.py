@@ -307,22 +307,27 @@ def check_arrays(p, q, k_cache, v_cache, k, v):
     else the problem checked (a cache's slots, its pages, the append's slots stay in it).
     TypeError / ValueError naming the argument."""
     dtype = p.dtype
-    for name, x, expect in (("q", q, p.q_shape), ("k_cache", k_cache, p.k_cache_shape),
-                            ("v_cache", v_cache, p.v_cache_shape)):
-        if x.shape != expect or x.dtype != dtype:
-            raise _mismatch(name, x, expect, dtype)
-    if (k is None) != (p.k_shape is None) or (v is None) != (p.k_shape is None):
+    if not (q.shape == p.q_shape and k_cache.shape == p.k_cache_shape
+            and v_cache.shape == p.v_cache_shape and q.dtype == dtype
+            and k_cache.dtype == dtype and v_cache.dtype == dtype):
+        for name, x, expect in (("q", q, p.q_shape), ("k_cache", k_cache, p.k_cache_shape),
+                                ("v_cache", v_cache, p.v_cache_shape)):
+            if x.shape != expect or x.dtype != dtype:
+                raise _mismatch(name, x, expect, dtype)
+    appending = p.k_shape is not None
+    if (k is None) == appending or (v is None) == appending:
         raise ValueError("k and v must be given exactly when the plan was made with them (an "
                          "append of new keys and values), got "
-                         + ("none" if k is None and v is None else "one of them" if k is None
-                            or v is None else "them")
-                         + f" for a plan {'with' if p.k_shape else 'without'} them")
-    if k is not None:
+                         + ("neither" if k is None and v is None else "one of them"
+                            if k is None or v is None else "both")
+                         + f" for a plan {'with' if appending else 'without'} them")
+    if appending:
         for name, x, expect in (("k", k, p.k_shape), ("v", v, p.v_shape)):
             if x.shape != expect or x.dtype != dtype:
                 raise _mismatch(name, x, expect, dtype)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.strides[3] != dtype.itemsize and c.shape[3] > 1 and c.size:
-            _check_cache_strides(name, c)
-    if k is not None:
+    itemsize = dtype.itemsize
+    if k_cache.strides[3] != itemsize or v_cache.strides[3] != itemsize:
+        _check_cache_strides("k_cache", k_cache)
+        _check_cache_strides("v_cache", v_cache)
+    if appending:
         check_writeable((("k_cache", k_cache), ("v_cache", v_cache)))
