@@ -45,28 +45,40 @@ def _two(oa, la, ob, lb, out, lse, r0, r1):
 
 
 @njit(**INLINE)
+def merge_parts(outs, lses, c0, c1, i, sink, acc):
+    """Row ``i`` of parts ``c0 .. c1 - 1`` (``outs (n, R, Ev)`` in a storage dtype, ``lses
+    (n, R)``) merged by lse into ``acc (Ev,)``, in the compute dtype; returns the merged lse.
+    ``sink``: one more part's logit, of output 0 (a head's sink: it weighs in the total only);
+    ``-inf``: none. Parts in index order: the same sums for any thread count."""
+    m = -math.inf
+    for c in range(c0, c1):
+        m = merge_max(m, lses[c, i])
+    m = merge_max(m, sink)
+    total = 0.0
+    for c in range(c0, c1):
+        total += merge_weight(lses[c, i], m)
+    if sink != -math.inf:  # no value row: it weighs in the total only
+        total += merge_weight(sink, m)
+    x, inv = merge_finish(m, total)
+    acc[:] = 0
+    for c in range(c0, c1):
+        w = cast(merge_weight(lses[c, i], m) * inv, acc)
+        if w == 0:  # skipped, not multiplied by 0: its row may hold anything
+            continue
+        for d in range(acc.shape[0]):
+            acc[d] += w * load(outs[c, i, d])
+    return x
+
+
+@njit(**INLINE)
 def _many(outs, lses, out, lse, r0, r1):
     n = outs.shape[0]
     ev = out.shape[1]
     acc = np.empty(ev, lse.dtype)
     for r in range(r0, r1):
-        m = -math.inf
-        for i in range(n):
-            m = merge_max(m, lses[i, r])
-        total = 0.0
-        for i in range(n):
-            total += merge_weight(lses[i, r], m)
-        x, inv = merge_finish(m, total)
-        acc[:] = 0
-        for i in range(n):  # in index order: the same sums for any thread count
-            w = cast(merge_weight(lses[i, r], m) * inv, lse)
-            if w == 0:  # skipped, not multiplied by 0: its row may hold anything
-                continue
-            for d in range(ev):
-                acc[d] += w * load(outs[i, r, d])
+        lse[r] = merge_parts(outs, lses, 0, n, r, -math.inf, acc)
         for d in range(ev):
             out[r, d] = store(acc[d], out)
-        lse[r] = x
 
 
 @njit(**KERNEL)
