@@ -453,3 +453,51 @@ def test_float32_wide_values_in_registers(rng, page_size, lq, Hq, Ev, monkeypatc
     for o, s in results[1:]:
         np.testing.assert_array_equal(o, results[0][0])
         np.testing.assert_array_equal(s, results[0][1])
+
+
+# --- writeable buffers -------------------------------------------------------------------------
+
+def _snapshot(*arrays):
+    return [None if x is None else x.copy() for x in arrays]
+
+
+def _unchanged(arrays, snapshot):
+    for x, c in zip(arrays, snapshot):
+        if x is not None:
+            np.testing.assert_array_equal(x, c)
+
+
+def test_a_read_only_out_is_refused(rng):
+    # Refused before the kernel runs, naming out: it used to be written all the same.
+    q, kc, vc = make(rng, 2, 1, 4, 2, 4, 4, 8)
+    out = np.full((2, 1, 4, 4), np.nan)
+    out.flags.writeable = False
+    inputs = (q, kc, vc, out)
+    before = _snapshot(*inputs)
+    with pytest.raises(ValueError, match="out must be writeable"):
+        kvattn(q, kc, vc, np.array([5, 4]), out=out)
+    _unchanged(inputs, before)
+
+
+@pytest.mark.parametrize("read_only", ["k_cache", "v_cache"])
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_an_append_into_a_read_only_cache_is_refused_before_anything_is_written(
+        rng, read_only, page_size):
+    # With v_cache read-only the append used to write k_cache's slots, then fail in NumPy's
+    # "assignment destination is read-only"; with k_cache read-only, fail naming no argument.
+    q, kc, vc = make(rng, 2, 2, 4, 2, 4, 3, 9)
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    kn = rng.standard_normal((2, 2, 2, 4))
+    vn = rng.standard_normal((2, 2, 2, 3))
+    seqlens = np.array([5, 2])
+    leftpad = np.array([1, 0])
+    out = np.full((2, 2, 4, 3), np.nan)
+    {"k_cache": kc, "v_cache": vc}[read_only].flags.writeable = False
+    kw = {} if table is None else {"block_table": table}
+    inputs = (q, kc, vc, kn, vn, seqlens, leftpad, table, out)
+    before = _snapshot(*inputs)
+    with pytest.raises(ValueError, match=f"^{read_only} must be writeable"):
+        kvattn(q, kc, vc, seqlens, k=kn, v=vn, cache_leftpad=leftpad, out=out, **kw)
+    _unchanged(inputs, before)
+    # Without an append a read-only cache is only read.
+    kvattn(q, kc, vc, seqlens, cache_leftpad=leftpad, out=out, **kw)
