@@ -164,7 +164,8 @@ class KVCachePlan:
             if target is not self.target:
                 raise TypeError(f"this plan was made for {self.target.name} arrays, got "
                                 f"{target.name} arrays: make a plan with these")
-            result = self._run(*arrays, return_lse)
+            q, k_cache, v_cache, k, v, out = arrays
+            result = self._run(q, k_cache, v_cache, k, v, out, return_lse)
             return (restore(result[0]), restore(result[1])) if return_lse \
                 else restore(result)
         return self._run(q, k_cache, v_cache, k, v, out, return_lse)
