@@ -55,7 +55,7 @@ from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_rang
 from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
                     prefer_512_bit, prefetch, ptr_add, rows_pv, stack_buffer, stash, unstash)
 from ..problem.kvcache import key_bounds_loop
-from .merge import merge_parts
+from .merge import part_weights
 from .online_softmax import softmax_row
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
@@ -478,9 +478,9 @@ def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
 
 @njit(**CALLED)
 def _merge(first, part_out, part_lse, out, lse, b, i, r):
-    """Row ``i = hq * Lq + t`` of sequence ``b``: its chunks merged by lse, in chunk order
-    (:func:`.merge.merge_parts`), with query head ``hq``'s sink logit (recipe ``r``) as one
-    more part of output 0."""
+    """Row ``i = hq * Lq + t`` of sequence ``b``: its chunks merged by lse, in chunk order,
+    with the weights of :func:`.merge.part_weights` (query head ``hq``'s sink logit, recipe
+    ``r``, as one more part of output 0)."""
     no_inline()  # as _chunk
     lq = out.shape[1]
     ev = out.shape[3]
@@ -492,10 +492,16 @@ def _merge(first, part_out, part_lse, out, lse, b, i, r):
             out[b, t, h, d] = store(part_out[c0, i, d], out)
         lse[b, h, t] = part_lse[c0, i]
         return
-    acc = np.empty(ev, lse.dtype)
-    lse[b, h, t] = merge_parts(part_out, part_lse, c0, c1, i, sink, acc)
+    w = np.empty(c1 - c0, lse.dtype)
+    lse[b, h, t] = part_weights(part_lse, c0, c1, i, sink, w)
+    # Element by element over the chunks (merge_attention_states goes chunk by chunk): each
+    # loop order compiles to its own sums, and each keeps its own results bit for bit.
     for d in range(ev):
-        out[b, t, h, d] = store(acc[d], out)
+        a = cast(0.0, lse)
+        for c in range(c0, c1):
+            if w[c - c0] != 0:  # a chunk of weight 0 is skipped, as merge_attention_states does
+                a += w[c - c0] * part_out[c, i, d]
+        out[b, t, h, d] = store(a, out)
 
 
 #: The keys each sequence's kernel reads: the problem layer's rule

@@ -45,11 +45,13 @@ def _two(oa, la, ob, lb, out, lse, r0, r1):
 
 
 @njit(**INLINE)
-def merge_parts(outs, lses, c0, c1, i, sink, acc):
-    """Row ``i`` of parts ``c0 .. c1 - 1`` (``outs (n, R, Ev)`` in a storage dtype, ``lses
-    (n, R)``) merged by lse into ``acc (Ev,)``, in the compute dtype; returns the merged lse.
-    ``sink``: one more part's logit, of output 0 (a head's sink: it weighs in the total only);
-    ``-inf``: none. Parts in index order: the same sums for any thread count."""
+def part_weights(lses, c0, c1, i, sink, w):
+    """The merge of row ``i`` of parts ``c0 .. c1 - 1`` by their lse (``lses (n, R)``): writes
+    each part's normalized weight, ``w[c - c0]``, in the compute dtype of ``w``, and returns
+    the merged lse; the merged row is then ``sum_c w[c - c0] * out_c`` over the parts of
+    weight != 0 (a part of weight 0 is skipped, not multiplied by 0: its row may hold
+    anything). ``sink``: one more part's logit, of output 0 (a head's sink: it weighs in the
+    total only); ``-inf``: none."""
     m = -math.inf
     for c in range(c0, c1):
         m = merge_max(m, lses[c, i])
@@ -60,13 +62,8 @@ def merge_parts(outs, lses, c0, c1, i, sink, acc):
     if sink != -math.inf:  # no value row: it weighs in the total only
         total += merge_weight(sink, m)
     x, inv = merge_finish(m, total)
-    acc[:] = 0
     for c in range(c0, c1):
-        w = cast(merge_weight(lses[c, i], m) * inv, acc)
-        if w == 0:  # skipped, not multiplied by 0: its row may hold anything
-            continue
-        for d in range(acc.shape[0]):
-            acc[d] += w * load(outs[c, i, d])
+        w[c - c0] = cast(merge_weight(lses[c, i], m) * inv, w)
     return x
 
 
@@ -75,8 +72,15 @@ def _many(outs, lses, out, lse, r0, r1):
     n = outs.shape[0]
     ev = out.shape[1]
     acc = np.empty(ev, lse.dtype)
+    w = np.empty(n, lse.dtype)
     for r in range(r0, r1):
-        lse[r] = merge_parts(outs, lses, 0, n, r, -math.inf, acc)
+        lse[r] = part_weights(lses, 0, n, r, -math.inf, w)
+        acc[:] = 0
+        for i in range(n):  # in index order: the same sums for any thread count
+            if w[i] == 0:  # skipped, not multiplied by 0: its row may hold anything
+                continue
+            for d in range(ev):
+                acc[d] += w[i] * load(outs[i, r, d])
         for d in range(ev):
             out[r, d] = store(acc[d], out)
 
