@@ -5,7 +5,8 @@ kernels), with the attention variants as keywords (windows, soft cap, ALiBi, sin
 ``score_mod``/``mask_mod``, block masks from ``create_block_mask``);
 ``scaled_dot_product_attention_backward`` gives its gradients; ``merge_attention_states``
 combines attention over disjoint key sets by their log-sum-exp; ``attention_with_kvcache``
-attends new tokens to a key/value cache (decode, contiguous or paged);
+attends new tokens to a key/value cache (decode, contiguous or paged), and
+``kvcache_plan`` plans such a step once for every layer of a model;
 ``varlen_attention`` (and its backward) runs ragged batches packed back to back. The jitted kernels
 themselves are in :mod:`sdpa_numba.cpu` and :mod:`sdpa_numba.gpu` (the CUDA kernels, imported
 lazily: no GPU or CUDA toolkit needed to import this package). :mod:`sdpa_numba.dropout`
@@ -17,7 +18,7 @@ from . import _runtime, dropout, reference
 from .api import scaled_dot_product_attention
 from .backward import scaled_dot_product_attention_backward
 from .block_mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BlockMask, create_block_mask
-from .kvcache import attention_with_kvcache
+from .kvcache import KVCachePlan, attention_with_kvcache, kvcache_plan
 from .merge import merge_attention_states
 from .varlen import varlen_attention, varlen_attention_backward
 
@@ -26,6 +27,6 @@ _runtime.choose_threading_layer()  # before the first parallel launch
 __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward",
-           "attention_with_kvcache", "merge_attention_states", "varlen_attention",
-           "varlen_attention_backward", "BlockMask", "create_block_mask",
+           "attention_with_kvcache", "kvcache_plan", "KVCachePlan", "merge_attention_states",
+           "varlen_attention", "varlen_attention_backward", "BlockMask", "create_block_mask",
            "BLOCK_EMPTY", "BLOCK_PARTIAL", "BLOCK_FULL", "dropout", "reference", "__version__"]

@@ -34,7 +34,6 @@ import sys
 import threading
 import traceback
 import warnings
-from contextlib import contextmanager
 
 import numba
 from numba.core import config
@@ -56,9 +55,9 @@ def _user_chose_layer():
 
 
 def _layer_started():
-    from numba.np.ufunc import parallel
-
-    return parallel._is_initialized
+    # Looked up, not imported: an import statement at every launch costs a microsecond.
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    return parallel is not None and parallel._is_initialized
 
 
 def choose_threading_layer():
@@ -95,24 +94,41 @@ def check_jit():
             "sdpa_numba.reference.")
 
 
-@contextmanager
+class _KernelLaunch:
+    """The context of :func:`kernel_launch` (a class, not a generator: entered for every
+    launch, a generator-based context cost ~12 us a call, a decode step's host budget)."""
+
+    __slots__ = ("_held",)
+
+    def __enter__(self):
+        check_jit()
+        if _omp_inherited:
+            raise RuntimeError(
+                "sdpa_numba cannot run in this process: it was forked after its parent ran "
+                "Numba parallel code under GNU OpenMP, which cannot run again in a forked child "
+                "(Numba would kill it). Use the 'spawn' or 'forkserver' start method, or choose "
+                "a fork-safe threading layer in the parent before its first parallel call "
+                "(NUMBA_THREADING_LAYER=workqueue, or 'tbb' with the tbb package installed).")
+        if not _layer_started():
+            numba.get_num_threads()  # starts the threading layer: now threading_layer() answers
+        self._held = None
+        if numba.threading_layer() == "workqueue":
+            self._held = _lock  # the one acquired (a fork in between replaces _lock)
+            self._held.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        if self._held is not None:
+            self._held.release()
+            self._held = None
+        return False
+
+
 def kernel_launch():
     """Around every launch of the parallel CPU kernels from Python: refuses what would crash
-    the process and serializes launches where the threading layer is not thread-safe."""
-    check_jit()
-    if _omp_inherited:
-        raise RuntimeError(
-            "sdpa_numba cannot run in this process: it was forked after its parent ran Numba "
-            "parallel code under GNU OpenMP, which cannot run again in a forked child (Numba "
-            "would kill it). Use the 'spawn' or 'forkserver' start method, or choose a "
-            "fork-safe threading layer in the parent before its first parallel call "
-            "(NUMBA_THREADING_LAYER=workqueue, or 'tbb' with the tbb package installed).")
-    numba.get_num_threads()  # starts the threading layer: now numba.threading_layer() answers
-    if numba.threading_layer() == "workqueue":
-        with _lock:
-            yield
-    else:
-        yield
+    the process and serializes launches where the threading layer is not thread-safe (a
+    context manager)."""
+    return _KernelLaunch()
 
 
 def _package_dispatchers():

@@ -47,7 +47,8 @@ def _is_torch(x):
 
 def as_numpy(name, x, writable=False):
     """``x`` as a NumPy array sharing its memory (see the module's order); TypeError naming
-    ``name`` if it cannot be read. ``writable``: ``out`` buffers, never copied."""
+    ``name`` if it cannot be read. ``writable``: buffers to be written (``out``, a cache to
+    append to), never copied; ValueError naming ``name`` if read-only."""
     if isinstance(x, np.ndarray):
         return x
     if _is_torch(x):
@@ -70,7 +71,7 @@ def as_numpy(name, x, writable=False):
                             f"interface, DLPack or the buffer protocol), got "
                             f"{type(x).__name__}") from None
     if writable and not a.flags.writeable:
-        raise ValueError(f"out ({type(x).__name__}) is read-only")
+        raise ValueError(f"{name} ({type(x).__name__}) is read-only")
     return a
 
 

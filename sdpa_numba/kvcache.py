@@ -1,12 +1,15 @@
 """``attention_with_kvcache``: new query tokens against a key/value cache, contiguous or paged,
 with an optional in-place append of the new keys and values, left padding and the attention
-variants (FlashAttention's ``flash_attn_with_kvcache`` layouts).
+variants (FlashAttention's ``flash_attn_with_kvcache`` layouts); ``kvcache_plan``: the same
+step planned once and run for every layer of a model (FlashInfer's ``plan()`` / ``run()``).
 
-Everything is validated before anything is written: a bad argument leaves the cache untouched.
-The variants become the score seam's recipe
-(:func:`sdpa_numba.problem.variants.variants_recipe`) in the cache's frame, and
-:func:`key_bounds` the keys each sequence's kernel reads. The kernels are
-:func:`sdpa_numba.cpu.decode.decode` and :func:`sdpa_numba.gpu.decode.decode`.
+A call is a plan and a run. The plan (:func:`sdpa_numba.problem.kvcache.kvcache_problem`)
+checks and works out everything that depends on the shapes, dtype, layout, cache lengths,
+left padding, variants and scale; the run checks that its arrays are the plan's (shapes,
+dtype, the caches' strides, writeable caches for an append), checks ``out``
+(:func:`sdpa_numba.problem.check_out`) and hands the arrays to the target's decode launcher
+(:mod:`sdpa_numba.cpu.launch_decode`, :mod:`sdpa_numba.gpu.launch_decode`). Everything is
+validated before anything is written: a bad argument leaves the cache untouched.
 """
 
 import numbers
@@ -14,125 +17,236 @@ from typing import Any
 
 import numpy as np
 
-from ._bf16 import is_bfloat16
-from ._runtime import check_jit, compile_entry, kernel_launch
-from .host_arrays import adopt as adopt_host
 from .host_arrays import as_numpy
-from .problem.arguments import check_flag, check_scale, shape_str
-from .problem.dtypes import FLOATS, compute_dtype
-from .problem.out import host_address, may_overlap, may_self_overlap
-from .problem.variants import check_alignment, variants_recipe
+from .problem.arguments import check_flag
+from .problem.kvcache import check_arrays, key_bounds, kvcache_problem
+from .problem.out import check_out
+from .targets import CUDA, HOST, is_device_array, target_of
 
-__all__ = ["attention_with_kvcache"]
+__all__ = ["attention_with_kvcache", "kvcache_plan", "KVCachePlan", "key_bounds"]
 
-#: Bytes of keys and values read below which a call runs on the calling thread, without a
-#: parallel launch. Serial and parallel runs give bitwise the same result, so the threshold
-#: never changes a result; it depends on the shapes and lengths only. Measured (2 threads,
-#: median after 50 ms idle, B1 H8 D128 float32, a loaded machine): a parallel launch costs
-#: ~0.16 ms more than a serial call (0.26 against 0.10 ms at 0.5 MiB), and serial calls
-#: stream ~16 GB/s, so two threads would pay off from about 2 x 0.16 ms x 16 GB/s ~ 4 MiB;
-#: but at 2 MiB serial took 0.27 ms, parallel 0.41, at 8 MiB 0.62 and 0.78 with the second
-#: core busy, and at B1 Hq12 H4 S2080 D64 (4.1 MiB, a transformers decode step; AMD EPYC,
-#: back-to-back calls) the serial kernel 0.33 ms, the parallel 0.40 (min of 40). Hence 8 MiB.
-SERIAL_BYTES = 8 << 20
-
-_entries: dict = {}
+_REQUIRED = ("q", "k_cache", "v_cache")
 
 
-def _is_device(x):
-    return hasattr(x, "__cuda_array_interface__") or type(x).__name__ in (
-        "FakeCUDAArray", "DeviceNDArray")
-
-
-def _entry(parallel, dtype, recipe_t):
-    """The compiled decode for a storage dtype and recipe type (plain, windowed and soft-capped
-    calls share the plain recipe's type: their numbers are run-time values)."""
-    from numba import types
-
-    from .cpu.decode import decode, decode_serial
-    from .cpu.launch import arr, kernel_types
-
-    # Looked up by the type's identity first: hashing a recipe's Numba type walks all its
-    # fields (~10 us a call); Numba interns types, so the same recipe gives the same object.
-    fast = _entries.get((parallel, dtype, id(recipe_t)))
-    if fast is not None and fast[0] is recipe_t:
-        return fast[1]
-    key = (parallel, dtype, recipe_t)
-    if key not in _entries:
-        st, ct, _ = kernel_types(dtype, "none")
-        sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True),
-               arr(types.int32, 2, True), arr(types.int64, 1, True), types.boolean,
-               types.float64, arr(st, 4, False), arr(ct, 3, False), recipe_t,
-               arr(types.int64, 1, True))
-        _entries[key] = compile_entry(decode if parallel else decode_serial, sig)
-    _entries[parallel, dtype, id(recipe_t)] = (recipe_t, _entries[key])
-    return _entries[key]
-
-
-def key_bounds(r, is_causal, kv_lens, leftpad, lq):
-    """``(lo, hi)``, int64 arrays (B,): the keys ``[lo[b], hi[b])`` that some query token of
-    sequence ``b`` sees under recipe ``r`` (tokens at positions ``kv_lens[b] - lq ..
-    kv_lens[b] - 1``) from ``leftpad[b]`` on: the keys a kernel reads. Host code, with the
-    score seam's :func:`~sdpa_numba.score.recipe.key_range` (as the CPU kernel's plan)."""
-    from .score.recipe import key_range
-
-    if is_causal:
-        r = r._replace(right=min(r.right, 0))
-    lo = np.zeros(len(kv_lens), np.int64) if leftpad is None else leftpad.copy()
-    hi = np.asarray(kv_lens, np.int64).copy()
-    for b, n in enumerate(hi.tolist()):
-        j_begin, j_end = key_range.py_func(r, n - lq, n - 1, n)
-        lo[b] = max(j_begin, lo[b])
-        hi[b] = max(j_end, lo[b])
-    return lo, hi
+def _launcher(target):
+    """The decode launcher module of a target."""
+    if target is CUDA:
+        from .gpu import launch_decode
+    else:
+        from .cpu import launch_decode
+    return launch_decode
 
 
 def _host(name, x):
     """A small integer argument (``cache_seqlens``, ``block_table``) as a NumPy array, copied
     from the device if it is there."""
-    if _is_device(x):
-        from .gpu.arrays import adopt as adopt_device
-
-        return adopt_device([(name, x)])[0][0].copy_to_host()
+    if is_device_array(x):
+        return CUDA.to_host(CUDA.adopt([(name, x)])[0][0])
     return as_numpy(name, x)
 
 
-def _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, bounds, r, is_causal,
-              scale, out, out_shape, dtype, return_lse, restore):
-    """The CUDA path, once everything is checked: append on the device, then decode."""
-    from numba import cuda
-
-    from .gpu.arrays import device_array
-    from .gpu.decode import append, decode
-
-    if pages is not None:
-        append(k, v, k_cache, v_cache, pages, slots)
-    result = device_array(out_shape, dtype) if out is None else out
-    B, Lq, Hq, _ = out_shape
-    lse = device_array((B, Hq, Lq), compute_dtype(dtype))
-    decode(q, k_cache, v_cache, cuda.to_device(table), kv_lens, is_causal, scale, result, lse,
-           bounds=bounds, recipe=r)
-    result, lse = restore(result), restore(lse)
-    return (result, lse) if return_lse else result
-
-
-def _check_float(name, x, dtype=None):
-    dt = np.dtype(x.dtype)
-    if dt not in FLOATS and not is_bfloat16(dt):
-        raise TypeError(f"{name} dtype {dt} is not supported: use float16, bfloat16 "
-                        f"(ml_dtypes.bfloat16), float32 or float64")
-    if dtype is not None and dt != dtype:
-        raise TypeError(f"{name} dtype {dt} differs from q's dtype {dtype}")
+def _adopt(q, k_cache, v_cache, k, v, out):
+    """``(target, [q, k_cache, v_cache, k, v, out], restore)``: the operands as the target's
+    arrays, without copies (the caches may be written, and must be read as they are)."""
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)]
+    target = target_of([*named, ("out", out)], required=_REQUIRED)
+    if target is CUDA:
+        arrays, restore = CUDA.adopt(named, out)
+        arrays = list(arrays)
+        CUDA.check_strides(list(zip(("q", "k_cache", "v_cache", "k", "v"), arrays)))
+    else:
+        appending = k is not None
+        k_cache = as_numpy("k_cache", k_cache, writable=appending)
+        v_cache = as_numpy("v_cache", v_cache, writable=appending)
+        adopted, restore = HOST.adopt([("q", q), ("k", k), ("v", v)], out)
+        arrays = [adopted[0], k_cache, v_cache, adopted[1], adopted[2]]
+        if out is not None:
+            arrays.append(adopted[3])
+    if out is None:
+        arrays.append(None)
+    return target, arrays, restore
 
 
-def _check_ndim(name, x, nd, dims):
-    if x.ndim != nd:
-        raise ValueError(f"{name} must have {nd} dims {dims}, got shape {shape_str(x)}")
+def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+          is_causal, scale, variants):
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = np.full(q.shape[:1], int(cache_seqlens), np.int64)
+    # cache_seqlens, cache_leftpad and block_table are read on the host (checks, and the split
+    # into chunks), whichever device they are on.
+    cache_seqlens = _host("cache_seqlens", cache_seqlens)
+    if cache_leftpad is not None:
+        cache_leftpad = _host("cache_leftpad", cache_leftpad)
+    if block_table is not None:
+        block_table = _host("block_table", block_table)
+    p = kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                        is_causal, scale, **variants)
+    return KVCachePlan(p, target, _launcher(target).prepare(p))
 
 
-def _check_int(name, x):
-    if np.dtype(x.dtype).kind not in "iu":
-        raise TypeError(f"{name} must be an integer array, got dtype {np.dtype(x.dtype)}")
+def _refuse_block_mask(block_mask):
+    if block_mask is not None:
+        raise NotImplementedError(
+            "attention_with_kvcache does not take a block_mask: a block mask is made for one "
+            "(L, S), while each sequence of the cache has its own length, growing at every "
+            "step; pass its mask_mod instead")
+
+
+class KVCachePlan:
+    """One decode step planned once, run for every layer: made by :func:`kvcache_plan`.
+
+    Attributes
+    ----------
+    problem : sdpa_numba.problem.kvcache.KVCacheProblem
+        The validated step: shapes, dtype, cache lengths, block table, key bounds, recipe.
+    target : sdpa_numba.targets.HOST or sdpa_numba.targets.CUDA
+        Where its runs go: the kind of arrays it was made with.
+
+    Notes
+    -----
+    A plan is for one step. With ``k`` and ``v`` it appends at ``cache_seqlens[b] ..
+    cache_seqlens[b] + Lq_new - 1`` of each layer's cache; the next step has ``Lq_new`` more
+    keys per sequence and needs a plan of its own. A second append by one plan into the same
+    cache (the same ``k_cache`` buffer) is refused: it would write the same slots again
+    instead of the next ones.
+    """
+
+    __slots__ = ("problem", "target", "_launch", "_appended")
+
+    def __init__(self, problem, target, launch):
+        self.problem = problem
+        self.target = target
+        self._launch = launch
+        self._appended = set()
+
+    def __repr__(self):
+        p = self.problem
+        return (f"KVCachePlan(q {p.q_shape}, k_cache {p.k_cache_shape}, "
+                f"{'paged, ' if p.paged else ''}dtype {p.dtype}, "
+                f"{'append ' + str(p.k_shape[1]) if p.appending else 'no append'}, "
+                f"on {self.target.name})")
+
+    def run(self, q: Any, k_cache: Any, v_cache: Any, *, k: Any = None, v: Any = None,
+            out: Any = None, return_lse: bool = False) -> Any:
+        """Attention of one layer's new query tokens against its cache, as planned.
+
+        Parameters
+        ----------
+        q : array, shape (B, Lq, Hq, E)
+        k_cache, v_cache : arrays, the plan's shapes
+            This layer's caches, of the kind (host or CUDA), shapes and dtype the plan was
+            made with; their last dim contiguous.
+        k, v : arrays, shapes (B, Lq_new, H, E) and (B, Lq_new, H, Ev), keyword-only
+            This layer's new keys and values: exactly when the plan was made with them.
+            Written into the cache first (see :func:`attention_with_kvcache`); the caches
+            must be writeable.
+        out : array, shape (B, Lq, Hq, Ev), keyword-only, optional
+            A buffer of q's dtype, written in place and returned.
+        return_lse : bool, keyword-only
+            Also return the log-sum-exp, shape (B, Hq, Lq), in the compute dtype.
+
+        Returns
+        -------
+        out : array of q's dtype, shape (B, Lq, Hq, Ev)
+        lse : array, shape (B, Hq, Lq), only with ``return_lse=True``
+
+        Raises
+        ------
+        TypeError, ValueError
+            For arrays that are not the plan's (another kind, shape, dtype, a cache whose
+            last dim is strided, a read-only cache to append to, a second append into one
+            cache) or a bad ``out``, naming the argument, before anything is written.
+        """
+        if not (self.target is HOST and type(q) is np.ndarray and type(k_cache) is np.ndarray
+                and type(v_cache) is np.ndarray and (k is None or type(k) is np.ndarray)
+                and (v is None or type(v) is np.ndarray)
+                and (out is None or type(out) is np.ndarray)):
+            target, arrays, restore = _adopt(q, k_cache, v_cache, k, v, out)
+            if target is not self.target:
+                raise TypeError(f"this plan was made for {self.target.name} arrays, got "
+                                f"{target.name} arrays: make a plan with these")
+            q, k_cache, v_cache, k, v, out = arrays
+            result = self._run(q, k_cache, v_cache, k, v, out, return_lse)
+            return (restore(result[0]), restore(result[1])) if return_lse \
+                else restore(result)
+        return self._run(q, k_cache, v_cache, k, v, out, return_lse)
+
+    def _run(self, q, k_cache, v_cache, k, v, out, return_lse):
+        """:meth:`run` on the target's arrays."""
+        return_lse = check_flag("return_lse", return_lse)
+        p = self.problem
+        check_arrays(p, q, k_cache, v_cache, k, v)
+        if out is not None:
+            check_out(p, out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                               ("k", k), ("v", v)), self.target.address)
+        if p.pages is not None:
+            where = self.target.address(k_cache)
+            if where in self._appended:
+                raise ValueError("this plan has already appended into this k_cache: a plan "
+                                 "is for one step (the next one has Lq_new more keys per "
+                                 "sequence); make a plan for the next step")
+            self._appended.add(where)
+        result, lse = self._launch(q, k_cache, v_cache, k, v, out)
+        return (result, lse) if return_lse else result
+
+
+def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: Any = None,
+                 v: Any = None, block_table: Any = None, cache_leftpad: Any = None,
+                 is_causal: bool = True, scale: float | None = None, window: Any = None,
+                 alignment: str = "bottom_right", softcap: float | None = None,
+                 alibi_slopes: Any = None, sinks: Any = None, score_mod: Any = None,
+                 mask_mod: Any = None, mod_args: Any = (),
+                 block_mask: Any = None) -> KVCachePlan:
+    """Plan one decode step once, for every layer of a model: the checks and the work of
+    :func:`attention_with_kvcache` that depend only on shapes, dtype, layout, cache lengths,
+    left padding, variants and scale, done now; each layer then calls
+    :meth:`KVCachePlan.run` with its own arrays.
+
+    Parameters
+    ----------
+    q, k_cache, v_cache : arrays
+        One layer's arrays (say the first's), as for :func:`attention_with_kvcache`: they
+        give the shapes, the dtype and the target; they are read for their shapes only and
+        not kept.
+    cache_seqlens, block_table, cache_leftpad : keyword-only except cache_seqlens
+        As for :func:`attention_with_kvcache`; copied (a plan stays valid whatever is done
+        to them afterwards).
+    k, v : arrays, keyword-only, optional
+        One layer's new keys and values: given, every run appends (and must be given its own
+        ``k`` and ``v`` of these shapes).
+    is_causal, scale, window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, block_mask
+        As for :func:`attention_with_kvcache`.
+
+    Returns
+    -------
+    KVCachePlan
+        ``plan.run(q, k_cache, v_cache, k=None, v=None, out=None, return_lse=False)`` for
+        each layer: what ``attention_with_kvcache`` returns for those arrays, bit for bit.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`attention_with_kvcache`, for the arguments it is given.
+
+    Notes
+    -----
+    A plan is for one step: with ``k`` and ``v``, the next step's cache lengths are
+    ``cache_seqlens + Lq_new``, and it needs a new plan (a second append by one plan into the
+    same cache is refused). A run still checks what differs from layer to layer, cheaply:
+    the kind of arrays, their shapes and dtype, the caches' last-dim stride, writeable caches
+    for an append, and ``out``.
+
+    Examples
+    --------
+    >>> plan = sdpa_numba.kvcache_plan(q[0], k_caches[0], v_caches[0], lens)  # doctest: +SKIP
+    >>> outs = [plan.run(q[i], k_caches[i], v_caches[i]) for i in range(n_layers)]  # doctest: +SKIP
+    """
+    _refuse_block_mask(block_mask)
+    target, (q, k_cache, v_cache, k, v, _), _ = _adopt(q, k_cache, v_cache, k, v, None)
+    return _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                 is_causal, scale, dict(window=window, alignment=alignment, softcap=softcap,
+                                        alibi_slopes=alibi_slopes, sinks=sinks,
+                                        score_mod=score_mod, mask_mod=mask_mod,
+                                        mod_args=mod_args))
 
 
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *,
@@ -236,224 +350,14 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     by lse (split-KV); the result is bitwise the same for any thread count. A sequence with no
     keys (or a token that sees none) gives zeros and ``lse = -inf``.
     """
-    if block_mask is not None:
-        raise NotImplementedError(
-            "attention_with_kvcache does not take a block_mask: a block mask is made for one "
-            "(L, S), while each sequence of the cache has its own length, growing at every "
-            "step; pass its mask_mod instead")
-    if isinstance(alignment, str) and alignment == "top_left":
-        raise ValueError("attention_with_kvcache's alignment is 'bottom_right' (query token t "
-                         "sits at position cache_seqlens[b] + Lq_new - Lq + t): 'top_left' "
-                         "has no meaning for a cache")
-    check_alignment(alignment)
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-             ("out", out)]
-    for name in ("q", "k_cache", "v_cache"):
-        if dict(named)[name] is None:
-            raise TypeError(f"{name} must be an array, got None")
-    on_device = [name for name, x in named if x is not None and _is_device(x)]
-    device = "cuda" if on_device else "host"
-    if on_device and len(on_device) != sum(x is not None for _, x in named):
-        raise TypeError(f"inputs mix host and device arrays ({', '.join(on_device)} on the "
-                        f"device): put q, the caches, k, v and out on one device")
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and values), or neither")
-    is_causal = check_flag("is_causal", is_causal)
+    _refuse_block_mask(block_mask)
+    target, (q, k_cache, v_cache, k, v, out), restore = _adopt(q, k_cache, v_cache, k, v, out)
     return_lse = check_flag("return_lse", return_lse)
-    appending = k is not None
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = np.full(np.shape(q)[:1], int(cache_seqlens), np.int64)
-    # cache_seqlens and block_table are read on the host (checks, and the split into chunks),
-    # whichever device they are on.
-    cache_seqlens = _host("cache_seqlens", cache_seqlens)
-    if cache_leftpad is not None:
-        cache_leftpad = _host("cache_leftpad", cache_leftpad)
-    block_table = None if block_table is None else _host("block_table", block_table)
-    if device == "cuda":
-        from .gpu.arrays import adopt as adopt_device
-
-        arrays, restore = adopt_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                                        ("k", k), ("v", v)], out)
-        q, k_cache, v_cache, k, v = arrays[:5]
-        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k),
-                        ("v", v)):
-            if x is not None and any(st < 0 for st in x.strides):
-                raise ValueError(f"{name} has negative strides {tuple(x.strides)}, which the "
-                                 f"CUDA path does not support: pass a copy")
-    else:
-        # The caches are adopted without a copy: they may be written, and must be read as is.
-        k_cache = as_numpy("k_cache", k_cache, writable=appending)
-        v_cache = as_numpy("v_cache", v_cache, writable=appending)
-        arrays, restore = adopt_host([("q", q), ("k", k), ("v", v)], out)
-        q, k, v = arrays[:3]
-    out = arrays[-1] if out is not None else None
-
-    _check_ndim("q", q, 4, "(B, Lq, Hq, E)")
-    _check_float("q", q)
-    dtype = np.dtype(q.dtype)
-    paged = block_table is not None
-    dims = "(num_pages, page_size, H, E)" if paged else "(B, S_max, H, E)"
-    _check_ndim("k_cache", k_cache, 4, dims)
-    _check_ndim("v_cache", v_cache, 4, dims.replace("E)", "Ev)"))
-    _check_float("k_cache", k_cache, dtype)
-    _check_float("v_cache", v_cache, dtype)
-    B, Lq, Hq, E = q.shape
-    n_pages, page_size, H, Ek = k_cache.shape
-    leftpad = None
-    Ev = v_cache.shape[3]
-    if Ek != E:
-        raise ValueError(f"k_cache's last dim must equal q's: q {shape_str(q)}, k_cache "
-                         f"{shape_str(k_cache)}")
-    if v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ValueError(f"v_cache's first three dims must equal k_cache's: k_cache "
-                         f"{shape_str(k_cache)}, v_cache {shape_str(v_cache)}")
-    if H == 0 or Hq % H:
-        raise ValueError(f"q's heads ({Hq}) must be a multiple of the cache's heads ({H}): q "
-                         f"{shape_str(q)}, k_cache {shape_str(k_cache)}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        itemsize = np.dtype(c.dtype).itemsize
-        if c.size and c.shape[3] > 1 and c.strides[3] != itemsize:  # (empty: any strides)
-            raise ValueError(f"{name}'s last dim must be contiguous (stride {itemsize} "
-                             f"bytes), got strides {tuple(c.strides)}")
-    if not paged and n_pages != B:
-        raise ValueError(f"a contiguous k_cache must have q's batch size {B} as its first dim, "
-                         f"got {shape_str(k_cache)} (pass block_table for a paged cache)")
-
-    _check_int("cache_seqlens", cache_seqlens)
-    if cache_seqlens.shape != (B,):
-        raise ValueError(f"cache_seqlens must have shape ({B},) (q's batch), got "
-                         f"{shape_str(cache_seqlens)}")
-    seqlens = cache_seqlens.astype(np.int64)
-    if B and seqlens.min() < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
-
-    lq_new = 0
-    if appending:
-        _check_ndim("k", k, 4, "(B, Lq_new, H, E)")
-        _check_ndim("v", v, 4, "(B, Lq_new, H, Ev)")
-        _check_float("k", k, dtype)
-        _check_float("v", v, dtype)
-        lq_new = k.shape[1]
-        if k.shape != (B, lq_new, H, E) or v.shape != (B, lq_new, H, Ev):
-            raise ValueError(f"k and v must have shapes (B, Lq_new, H, E) = "
-                             f"({B}, {lq_new}, {H}, {E}) and (B, Lq_new, H, Ev) = "
-                             f"({B}, {lq_new}, {H}, {Ev}), got {shape_str(k)} and "
-                             f"{shape_str(v)}")
-    kv_lens = seqlens + lq_new
-    if cache_leftpad is not None:
-        _check_int("cache_leftpad", cache_leftpad)
-        if cache_leftpad.shape != (B,):
-            raise ValueError(f"cache_leftpad must have shape ({B},) (q's batch), got "
-                             f"{shape_str(cache_leftpad)}")
-        leftpad = cache_leftpad.astype(np.int64)
-        bad = (leftpad < 0) | (leftpad > kv_lens)
-        if bad.any():
-            b = int(np.argmax(bad))
-            raise ValueError(f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, "
-                             f"cache_seqlens[{b}] + Lq_new] = [0, {kv_lens[b]}]")
-
-    if paged:
-        _check_ndim("block_table", block_table, 2, "(B, max_pages)")
-        _check_int("block_table", block_table)
-        if block_table.shape[0] != B:
-            raise ValueError(f"block_table must have q's batch size {B} as its first dim, "
-                             f"got {shape_str(block_table)}")
-        capacity = block_table.shape[1] * page_size
-    else:
-        capacity = page_size  # S_max
-    if B and kv_lens.max() > capacity:
-        b = int(np.argmax(kv_lens))
-        what = (f"cache_seqlens[{b}] + Lq_new = {seqlens[b]} + {lq_new}" if appending
-                else f"cache_seqlens[{b}] = {seqlens[b]}")
-        raise ValueError(f"{what} is beyond the cache's {capacity} slots per sequence"
-                         + (" (max_pages * page_size)" if paged else " (S_max)"))
-    if paged:
-        n_used = -(-kv_lens // page_size) if page_size else np.zeros_like(kv_lens)
-        used = np.arange(block_table.shape[1])[None, :] < n_used[:, None]
-        entries = block_table[used]
-        if entries.size and (entries.min() < 0 or entries.max() >= n_pages):
-            bad = entries[(entries < 0) | (entries >= n_pages)][0]
-            raise ValueError(f"block_table has entry {bad} among the pages in use, outside "
-                             f"[0, {n_pages}) (num_pages of the cache)")
-        if appending and lq_new:
-            # A page written to must be used by its sequence alone, once: the append must not
-            # change what another sequence (or another slot of the same one) reads.
-            first_written = seqlens // page_size
-            written = used & (np.arange(block_table.shape[1])[None, :] >= first_written[:, None])
-            counts = np.bincount(entries.astype(np.int64), minlength=n_pages)
-            shared = counts[block_table[written].astype(np.int64)] > 1
-            if shared.any():
-                raise ValueError(f"the append would write into page "
-                                 f"{block_table[written][shared][0]}, which block_table lists "
-                                 f"more than once among the pages in use (shared pages are "
-                                 f"read-only)")
-        table = np.ascontiguousarray(block_table, dtype=np.int32)
-    else:
-        table = np.arange(B, dtype=np.int32).reshape(B, 1)
-
-    scale = check_scale(scale, E)
-    # Positions go to the kernels in the cache's frame (offset 0): top-left is that frame.
-    r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal, window=window,
-                        alignment="top_left", softcap=softcap, alibi_slopes=alibi_slopes,
-                        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
-                        mod_args=mod_args)
-
-    out_shape = (B, Lq, Hq, Ev)
-    if out is not None:
-        if device == "cuda":
-            from .gpu.arrays import address as device_address
-
-            address = device_address
-        else:
-            address = host_address
-        if tuple(out.shape) != out_shape or np.dtype(out.dtype) != dtype:
-            raise ValueError(f"out must have shape {out_shape} and dtype {dtype}, got "
-                             f"{shape_str(out)} {np.dtype(out.dtype)}")
-        itemsize = np.dtype(out.dtype).itemsize
-        if out.size and (any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape))
-                         or may_self_overlap(out.shape, out.strides, itemsize)):
-            raise ValueError(f"out's elements overlap each other (strides "
-                             f"{tuple(out.strides)}): pass a buffer of its own")
-        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k),
-                        ("v", v)):
-            if x is not None and may_overlap(out, x, address):
-                raise ValueError(f"out overlaps {name}: pass a separate buffer")
-
-    # Everything is checked: append, then attend.
-    pages = slots = None
-    if appending and lq_new and B:
-        bidx = np.repeat(np.arange(B), lq_new)
-        pos = (seqlens[:, None] + np.arange(lq_new)[None, :]).ravel()
-        if paged:
-            pages, slots = table[bidx, pos // page_size], pos % page_size
-        else:
-            pages, slots = bidx, pos
-    bounds = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
-    if device == "cuda":
-        return _run_cuda(q, k_cache, v_cache, k, v, pages, slots, table, kv_lens, bounds, r,
-                         is_causal, scale, out, out_shape, dtype, return_lse, restore)
-    if pages is not None:
-        k_cache[pages, slots] = k.reshape(B * lq_new, H, E)
-        v_cache[pages, slots] = v.reshape(B * lq_new, H, Ev)
-
-    from .cpu.storage import storage_view
-
-    result = np.empty(out_shape, dtype) if out is None else out
-    lse = np.empty((B, Hq, Lq), compute_dtype(dtype))
-    if result.size or lse.size:
-        from .cpu.launch import recipe_type
-
-        work = int((bounds[1] - bounds[0]).sum()) * H * (E + Ev) * dtype.itemsize
-        args = (storage_view(q), storage_view(k_cache), storage_view(v_cache), table, kv_lens,
-                is_causal, scale, storage_view(result), lse, r, bounds[0])
-        if work >= SERIAL_BYTES:
-            # The parallel kernel whatever the thread count: which kernel runs depends on the
-            # shape only, so a result cannot change with the thread count (the serial and the
-            # parallel kernel may round the last bit differently when loaded from the cache).
-            with kernel_launch():
-                _entry(True, dtype, recipe_type(r))(*args)
-        else:  # on the calling thread: no thread pool to start or guard
-            check_jit()
-            _entry(False, dtype, recipe_type(r))(*args)
+    plan = _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                 is_causal, scale, dict(window=window, alignment=alignment, softcap=softcap,
+                                        alibi_slopes=alibi_slopes, sinks=sinks,
+                                        score_mod=score_mod, mask_mod=mask_mod,
+                                        mod_args=mod_args))
+    result, lse = plan._run(q, k_cache, v_cache, k, v, out, True)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -5,7 +5,7 @@ import numba
 import numpy as np
 import pytest
 
-import sdpa_numba.kvcache as kvcache_module
+import sdpa_numba.cpu.launch_decode as launch_decode
 from checks import TOL, rel_err
 from kvcache_checks import (VARIANTS, check_against_reference, logical, paged_copy,
                             paged_pair)
@@ -124,7 +124,7 @@ def test_result_does_not_depend_on_threads(rng, monkeypatch):
     q, kc, vc = make(rng, 2, 2, 4, 2, 8, 8, 3 * CHUNK + 10)
     seqlens = np.array([3 * CHUNK + 10, CHUNK - 1])
     serial = kvattn(q, kc, vc, seqlens, return_lse=True)
-    monkeypatch.setattr(kvcache_module, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(launch_decode, "SERIAL_BYTES", 0)
     n = numba.get_num_threads()
     try:
         results = []
@@ -373,9 +373,9 @@ def test_a_window_skips_the_keys_before_it_exactly(rng, left):
 def test_window_and_softcap_share_the_plain_compilation(rng):
     q, kc, vc = make(rng, 1, 1, 2, 2, 4, 4, 20)
     kvattn(q, kc, vc, 20)
-    n = len(kvcache_module._entries)
+    n = len(launch_decode._entries)
     kvattn(q, kc, vc, 20, window=(3, 0), softcap=2.0)
-    assert len(kvcache_module._entries) == n
+    assert len(launch_decode._entries) == n
 
 
 def test_variants_on_float32_and_the_alibi_forms(rng):
@@ -438,7 +438,7 @@ def test_float32_wide_values_in_registers(rng, page_size, lq, Hq, Ev, monkeypatc
               for x in (kc, vc))  # (B, H, S, E) storage viewed as (B, S, H, E)
     out, lse = kvattn(q, hk, hv, seqlens, is_causal=causal, return_lse=True)
     check_against_reference(q, kc, vc, seqlens, out, lse, causal)
-    monkeypatch.setattr(kvcache_module, "SERIAL_BYTES", 0)
+    monkeypatch.setattr(launch_decode, "SERIAL_BYTES", 0)
     n = numba.get_num_threads()
     results = []
     try:
@@ -453,3 +453,51 @@ def test_float32_wide_values_in_registers(rng, page_size, lq, Hq, Ev, monkeypatc
     for o, s in results[1:]:
         np.testing.assert_array_equal(o, results[0][0])
         np.testing.assert_array_equal(s, results[0][1])
+
+
+# --- writeable buffers -------------------------------------------------------------------------
+
+def _snapshot(*arrays):
+    return [None if x is None else x.copy() for x in arrays]
+
+
+def _unchanged(arrays, snapshot):
+    for x, c in zip(arrays, snapshot):
+        if x is not None:
+            np.testing.assert_array_equal(x, c)
+
+
+def test_a_read_only_out_is_refused(rng):
+    # Refused before the kernel runs, naming out: it used to be written all the same.
+    q, kc, vc = make(rng, 2, 1, 4, 2, 4, 4, 8)
+    out = np.full((2, 1, 4, 4), np.nan)
+    out.flags.writeable = False
+    inputs = (q, kc, vc, out)
+    before = _snapshot(*inputs)
+    with pytest.raises(ValueError, match="out must be writeable"):
+        kvattn(q, kc, vc, np.array([5, 4]), out=out)
+    _unchanged(inputs, before)
+
+
+@pytest.mark.parametrize("read_only", ["k_cache", "v_cache"])
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_an_append_into_a_read_only_cache_is_refused_before_anything_is_written(
+        rng, read_only, page_size):
+    # With v_cache read-only the append used to write k_cache's slots, then fail in NumPy's
+    # "assignment destination is read-only"; with k_cache read-only, fail naming no argument.
+    q, kc, vc = make(rng, 2, 2, 4, 2, 4, 3, 9)
+    kc, vc, table = paged_pair(rng, kc, vc, page_size)
+    kn = rng.standard_normal((2, 2, 2, 4))
+    vn = rng.standard_normal((2, 2, 2, 3))
+    seqlens = np.array([5, 2])
+    leftpad = np.array([1, 0])
+    out = np.full((2, 2, 4, 3), np.nan)
+    {"k_cache": kc, "v_cache": vc}[read_only].flags.writeable = False
+    kw = {} if table is None else {"block_table": table}
+    inputs = (q, kc, vc, kn, vn, seqlens, leftpad, table, out)
+    before = _snapshot(*inputs)
+    with pytest.raises(ValueError, match=f"^{read_only} must be writeable"):
+        kvattn(q, kc, vc, seqlens, k=kn, v=vn, cache_leftpad=leftpad, out=out, **kw)
+    _unchanged(inputs, before)
+    # Without an append a read-only cache is only read.
+    kvattn(q, kc, vc, seqlens, cache_leftpad=leftpad, out=out, **kw)

@@ -49,12 +49,13 @@ from numba import njit, prange
 from numba import types
 from numba.extending import overload
 
-from ..score.merge import merge_finish, merge_max, merge_weight
 from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_range,
                             modified_score, modifies_scores, sink_logit, user_keeps,
                             window_covers)
 from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
                     prefer_512_bit, prefetch, ptr_add, rows_pv, stack_buffer, stash, unstash)
+from ..problem.kvcache import key_bounds_loop
+from .merge import part_weights
 from .online_softmax import softmax_row
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
@@ -478,7 +479,8 @@ def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
 @njit(**CALLED)
 def _merge(first, part_out, part_lse, out, lse, b, i, r):
     """Row ``i = hq * Lq + t`` of sequence ``b``: its chunks merged by lse, in chunk order,
-    with query head ``hq``'s sink logit (recipe ``r``) as one more part of output 0."""
+    with the weights of :func:`.merge.part_weights` (query head ``hq``'s sink logit, recipe
+    ``r``, as one more part of output 0)."""
     no_inline()  # as _chunk
     lq = out.shape[1]
     ev = out.shape[3]
@@ -490,44 +492,35 @@ def _merge(first, part_out, part_lse, out, lse, b, i, r):
             out[b, t, h, d] = store(part_out[c0, i, d], out)
         lse[b, h, t] = part_lse[c0, i]
         return
-    mx = -np.inf
-    for c in range(c0, c1):
-        mx = merge_max(mx, part_lse[c, i])
-    mx = merge_max(mx, sink)
-    total = 0.0
-    for c in range(c0, c1):
-        total += merge_weight(part_lse[c, i], mx)
-    if sink != -np.inf:  # no value row: it weighs in the total only
-        total += merge_weight(sink, mx)
-    x, inv = merge_finish(mx, total)
     w = np.empty(c1 - c0, lse.dtype)
-    for c in range(c0, c1):
-        w[c - c0] = cast(merge_weight(part_lse[c, i], mx) * inv, lse)
+    lse[b, h, t] = part_weights(part_lse, c0, c1, i, sink, w)
+    # Element by element over the chunks (merge_attention_states goes chunk by chunk): each
+    # loop order compiles to its own sums, and each keeps its own results bit for bit.
     for d in range(ev):
         a = cast(0.0, lse)
         for c in range(c0, c1):
             if w[c - c0] != 0:  # a chunk of weight 0 is skipped, as merge_attention_states does
                 a += w[c - c0] * part_out[c, i, d]
         out[b, t, h, d] = store(a, out)
-    lse[b, h, t] = x
+
+
+#: The keys each sequence's kernel reads: the problem layer's rule
+#: (:func:`sdpa_numba.problem.kvcache.key_bounds_loop`), the host's bounds, compiled here.
+_key_bounds = njit(**INLINE)(key_bounds_loop(key_range, leftpad))
 
 
 @njit(**INLINE)
 def _plan(kv_lens, kv_begin, r, lq):
     """``(first, lo, hi)``: the keys ``[lo[b], hi[b])`` any query token of sequence ``b`` sees
-    (the window's :func:`~sdpa_numba.score.recipe.key_range` over positions ``kv_len - lq ..
-    kv_len - 1``, from ``kv_begin[b]`` on), and ``first[b]``, the first task (chunk of those
-    keys) of sequence ``b`` (``first[B]``: the number of tasks). Depends on the lengths only."""
+    (:data:`_key_bounds`), and ``first[b]``, the first task (chunk of those keys) of sequence
+    ``b`` (``first[B]``: the number of tasks). Depends on the lengths only."""
     b_len = kv_lens.shape[0]
     first = np.empty(b_len + 1, np.int64)
     lo = np.empty(b_len, np.int64)
     hi = np.empty(b_len, np.int64)
+    _key_bounds(r, kv_lens, kv_begin, lq, lo, hi)
     first[0] = 0
     for b in range(b_len):
-        n = kv_lens[b]
-        j_begin, j_end = key_range(r, n - lq, n - 1, n)
-        lo[b] = max(j_begin, leftpad(kv_begin, b))
-        hi[b] = max(j_end, lo[b])
         first[b + 1] = first[b] + n_chunks(hi[b] - lo[b])
     return first, lo, hi
 

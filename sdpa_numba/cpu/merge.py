@@ -45,28 +45,44 @@ def _two(oa, la, ob, lb, out, lse, r0, r1):
 
 
 @njit(**INLINE)
+def part_weights(lses, c0, c1, i, sink, w):
+    """The merge of row ``i`` of parts ``c0 .. c1 - 1`` by their lse (``lses (n, R)``): writes
+    each part's normalized weight, ``w[c - c0]``, in the compute dtype of ``w``, and returns
+    the merged lse; the merged row is then ``sum_c w[c - c0] * out_c`` over the parts of
+    weight != 0 (a part of weight 0 is skipped, not multiplied by 0: its row may hold
+    anything). ``sink``: one more part's logit, of output 0 (a head's sink: it weighs in the
+    total only); ``-inf``: none."""
+    m = -math.inf
+    for c in range(c0, c1):
+        m = merge_max(m, lses[c, i])
+    m = merge_max(m, sink)
+    total = 0.0
+    for c in range(c0, c1):
+        total += merge_weight(lses[c, i], m)
+    if sink != -math.inf:  # no value row: it weighs in the total only
+        total += merge_weight(sink, m)
+    x, inv = merge_finish(m, total)
+    for c in range(c0, c1):
+        w[c - c0] = cast(merge_weight(lses[c, i], m) * inv, w)
+    return x
+
+
+@njit(**INLINE)
 def _many(outs, lses, out, lse, r0, r1):
     n = outs.shape[0]
     ev = out.shape[1]
     acc = np.empty(ev, lse.dtype)
+    w = np.empty(n, lse.dtype)
     for r in range(r0, r1):
-        m = -math.inf
-        for i in range(n):
-            m = merge_max(m, lses[i, r])
-        total = 0.0
-        for i in range(n):
-            total += merge_weight(lses[i, r], m)
-        x, inv = merge_finish(m, total)
+        lse[r] = part_weights(lses, 0, n, r, -math.inf, w)
         acc[:] = 0
         for i in range(n):  # in index order: the same sums for any thread count
-            w = cast(merge_weight(lses[i, r], m) * inv, lse)
-            if w == 0:  # skipped, not multiplied by 0: its row may hold anything
+            if w[i] == 0:  # skipped, not multiplied by 0: its row may hold anything
                 continue
             for d in range(ev):
-                acc[d] += w * load(outs[i, r, d])
+                acc[d] += w[i] * load(outs[i, r, d])
         for d in range(ev):
             out[r, d] = store(acc[d], out)
-        lse[r] = x
 
 
 @njit(**KERNEL)

@@ -2,6 +2,8 @@
 by both directions (forward and backward).
 
 * :mod:`.plan`: :func:`plan` validates the operands and returns the :class:`Plan`;
+* :mod:`.kvcache`: :func:`~.kvcache.kvcache_problem`, a decode step against a key/value cache
+  validated once (:class:`~.kvcache.KVCacheProblem`), and the keys each sequence reads;
 * :mod:`.dtypes`: the storage dtypes (:func:`check_storage_dtype`) and the compute-dtype rule
   (:func:`compute_dtype`);
 * :mod:`.arguments`: checks of flags, ``dropout_p``, the seed, device strides;

@@ -148,3 +148,29 @@ def test_variants_against_the_reference_and_the_cpu(rng, variant, paged):
     finite = np.isfinite(ref_lse)
     np.testing.assert_array_equal(lse[~finite], ref_lse[~finite])
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-13)
+
+
+def test_a_plan_runs_device_layers_as_the_one_shot_call(rng):
+    from sdpa_numba import kvcache_plan
+
+    B, Lq, Hq, H, E, Ev, ps = 2, 1, 4, 2, 4, 3, 4
+    seqlens = np.array([9, 3])
+    table = np.array([[2, 0, 5], [1, 4, 3]], np.int32)
+    layers = [[dev(rng.standard_normal(s)) for s in
+               ((B, Lq, Hq, E), (6, ps, H, E), (6, ps, H, Ev), (B, 1, H, E), (B, 1, H, Ev))]
+              for _ in range(2)]
+    copies = [[dev(x.copy_to_host()) for x in layer] for layer in layers]
+    q, kc, vc, k, v = layers[0]
+    plan = kvcache_plan(q, kc, vc, dev(seqlens), k=k, v=v, block_table=dev(table))
+    for layer, copy in zip(layers, copies):
+        q, kc, vc, k, v = layer
+        res, lse = plan.run(q, kc, vc, k=k, v=v, return_lse=True)
+        cq, ckc, cvc, ck, cv = copy
+        want, want_lse = kvattn(cq, ckc, cvc, seqlens, k=ck, v=cv, block_table=table,
+                                return_lse=True)
+        np.testing.assert_array_equal(res.copy_to_host(), want.copy_to_host())
+        np.testing.assert_array_equal(lse.copy_to_host(), want_lse.copy_to_host())
+        np.testing.assert_array_equal(kc.copy_to_host(), ckc.copy_to_host())
+    read = kvcache_plan(q, kc, vc, seqlens, block_table=table)
+    with pytest.raises(TypeError, match="made for cuda arrays, got host arrays"):
+        read.run(q.copy_to_host(), kc.copy_to_host(), vc.copy_to_host())

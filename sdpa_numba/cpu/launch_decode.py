@@ -1,0 +1,106 @@
+"""From a validated :class:`~sdpa_numba.problem.kvcache.KVCacheProblem` and NumPy arrays to
+the jitted decode (:mod:`.decode`): the append into the cache and the launch.
+
+:func:`prepare` does, once per problem, what depends on it alone: the compiled entry point
+(serial or parallel, by the bytes read; one specialization per storage dtype and recipe type,
+all layouts 'A'), the storage views' dtype, and the arguments every layer passes alike. The
+launch returned then only views the arrays, appends, allocates the result and calls the entry.
+"""
+
+import numpy as np
+
+from .._runtime import check_jit, compile_entry, kernel_launch
+from .launch import arr, kernel_types, recipe_type
+from .storage import is_bfloat16
+
+#: Bytes of keys and values read below which a call runs on the calling thread, without a
+#: parallel launch. Serial and parallel runs give bitwise the same result, so the threshold
+#: never changes a result; it depends on the shapes and lengths only. Measured (2 threads,
+#: median after 50 ms idle, B1 H8 D128 float32, a loaded machine): a parallel launch costs
+#: ~0.16 ms more than a serial call (0.26 against 0.10 ms at 0.5 MiB), and serial calls
+#: stream ~16 GB/s, so two threads would pay off from about 2 x 0.16 ms x 16 GB/s ~ 4 MiB;
+#: but at 2 MiB serial took 0.27 ms, parallel 0.41, at 8 MiB 0.62 and 0.78 with the second
+#: core busy, and at B1 Hq12 H4 S2080 D64 (4.1 MiB, a transformers decode step; AMD EPYC,
+#: back-to-back calls) the serial kernel 0.33 ms, the parallel 0.40 (min of 40). Hence 8 MiB.
+SERIAL_BYTES = 8 << 20
+
+_entries: dict = {}
+
+
+def entry(parallel, dtype, recipe_t):
+    """The compiled decode for a storage dtype and recipe type (plain, windowed and soft-capped
+    calls share the plain recipe's type: their numbers are run-time values)."""
+    from numba import types
+
+    from .decode import decode, decode_serial
+
+    # Looked up by the type's identity first: hashing a recipe's Numba type walks all its
+    # fields (~10 us a call); Numba interns types, so the same recipe gives the same object.
+    fast = _entries.get((parallel, dtype, id(recipe_t)))
+    if fast is not None and fast[0] is recipe_t:
+        return fast[1]
+    key = (parallel, dtype, recipe_t)
+    if key not in _entries:
+        st, ct, _ = kernel_types(dtype, "none")
+        sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True),
+               arr(types.int32, 2, True), arr(types.int64, 1, True), types.boolean,
+               types.float64, arr(st, 4, False), arr(ct, 3, False), recipe_t,
+               arr(types.int64, 1, True))
+        _entries[key] = compile_entry(decode if parallel else decode_serial, sig)
+    _entries[parallel, dtype, id(recipe_t)] = (recipe_t, _entries[key])
+    return _entries[key]
+
+
+def _storage_dtype(dtype):
+    """The dtype the kernels read ``dtype`` as (float16 as uint16, bfloat16 as int16); None
+    where it is read as is."""
+    if dtype == np.float16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int16) if is_bfloat16(dtype) else None
+
+
+def append(p, k, v, k_cache, v_cache):
+    """Write the new keys and values into the cache slots of problem ``p`` (checked)."""
+    if p.pages is None:
+        return
+    n, (_, _, h, e), ev = len(p.pages), p.k_shape, p.v_shape[3]
+    k_cache[p.pages, p.slots] = k.reshape(n, h, e)
+    v_cache[p.pages, p.slots] = v.reshape(n, h, ev)
+
+
+def prepare(p):
+    """The launch of problem ``p``: ``launch(q, k_cache, v_cache, k, v, out) -> (out, lse)``
+    on NumPy arrays checked against ``p`` (``k``, ``v`` None: no append; ``out`` None: a new
+    array). Compiles the entry point now if it is not yet."""
+    empty = not (int(np.prod(p.out_shape)) or int(np.prod(p.lse_shape)))
+    parallel = p.read_bytes >= SERIAL_BYTES
+    # The parallel kernel whatever the thread count: which kernel runs depends on the shape
+    # only, so a result cannot change with the thread count (the serial and the parallel
+    # kernel may round the last bit differently when loaded from the cache).
+    fn = None if empty else entry(parallel, p.dtype, recipe_type(p.recipe))
+    sd = _storage_dtype(p.dtype)
+    out_shape, lse_shape, dtype, ct = p.out_shape, p.lse_shape, p.dtype, p.compute_dtype
+    table, kv_lens, is_causal, scale, r, lo = (p.table, p.kv_lens, p.is_causal, p.scale,
+                                               p.recipe, p.lo)
+
+    def launch(q, k_cache, v_cache, k, v, out):
+        if k is not None:
+            append(p, k, v, k_cache, v_cache)
+        result = np.empty(out_shape, dtype) if out is None else out
+        lse = np.empty(lse_shape, ct)
+        if fn is None:
+            return result, lse
+        if sd is None:
+            args = (q, k_cache, v_cache, table, kv_lens, is_causal, scale, result, lse, r, lo)
+        else:
+            args = (q.view(sd), k_cache.view(sd), v_cache.view(sd), table, kv_lens, is_causal,
+                    scale, result.view(sd), lse, r, lo)
+        if parallel:
+            with kernel_launch():
+                fn(*args)
+        else:  # on the calling thread: no thread pool to start or guard
+            check_jit()
+            fn(*args)
+        return result, lse
+
+    return launch

@@ -1,0 +1,333 @@
+"""The validated key/value-cache problem of one decode step: :func:`kvcache_problem` checks
+the operands of :func:`sdpa_numba.attention_with_kvcache` and returns a
+:class:`KVCacheProblem`, which the decode launchers of both targets read
+(:mod:`sdpa_numba.cpu.launch_decode`, :mod:`sdpa_numba.gpu.launch_decode`).
+
+Everything that depends only on the shapes, the dtype, the layout (contiguous or paged), the
+cache lengths, the left padding, the variants and the scale is checked and worked out here,
+once: the recipe, the block table, the keys each sequence reads (:func:`key_bounds`) and the
+slots an append writes. A step's layers share all of that (each has its own q, caches, new
+keys and values, out: the same shapes, dtypes and lengths), so a problem serves every layer
+of a step; :func:`check_arrays` is the cheap test that a layer's arrays are the ones it was
+made for.
+
+Works on shapes, strides and dtypes alone (host or device arrays); the integer arguments
+(``cache_seqlens``, ``cache_leftpad``, ``block_table``) come as NumPy arrays.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..score.recipe import key_range
+from .arguments import check_flag, check_scale, shape_str
+from .dtypes import check_storage_dtype, compute_dtype
+from .variants import check_alignment, variants_recipe
+
+
+def key_bounds_loop(key_range, first_key):
+    """The one rule of the keys a sequence's kernel reads, as a function ``bounds(r, kv_lens,
+    kv_begin, lq, lo, hi)`` that writes ``lo[b]``, ``hi[b]``: the keys ``[lo[b], hi[b])``
+    that some query token of sequence ``b`` sees under recipe ``r`` (causality folded in;
+    tokens at positions ``kv_lens[b] - lq .. kv_lens[b] - 1``), from ``first_key(kv_begin,
+    b)`` on (the left padding).
+
+    Built with the score seam's ``key_range`` and a ``first_key``: on the host with their
+    Python forms (:func:`key_bounds`), in the CPU kernel compiled with the jitted ones
+    (:func:`sdpa_numba.cpu.decode._plan`), so that the host's bounds (the CUDA launch's
+    chunks, the CPU launch's choice of kernel) and the CPU kernel's are the same rule.
+    """
+
+    def bounds(r, kv_lens, kv_begin, lq, lo, hi):
+        for b in range(len(kv_lens)):
+            n = kv_lens[b]
+            j_begin, j_end = key_range(r, n - lq, n - 1, n)
+            lo[b] = max(j_begin, first_key(kv_begin, b))
+            hi[b] = max(j_end, lo[b])
+
+    return bounds
+
+
+def _first_key(kv_begin, b):
+    return 0 if kv_begin is None else kv_begin[b]
+
+
+_host_bounds = key_bounds_loop(key_range.py_func, _first_key)
+
+
+def key_bounds(r, is_causal, kv_lens, leftpad, lq):
+    """``(lo, hi)``, int64 arrays (B,): the keys ``[lo[b], hi[b])`` that some query token of
+    sequence ``b`` sees under recipe ``r`` (tokens at positions ``kv_lens[b] - lq ..
+    kv_lens[b] - 1``) from ``leftpad[b]`` on: the keys a kernel reads
+    (:func:`key_bounds_loop`'s rule, on the host)."""
+    if is_causal:
+        r = r._replace(right=min(r.right, 0))
+    kv_lens = np.asarray(kv_lens, np.int64)
+    lo = np.empty(len(kv_lens), np.int64)
+    hi = np.empty(len(kv_lens), np.int64)
+    _host_bounds(r, kv_lens.tolist(), None if leftpad is None else leftpad.tolist(), lq,
+                 lo, hi)
+    return lo, hi
+
+
+@dataclass(frozen=True, eq=False)
+class KVCacheProblem:
+    """One decode step's problem after validation (see the module).
+
+    Shapes: ``q_shape (B, Lq, Hq, E)``; ``k_cache_shape`` / ``v_cache_shape`` ``(num_pages,
+    page_size, H, E / Ev)`` (a contiguous cache ``(B, S_max, H, ..)`` is ``B`` pages of
+    ``S_max`` slots); ``k_shape`` / ``v_shape`` ``(B, Lq_new, H, E / Ev)`` of an append, or
+    None. ``table``: int32 ``(B, max_pages)``, the block table (contiguous: ``[[0], [1],
+    ..]``). ``seqlens``: the keys in the cache before the append; ``kv_lens``: after it
+    (int64). ``lo``, ``hi``: :func:`key_bounds`. ``pages``, ``slots``: where row ``n`` of the
+    appended keys (``k`` as ``(B * Lq_new, H, E)``) goes, or None.
+    """
+
+    q_shape: tuple
+    k_cache_shape: tuple
+    v_cache_shape: tuple
+    k_shape: tuple | None
+    v_shape: tuple | None
+    dtype: np.dtype
+    compute_dtype: np.dtype
+    paged: bool
+    table: np.ndarray
+    seqlens: np.ndarray
+    kv_lens: np.ndarray
+    leftpad: np.ndarray | None
+    lo: np.ndarray
+    hi: np.ndarray
+    pages: np.ndarray | None
+    slots: np.ndarray | None
+    is_causal: bool
+    scale: float
+    recipe: object
+    out_shape: tuple
+    lse_shape: tuple
+
+    @property
+    def appending(self):
+        """Whether the step appends new keys and values (``k`` and ``v`` given)."""
+        return self.k_shape is not None
+
+    @property
+    def read_bytes(self):
+        """Bytes of keys and values the kernels read."""
+        h, e = self.k_cache_shape[2:]
+        return int((self.hi - self.lo).sum()) * h * (e + self.v_cache_shape[3]) \
+            * self.dtype.itemsize
+
+
+def _check_ndim(name, x, nd, dims):
+    if x.ndim != nd:
+        raise ValueError(f"{name} must have {nd} dims {dims}, got shape {shape_str(x)}")
+
+
+def _check_int(name, x):
+    if np.dtype(x.dtype).kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {np.dtype(x.dtype)}")
+
+
+def _check_cache_strides(name, c):
+    """The kernels read a cache's last dim at unit stride."""
+    itemsize = c.dtype.itemsize
+    if c.shape[3] > 1 and c.strides[3] != itemsize and c.size:  # (empty: any strides)
+        raise ValueError(f"{name}'s last dim must be contiguous (stride {itemsize} bytes), "
+                         f"got strides {tuple(c.strides)}")
+
+
+def check_writeable(named):
+    """Arrays that will be written (the caches of an append) must be writeable: ValueError
+    naming the first that is not (NumPy's flag; device arrays have none)."""
+    for name, x in named:
+        if isinstance(x, np.ndarray) and not x.flags.writeable:
+            raise ValueError(f"{name} must be writeable: the append writes the new keys and "
+                             f"values into k_cache and v_cache")
+
+
+def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                    is_causal, scale, *, window=None, alignment="bottom_right", softcap=None,
+                    alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
+                    mod_args=()):
+    """Validate one decode step's operands and return its :class:`KVCacheProblem`.
+
+    ``q``, the caches, ``k`` and ``v`` (None: no append): the target's arrays (anything with
+    ``shape``, ``strides``, ``ndim`` and a NumPy ``dtype``); ``cache_seqlens`` (B,),
+    ``block_table`` and ``cache_leftpad`` (None or arrays): NumPy arrays. Raises TypeError /
+    ValueError naming the argument, as documented by
+    :func:`sdpa_numba.attention_with_kvcache`.
+    """
+    if isinstance(alignment, str) and alignment == "top_left":
+        raise ValueError("attention_with_kvcache's alignment is 'bottom_right' (query token t "
+                         "sits at position cache_seqlens[b] + Lq_new - Lq + t): 'top_left' "
+                         "has no meaning for a cache")
+    check_alignment(alignment)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values), or neither")
+    is_causal = check_flag("is_causal", is_causal)
+    appending = k is not None
+
+    _check_ndim("q", q, 4, "(B, Lq, Hq, E)")
+    dtype = check_storage_dtype("q", q)
+    paged = block_table is not None
+    dims = "(num_pages, page_size, H, E)" if paged else "(B, S_max, H, E)"
+    _check_ndim("k_cache", k_cache, 4, dims)
+    _check_ndim("v_cache", v_cache, 4, dims.replace("E)", "Ev)"))
+    check_storage_dtype("k_cache", k_cache, ("q's", dtype))
+    check_storage_dtype("v_cache", v_cache, ("q's", dtype))
+    B, Lq, Hq, E = q.shape
+    n_pages, page_size, H, Ek = k_cache.shape
+    Ev = v_cache.shape[3]
+    if Ek != E:
+        raise ValueError(f"k_cache's last dim must equal q's: q {shape_str(q)}, k_cache "
+                         f"{shape_str(k_cache)}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache's first three dims must equal k_cache's: k_cache "
+                         f"{shape_str(k_cache)}, v_cache {shape_str(v_cache)}")
+    if H == 0 or Hq % H:
+        raise ValueError(f"q's heads ({Hq}) must be a multiple of the cache's heads ({H}): q "
+                         f"{shape_str(q)}, k_cache {shape_str(k_cache)}")
+    _check_cache_strides("k_cache", k_cache)
+    _check_cache_strides("v_cache", v_cache)
+    if not paged and n_pages != B:
+        raise ValueError(f"a contiguous k_cache must have q's batch size {B} as its first dim, "
+                         f"got {shape_str(k_cache)} (pass block_table for a paged cache)")
+
+    _check_int("cache_seqlens", cache_seqlens)
+    if cache_seqlens.shape != (B,):
+        raise ValueError(f"cache_seqlens must have shape ({B},) (q's batch), got "
+                         f"{shape_str(cache_seqlens)}")
+    seqlens = cache_seqlens.astype(np.int64)
+    if B and seqlens.min() < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+
+    lq_new = 0
+    if appending:
+        _check_ndim("k", k, 4, "(B, Lq_new, H, E)")
+        _check_ndim("v", v, 4, "(B, Lq_new, H, Ev)")
+        check_storage_dtype("k", k, ("q's", dtype))
+        check_storage_dtype("v", v, ("q's", dtype))
+        lq_new = k.shape[1]
+        if k.shape != (B, lq_new, H, E) or v.shape != (B, lq_new, H, Ev):
+            raise ValueError(f"k and v must have shapes (B, Lq_new, H, E) = "
+                             f"({B}, {lq_new}, {H}, {E}) and (B, Lq_new, H, Ev) = "
+                             f"({B}, {lq_new}, {H}, {Ev}), got {shape_str(k)} and "
+                             f"{shape_str(v)}")
+    kv_lens = seqlens + lq_new
+    leftpad = None
+    if cache_leftpad is not None:
+        _check_int("cache_leftpad", cache_leftpad)
+        if cache_leftpad.shape != (B,):
+            raise ValueError(f"cache_leftpad must have shape ({B},) (q's batch), got "
+                             f"{shape_str(cache_leftpad)}")
+        leftpad = cache_leftpad.astype(np.int64)
+        bad = (leftpad < 0) | (leftpad > kv_lens)
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, "
+                             f"cache_seqlens[{b}] + Lq_new] = [0, {kv_lens[b]}]")
+
+    if paged:
+        _check_ndim("block_table", block_table, 2, "(B, max_pages)")
+        _check_int("block_table", block_table)
+        if block_table.shape[0] != B:
+            raise ValueError(f"block_table must have q's batch size {B} as its first dim, "
+                             f"got {shape_str(block_table)}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        capacity = page_size  # S_max
+    if B and kv_lens.max() > capacity:
+        b = int(np.argmax(kv_lens))
+        what = (f"cache_seqlens[{b}] + Lq_new = {seqlens[b]} + {lq_new}" if appending
+                else f"cache_seqlens[{b}] = {seqlens[b]}")
+        raise ValueError(f"{what} is beyond the cache's {capacity} slots per sequence"
+                         + (" (max_pages * page_size)" if paged else " (S_max)"))
+    if paged:
+        n_used = -(-kv_lens // page_size) if page_size else np.zeros_like(kv_lens)
+        used = np.arange(block_table.shape[1])[None, :] < n_used[:, None]
+        entries = block_table[used]
+        if entries.size and (entries.min() < 0 or entries.max() >= n_pages):
+            bad = entries[(entries < 0) | (entries >= n_pages)][0]
+            raise ValueError(f"block_table has entry {bad} among the pages in use, outside "
+                             f"[0, {n_pages}) (num_pages of the cache)")
+        if appending and lq_new:
+            # A page written to must be used by its sequence alone, once: the append must not
+            # change what another sequence (or another slot of the same one) reads.
+            first_written = seqlens // page_size
+            written = used & (np.arange(block_table.shape[1])[None, :] >= first_written[:, None])
+            counts = np.bincount(entries.astype(np.int64), minlength=n_pages)
+            shared = counts[block_table[written].astype(np.int64)] > 1
+            if shared.any():
+                raise ValueError(f"the append would write into page "
+                                 f"{block_table[written][shared][0]}, which block_table lists "
+                                 f"more than once among the pages in use (shared pages are "
+                                 f"read-only)")
+        # A copy of the caller's table: a problem stays valid whatever they do with theirs.
+        table = np.array(block_table, dtype=np.int32, order="C")
+    else:
+        table = np.arange(B, dtype=np.int32).reshape(B, 1)
+
+    scale = check_scale(scale, E)
+    # Positions go to the kernels in the cache's frame (offset 0): top-left is that frame.
+    r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal, window=window,
+                        alignment="top_left", softcap=softcap, alibi_slopes=alibi_slopes,
+                        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                        mod_args=mod_args)
+
+    pages = slots = None
+    if appending and lq_new and B:
+        bidx = np.repeat(np.arange(B), lq_new)
+        pos = (seqlens[:, None] + np.arange(lq_new)[None, :]).ravel()
+        if paged:
+            pages, slots = table[bidx, pos // page_size], pos % page_size
+        else:
+            pages, slots = bidx, pos
+    lo, hi = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
+    return KVCacheProblem(
+        q_shape=tuple(q.shape), k_cache_shape=tuple(k_cache.shape),
+        v_cache_shape=tuple(v_cache.shape),
+        k_shape=tuple(k.shape) if appending else None,
+        v_shape=tuple(v.shape) if appending else None, dtype=dtype,
+        compute_dtype=compute_dtype(dtype), paged=paged, table=table, seqlens=seqlens,
+        kv_lens=kv_lens, leftpad=leftpad, lo=lo, hi=hi, pages=pages, slots=slots,
+        is_causal=is_causal, scale=scale, recipe=r, out_shape=(B, Lq, Hq, Ev),
+        lse_shape=(B, Hq, Lq))
+
+
+def _mismatch(name, x, expect, dtype):
+    return ValueError(f"{name} of shape {shape_str(x)} and dtype {np.dtype(x.dtype)} is not "
+                      f"what the plan was made for: shape {expect} and dtype {dtype} (a plan "
+                      f"serves arrays of one shape and dtype; make one for these)")
+
+
+def check_arrays(p, q, k_cache, v_cache, k, v):
+    """The cheap test, before a run of problem ``p``, that these arrays are ones it was made
+    for: the shapes and dtype it was checked with, the caches' last dim contiguous, ``k`` and
+    ``v`` given exactly when it appends, and then the caches writeable. Shapes fix everything
+    else the problem checked (a cache's slots, its pages, the append's slots stay in it).
+    TypeError / ValueError naming the argument."""
+    dtype = p.dtype
+    if not (q.shape == p.q_shape and k_cache.shape == p.k_cache_shape
+            and v_cache.shape == p.v_cache_shape and q.dtype == dtype
+            and k_cache.dtype == dtype and v_cache.dtype == dtype):
+        for name, x, expect in (("q", q, p.q_shape), ("k_cache", k_cache, p.k_cache_shape),
+                                ("v_cache", v_cache, p.v_cache_shape)):
+            if x.shape != expect or x.dtype != dtype:
+                raise _mismatch(name, x, expect, dtype)
+    appending = p.k_shape is not None
+    if (k is None) == appending or (v is None) == appending:
+        raise ValueError("k and v must be given exactly when the plan was made with them (an "
+                         "append of new keys and values), got "
+                         + ("neither" if k is None and v is None else "one of them"
+                            if k is None or v is None else "both")
+                         + f" for a plan {'with' if appending else 'without'} them")
+    if appending:
+        for name, x, expect in (("k", k, p.k_shape), ("v", v, p.v_shape)):
+            if x.shape != expect or x.dtype != dtype:
+                raise _mismatch(name, x, expect, dtype)
+    itemsize = dtype.itemsize
+    if k_cache.strides[3] != itemsize or v_cache.strides[3] != itemsize:
+        _check_cache_strides("k_cache", k_cache)
+        _check_cache_strides("v_cache", v_cache)
+    if appending:
+        check_writeable((("k_cache", k_cache), ("v_cache", v_cache)))
