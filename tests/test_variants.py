@@ -558,8 +558,9 @@ def test_block_mask_built_per_call_states():
     """A call with a mask_mod and no block mask builds one: under the call's window (a block
     the window leaves nothing of is empty), per batch entry since doc_prefix reads ``b``, once
     for all heads since it does not read ``h``; small problems get every block partial."""
-    from sdpa_numba import block_mask as bmod
-    from sdpa_numba.problem.variants import variants_recipe, with_block_mask
+    from sdpa_numba.problem import block_mask as bmod
+    from sdpa_numba.problem.variants import variants_recipe
+    from sdpa_numba.problem.block_mask import with_block_mask
 
     assert (bmod._reads(doc_prefix.py_func, 0), bmod._reads(doc_prefix.py_func, 1)) == (True,
                                                                                       False)
@@ -591,7 +592,7 @@ def test_block_mask_built_per_call_states():
 def test_block_mask_built_per_call_gives_the_same_bits(rng, monkeypatch, causal):
     """Built per call or not (every block partial), forward and backward give the same bits:
     an empty block adds exactly nothing, a full one needs no per-element test."""
-    from sdpa_numba import block_mask as bmod
+    from sdpa_numba.problem import block_mask as bmod
 
     L, S = 200, 330
     doc_q, doc_k = _doc_ids(rng, 2, L, 3), _doc_ids(rng, 2, S, 3)

@@ -14,7 +14,8 @@ import numpy as np
 from .arguments import check_flag, check_scale, shape_str
 from .._bf16 import is_bfloat16
 from .dtypes import FLOATS, compute_dtype
-from .variants import variants_recipe, with_block_mask
+from .block_mask import with_block_mask
+from .variants import variants_recipe
 from ..score.recipe import DENSE, Recipe
 
 
