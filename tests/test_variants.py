@@ -6,6 +6,7 @@ mask, a sink as an extra key with a zero value row, its backward by finite diffe
 that the kernels' tests below rest on something checked.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -290,6 +291,11 @@ def test_block_mask_must_fit_the_call():
     bm = sdpa_numba.create_block_mask(causal_mask, 2, 3, 5, 7)
     with pytest.raises(ValueError, match="another mask_mod"):
         sdpa(q, k, v, block_mask=bm, mask_mod=prefix_lm, mod_args=(2,))
+    # A block mask at other block sizes than the kernels read (one block of 8 x 8 here).
+    other = dataclasses.replace(bm, states=bm.states[:, :, :1, :1], q_block=8, k_block=8)
+    with pytest.raises(ValueError, match=r"block_mask has blocks of 8 x 8; the kernels read "
+                                         r"blocks of 64 x 64"):
+        sdpa(q, k, v, block_mask=other)
 
 
 def test_create_block_mask_errors_and_states():
