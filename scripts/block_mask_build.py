@@ -7,7 +7,7 @@ equal documents, float32, at each ``--L`` (L = S):
 
 * ``per element``: no block mask (every block partial: the mask_mod at every score);
 * ``built per call``: the call builds its block mask (the default above
-  ``block_mask.BUILD_MIN_SCORES``);
+  ``sdpa_numba.problem.block_mask.BUILD_MIN_SCORES``);
 * ``passed in``: a block mask from ``create_block_mask``, made once;
 * ``dense``: no mask at all, and ``ideal``: dense time x the visited fraction of the blocks;
 
@@ -40,7 +40,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import sdpa_numba
-    from sdpa_numba import block_mask as bmod
+    from sdpa_numba.problem import block_mask as bmod
     from sdpa_numba.score.recipe import NO_LIMIT
 
     rng = np.random.default_rng(0)

@@ -181,7 +181,7 @@ MUTANTS = [
       "if test and not keeps(rc, b, h, i, j0 + j):",
       "if test and not keeps(rc, b, h, i - 1, j0 + j):",
       CUDA_FWD, "CUDA forward: the per-element window/causal test one row off"),
-    M("cuda_keys_seen_short", CF,
+    M("cuda_keys_seen_short", "sdpa_numba/gpu/work.py",
       "j_begin, j_end = key_range(rc, i0, i_last, S)",
       "j_begin, j_end = key_range(rc, i0, i_last - 1, S)",
       CUDA_FWD, "CUDA forward: causal key blocks stop one key early"),

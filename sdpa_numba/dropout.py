@@ -21,18 +21,17 @@ so a probability is kept with probability ``1 - threshold / 2**32`` (``1 - p`` t
 2**-32). As in torch, kept probabilities are scaled by ``1 / (1 - p)`` and the log-sum-exp is
 that of the softmax before dropout.
 
-This module holds the Python side (seeds, thresholds, a NumPy implementation of the mask for
-references and tests); the jitted version, for both targets, is
-:mod:`sdpa_numba.score.dropout`; the seed check lives with the other argument checks
-(:func:`sdpa_numba.problem.check_seed`, re-exported here).
+This module holds the Python side (seeds and their check, thresholds, a NumPy implementation
+of the mask for references and tests; the problem layer re-exports :func:`check_seed` with the
+other argument checks, as :func:`sdpa_numba.problem.check_seed`); the jitted version, for both
+targets, is :mod:`sdpa_numba.score.dropout`.
 """
 
+import numbers
 import secrets
 
 import numpy as np
 import numpy.typing as npt
-
-from .problem.arguments import check_seed
 
 __all__ = ["GAMMA", "MIX1", "MIX2", "new_seed", "check_seed", "threshold", "params",
            "NO_DROPOUT", "keep_mask"]
@@ -41,10 +40,24 @@ GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 
+_U64 = 1 << 64
+
 
 def new_seed() -> int:
     """A fresh 64-bit seed from the operating system's entropy (:mod:`secrets`)."""
     return secrets.randbits(64)
+
+
+def check_seed(seed: object) -> int | None:
+    """``seed`` as a Python int in ``[0, 2**64)``, or None; TypeError / ValueError otherwise."""
+    if seed is None:
+        return None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    seed = int(seed)
+    if not 0 <= seed < _U64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return seed
 
 
 def threshold(p: float) -> int:

@@ -6,6 +6,7 @@ mask, a sink as an extra key with a zero value row, its backward by finite diffe
 that the kernels' tests below rest on something checked.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -290,6 +291,11 @@ def test_block_mask_must_fit_the_call():
     bm = sdpa_numba.create_block_mask(causal_mask, 2, 3, 5, 7)
     with pytest.raises(ValueError, match="another mask_mod"):
         sdpa(q, k, v, block_mask=bm, mask_mod=prefix_lm, mod_args=(2,))
+    # A block mask at other block sizes than the kernels read (one block of 8 x 8 here).
+    other = dataclasses.replace(bm, states=bm.states[:, :, :1, :1], q_block=8, k_block=8)
+    with pytest.raises(ValueError, match=r"block_mask has blocks of 8 x 8; the kernels read "
+                                         r"blocks of 64 x 64"):
+        sdpa(q, k, v, block_mask=other)
 
 
 def test_create_block_mask_errors_and_states():
@@ -558,8 +564,9 @@ def test_block_mask_built_per_call_states():
     """A call with a mask_mod and no block mask builds one: under the call's window (a block
     the window leaves nothing of is empty), per batch entry since doc_prefix reads ``b``, once
     for all heads since it does not read ``h``; small problems get every block partial."""
-    from sdpa_numba import block_mask as bmod
-    from sdpa_numba.problem.variants import variants_recipe, with_block_mask
+    from sdpa_numba.problem import block_mask as bmod
+    from sdpa_numba.problem.variants import variants_recipe
+    from sdpa_numba.problem.block_mask import with_block_mask
 
     assert (bmod._reads(doc_prefix.py_func, 0), bmod._reads(doc_prefix.py_func, 1)) == (True,
                                                                                       False)
@@ -591,7 +598,7 @@ def test_block_mask_built_per_call_states():
 def test_block_mask_built_per_call_gives_the_same_bits(rng, monkeypatch, causal):
     """Built per call or not (every block partial), forward and backward give the same bits:
     an empty block adds exactly nothing, a full one needs no per-element test."""
-    from sdpa_numba import block_mask as bmod
+    from sdpa_numba.problem import block_mask as bmod
 
     L, S = 200, 330
     doc_q, doc_k = _doc_ids(rng, 2, L, 3), _doc_ids(rng, 2, S, 3)

@@ -57,7 +57,7 @@ from .microkernel import MR, NR, tile_product
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
-from ..block_mask import K_BLOCK, Q_BLOCK
+from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL,
                             covered_block_state, has_element_mask, kernel_recipe, key_range,
@@ -126,7 +126,7 @@ def pair_state(r, b, h, i0, nv, j0, nk):
     """BLOCK_EMPTY, BLOCK_PARTIAL or BLOCK_FULL: what the recipe's mask_mod does to query rows
     ``[i0, i0 + nv)`` against keys ``[j0, j0 + nk)`` (window and ``attn_mask`` aside).
 
-    The block mask is at :mod:`sdpa_numba.block_mask`'s granularity (``Q_BLOCK`` query
+    The block mask is at :mod:`sdpa_numba.score.blocks`'s granularity (``Q_BLOCK`` query
     rows, ``K_BLOCK`` keys); the states of the blocks the pair covers combine (all empty: empty; all full:
     full). Without a block mask: PARTIAL with a mask_mod (test every element), else FULL.
     """

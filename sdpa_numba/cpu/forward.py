@@ -36,6 +36,7 @@ from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import LINE, aligned_empty, aligned_full
+from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, _absent, alibi_bias,
                             block_state, fold_sink, has_element_mask, kernel_recipe, key_range,
@@ -45,10 +46,13 @@ from .storage import is_compute_dtype, load, store
 from .tanh import scaled_tanh
 from .tasks import next_task, task_queue
 
-#: Keys per key/value block.
-BN = 64
+#: Keys per key/value block: the block masks' (block states are read per BM x BN tile).
+BN = K_BLOCK
 #: Query rows per score tile: the micro-kernel's width, queries along the vector lanes.
 BM = NR
+if BM != Q_BLOCK:  # a tile would read the state of a block mask's block it does not match
+    raise ImportError(f"the CPU forward's query tile (BM = NR = {BM}) must be the block "
+                      f"masks' query block (sdpa_numba.score.blocks.Q_BLOCK = {Q_BLOCK})")
 
 #: V rows this many bytes apart (or a multiple) share few L1 sets: read down their columns, 64
 #: rows per tile, they evicted each other (P·V at D = 128 float32: 164 GFLOP/s with rows 512

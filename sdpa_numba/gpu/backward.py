@@ -42,8 +42,7 @@ import numba
 import numpy as np
 from numba import cuda, types
 
-from ..score.recipe import BLOCK_EMPTY, BLOCK_PARTIAL, DENSE, keeps, key_range, \
-    modified_score, query_range, score_slope, window_covers
+from ..score.recipe import BLOCK_EMPTY, DENSE, keeps, modified_score, query_range, score_slope
 from .arrays import device_array
 from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .forward import DROPOUT_ARGS, WORK, arr, jit_options, launch_blocks, mask_kind_of, \
@@ -51,9 +50,9 @@ from .forward import DROPOUT_ARGS, WORK, arr, jit_options, launch_blocks, mask_k
 from .options import FASTMATH
 from .storage import load, storage_view
 from .tiles import clear, load_tile, tile_product, tile_thread, u
-from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, \
-    store_grad, tile_state, unpack
-from .work import key_work, no_work, query_work, work_list
+from .variants import NO_MASK, arg_type, compile_key, kernel_args, masked, modifies, \
+    recipe_of, store_grad, tile_visit
+from .work import key_blocks, key_work, no_work, query_work, work_list
 
 _kernels = {}
 
@@ -105,7 +104,7 @@ def _tiling(blocks):
 
 
 def dq_signature(dtype, mask_kind, parts=compile_key(DENSE), mask_grad=False):
-    """``(q, k, v, mask, scale, dout, out, lse, work, *dropout, D, dq, dmask_t, *recipe)``:
+    """``(q, k, v, mask, scale, dout, out, lse, work, *dropout, D, dq, dmask_t, recipe)``:
     every array 'A', one compilation per dtype, mask kind, recipe parts
     (:func:`.variants.compile_key`) and ``mask_grad`` (``dmask_t`` is ``(dmask,)``, else
     ``()``), for dense and packed launches (``work``: :mod:`.work`)."""
@@ -113,15 +112,15 @@ def dq_signature(dtype, mask_kind, parts=compile_key(DENSE), mask_grad=False):
     dmask_t = types.UniTuple(arr(ct, 4), 1) if mask_grad else types.Tuple(())
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
                       arr(st, 4), arr(st, 4), arr(ct, 3), WORK, *DROPOUT_ARGS, arr(ct, 3),
-                      arr(ct, 4), dmask_t, *arg_types(parts, ct)), ct
+                      arr(ct, 4), dmask_t, arg_type(parts, ct)), ct
 
 
 def dkv_signature(dtype, mask_kind, parts=compile_key(DENSE)):
-    """``(q, k, v, mask, scale, dout, lse, work, *dropout, D, dk, dv, *recipe)``."""
+    """``(q, k, v, mask, scale, dout, lse, work, *dropout, D, dk, dv, recipe)``."""
     st, ct, mask = operand_types(dtype, mask_kind)
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
                       arr(st, 4), arr(ct, 3), WORK, *DROPOUT_ARGS, arr(ct, 3), arr(ct, 4),
-                      arr(ct, 4), *arg_types(parts, ct)), ct
+                      arr(ct, 4), arg_type(parts, ct)), ct
 
 
 def _pair_grads(blocks, mask_kind, ct):
@@ -205,14 +204,12 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
     def dq_kernel(q, k, v, mask, scale, dout, out, lse, work, seed, threshold, inv_keep, b_off,
-                  D, dq, dmask_t, offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t,
-                  bq, bk, mod_args):
+                  D, dq, dmask_t, ra):
         E = q.shape[3]
         Ev = v.shape[3]
         # Operand rows q0 + i, keys k0 + j; the score seam sees i, j, batch index bs.
-        b, bs, h, kh, i0, q0, L, k0, S, offset = query_work(q, k, BM, work, offset)
-        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
-                    MASK_MOD, SCORE_MOD_GRAD, mod_args)
+        b, bs, h, kh, i0, q0, L, k0, S, offset = query_work(q, k, BM, work, ra.offset)
+        rc = recipe_of(ra, offset, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
         nv = min(BM, L - i0)
         tid, g, tc = tile_thread(TC)
         r0 = g * RM  # this thread's rows of the tiles; tc: its first key and column of dQ
@@ -252,12 +249,11 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
             row_keys(rk, RM, seed, b_off + bs, h, i0 + r0)
 
         # The forward's key blocks: those some row sees, less empty block-mask blocks.
-        i_last = min(i0 + BM, L) - 1
-        j_begin, j_end = key_range(rc, i0, i_last, S)  # (0, 0) when none: no block
-        j_first = j_begin - j_begin % BN
+        i_last, j_first, j_end = key_blocks(rc, i0, BM, L, S, BN)
         for j0 in range(j_first, j_end, BN):
             nj = min(BN, j_end - j0)
-            state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
+            state, test = tile_visit(rc, HAS_BM, ELEMENT_MASK, ra.bq, ra.bk, bs, h, i0, i_last,
+                                     j0, j0 + nj - 1)
             if state == BLOCK_EMPTY:  # uniform across the thread block
                 if MASK_GRAD:  # never visited: dS is 0
                     for a in range(RM):
@@ -266,8 +262,6 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
                                 store_grad(dmask_t, b, h, q0 + i0 + r0 + a, k0 + j0 + j,
                                            zero)
                 continue
-            test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
-                ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
             cuda.syncthreads()  # the previous block's tiles are consumed (and lse, D written)
             load_tile(k, b, kh, k0 + j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)
             load_tile(v, b, kh, k0 + j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
@@ -312,17 +306,15 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
     def dkv_kernel(q, k, v, mask, scale, dout, lse, work, seed, threshold, inv_keep, b_off, D,
-                   dk, dv, offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq,
-                   bk, mod_args):
+                   dk, dv, ra):
         Hq, E = q.shape[1], q.shape[3]
         H = k.shape[1]
         Ev = v.shape[3]
         group = Hq // H
         # Operand rows q0 + i, keys k0 + j; the score seam sees i, j, batch index bs. (Under
         # causal the first key blocks are seen by the most rows: they go first.)
-        b, bs, kh, j0, q0, L, k0, S, offset = key_work(q, k, BN, work, offset)
-        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
-                    MASK_MOD, SCORE_MOD_GRAD, mod_args)
+        b, bs, kh, j0, q0, L, k0, S, offset = key_work(q, k, BN, work, ra.offset)
+        rc = recipe_of(ra, offset, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
         nj = min(BN, S - j0)
         tid, g, tc = tile_thread(TC)
         # g: this thread's row group (first column of dK, dV); tc: its first key
@@ -358,11 +350,10 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
             for i0 in range(i_begin - i_begin % BM, i_end, BM):
                 nv = min(BM, L - i0)
                 i_last = i0 + nv - 1
-                state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
+                state, test = tile_visit(rc, HAS_BM, ELEMENT_MASK, ra.bq, ra.bk, bs, h, i0,
+                                         i_last, j0, j0 + nj - 1)
                 if state == BLOCK_EMPTY:  # uniform across the thread block
                     continue
-                test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
-                    ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
                 cuda.syncthreads()  # the previous pair's tiles are consumed (K, V staged)
                 load_tile(q, b, h, q0 + i0, nv, BM, E, E, qscale, sm, 0, QP, 1, tid, NT)
                 load_tile(dout, b, h, q0 + i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
@@ -482,7 +473,7 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
     m = NO_MASK if mask is None else (mask,)
     rc = resolve_recipe(recipe, is_causal)
     parts = compile_key(rc)
-    rargs = kernel_args(rc, block_sizes)
+    ra = kernel_args(rc, block_sizes)
     drop = NO_DROPOUT if dropout is None else dropout
     drop = (np.uint64(drop[0]), np.uint64(drop[1]), float(drop[2]), int(drop[3]))
     D = device_array((n_b, n_hq, L), lse.dtype)
@@ -503,11 +494,11 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
                 grid, bq.threads, stream, shared](q, k, v, m, float(scale), dout, out, lse,
                                                   work, *drop, D, dq,
                                                   NO_MASK if dmask is None else (dmask,),
-                                                  *rargs)
+                                                  ra)
     if n_b * n_h and S:  # also with L == 0: dK and dV are then zeros
         bkv, shared = launch_blocks(blocks, itemsize, e, ev, dkv_shared_elements)
         grid, work = grid_and_work(n_h, S, bkv.block_n, True)
         if grid:
             _kernel("dkv", q.dtype, mask_kind, bkv, parts)[grid, bkv.threads, stream, shared](
-                q, k, v, m, float(scale), dout, lse, work, *drop, D, dk, dv, *rargs)
+                q, k, v, m, float(scale), dout, lse, work, *drop, D, dk, dv, ra)
     return D

@@ -39,15 +39,14 @@ from numba.np import numpy_support
 from . import options
 from .arrays import is_simulated_mode
 from .dropout import NO_DROPOUT, dropout_factor, row_keys
-from ..score.recipe import BLOCK_EMPTY, BLOCK_PARTIAL, CAUSAL, DENSE, fold_sink, keeps, \
-    key_range, modified_score, window_covers
+from ..score.recipe import BLOCK_EMPTY, CAUSAL, DENSE, fold_sink, keeps, modified_score
 from .online_softmax import online_softmax_lse, online_softmax_update
 from .options import CANDIDATES, FASTMATH, Blocks
 from .storage import storage_view, store
 from .tiles import clear, load_tile, tile_product, tile_thread
-from .variants import NO_MASK, arg_types, compile_key, kernel_args, masked, modifies, sink_of, \
-    tile_state, unpack
-from .work import no_work, query_work, work_list
+from .variants import NO_MASK, arg_type, compile_key, kernel_args, masked, modifies, recipe_of, \
+    sink_of, tile_visit
+from .work import key_blocks, no_work, query_work, work_list
 
 _kernels = {}
 
@@ -80,12 +79,13 @@ def operand_types(dtype, mask_kind):
 def _signature(dtype, mask_kind, parts=compile_key(DENSE)):
     """Every array 'A' (any strides): one compilation per dtype, mask kind and recipe parts
     (:func:`.variants.compile_key`), whatever the operands' layouts (each compilation takes
-    seconds). Dropout is four runtime arguments (see :mod:`.dropout`), the recipe's numbers
-    five more (window, alignment and soft cap), the work list (:mod:`.work`) one more: dense
-    and packed (varlen) launches share the compilation."""
+    seconds). Dropout is four runtime arguments (see :mod:`.dropout`), the recipe one more
+    (:class:`.variants.RecipeArg`: its numbers, window, alignment and soft cap, are run-time
+    values), the work list (:mod:`.work`) one more: dense and packed (varlen) launches share
+    the compilation."""
     st, ct, mask = operand_types(dtype, mask_kind)
     return numba.void(arr(st, 4), arr(st, 4), arr(st, 4), mask, numba.float64,
-                      arr(st, 4), arr(ct, 3), WORK, *DROPOUT_ARGS, *arg_types(parts, ct)), ct
+                      arr(st, 4), arr(ct, 3), WORK, *DROPOUT_ARGS, arg_type(parts, ct)), ct
 
 
 def jit_options(threads):
@@ -113,14 +113,12 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
     ELEMENT_MASK = MASK_MOD is not None  # a mask_mod: tested per element unless a block is full
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
-    def kernel(q, k, v, mask, scale, out, lse, work, seed, threshold, inv_keep, b_off, offset,
-               left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, bq, bk, mod_args):
+    def kernel(q, k, v, mask, scale, out, lse, work, seed, threshold, inv_keep, b_off, ra):
         E = q.shape[3]
         Ev = v.shape[3]
         # Operand rows q0 + i, keys k0 + j; the score seam sees i, j, batch index bs.
-        b, bs, h, kh, i0, q0, L, k0, S, offset = query_work(q, k, BM, work, offset)
-        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
-                   MASK_MOD, SCORE_MOD_GRAD, mod_args)
+        b, bs, h, kh, i0, q0, L, k0, S, offset = query_work(q, k, BM, work, ra.offset)
+        rc = recipe_of(ra, offset, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
         tid, g, tc = tile_thread(TC)
         r0 = g * RM  # this thread's first row in the tile; tc: its column in the row group
 
@@ -155,17 +153,15 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
 
         # The block's key blocks (aligned to BN): those some row of the block sees under the
         # window (causal: none above the diagonal), less those the block mask says are empty.
-        i_last = min(i0 + BM, L) - 1
-        j_begin, j_end = key_range(rc, i0, i_last, S)  # (0, 0) when none: no block
+        i_last, j_first, j_end = key_blocks(rc, i0, BM, L, S, BN)
         mod_on = modifies(rc)
-        for j0 in range(j_begin - j_begin % BN, j_end, BN):
+        for j0 in range(j_first, j_end, BN):
             nj = min(BN, j_end - j0)
-            state = tile_state(rc, HAS_BM, bq, bk, bs, h, i0, i_last, j0, j0 + nj - 1)
+            # Per-element tests only where the window cuts the tile or a mask_mod may.
+            state, test = tile_visit(rc, HAS_BM, ELEMENT_MASK, ra.bq, ra.bk, bs, h, i0, i_last,
+                                     j0, j0 + nj - 1)
             if state == BLOCK_EMPTY:
                 continue  # uniform across the thread block
-            # Per-element tests only where the window cuts the tile or a mask_mod may.
-            test = not window_covers(rc, i0, i_last, j0, j0 + nj - 1) or (
-                ELEMENT_MASK and (not HAS_BM or state == BLOCK_PARTIAL))
             cuda.syncthreads()  # the previous block's tiles are consumed
             load_tile(k, b, kh, k0 + j0, nj, BN, E, E, one, sm, kt_at, 1, SP, tid, NT)  # Kᵀ
             # V rows zero-padded to whole thread columns
@@ -394,7 +390,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, blocks=None, stream=0, dr
     kernel[grid, blocks.threads, stream, shared](
         q, k, v, NO_MASK if mask is None else (mask,), float(scale), out, lse, work,
         np.uint64(seed), np.uint64(threshold), float(inv_keep), int(b_off),
-        *kernel_args(rc, block_sizes))
+        kernel_args(rc, block_sizes))
 
 
 def resolve_recipe(recipe, is_causal):

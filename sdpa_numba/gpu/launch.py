@@ -11,25 +11,13 @@ offset (:func:`~sdpa_numba.score.recipe.with_batch_offset`), and its small host 
 slopes, sinks, block-mask states, NumPy ``mod_args``) are copied to the device once per call.
 """
 
-from ..block_mask import K_BLOCK, Q_BLOCK
+from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..dropout import NO_DROPOUT
 from ..problem import for_each_launch, operand_views, row_view
 from ..score.recipe import with_batch_offset
 from .arrays import as_strided, device_array
 from .forward import forward
-
-
-def device_recipe(r):
-    """Recipe ``r`` with its NumPy arrays (slopes, sinks, block mask, ``mod_args``) copied to
-    the device, once per call rather than once per launch."""
-    from numba import cuda
-    import numpy as np
-
-    def dev(x):
-        return cuda.to_device(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
-
-    return r._replace(alibi=dev(r.alibi), sinks=dev(r.sinks), block_mask=dev(r.block_mask),
-                      mod_args=tuple(dev(x) for x in r.mod_args))
+from .variants import copy_to_device
 
 
 def run(p, query, key, value, attn_mask, out, dropout=None):
@@ -43,7 +31,7 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
     result = device_array(p.out_shape, p.dtype) if out is None else out
     lse = device_array(p.out_shape[:-1], p.compute_dtype)
 
-    rc = device_recipe(p.recipe)
+    rc = copy_to_device(p.recipe)
 
     def launch(arrays, drop):
         mq, mk, mv, mm, mo, ml = arrays

@@ -9,14 +9,14 @@ broadcast dims and casts them to the input's dtype, on the device. The gradient 
 the public layer's (:func:`sdpa_numba.problem.variants.sinks_grad`).
 """
 
-from ..block_mask import K_BLOCK, Q_BLOCK
+from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..dropout import NO_DROPOUT
 from ..problem import for_each_launch, operand_views, row_view
 from ..score.recipe import with_batch_offset
 from .arrays import as_strided, device_array
 from .backward import backward
-from .launch import device_recipe
 from .reduce import sum_to
+from .variants import copy_to_device
 
 
 def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, mask_grad):
@@ -37,7 +37,7 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
     dv = device_array((*p.batch, p.h, p.S, p.Ev), ct)
     dmask = device_array((*full, p.L, p.S), ct) if mask_grad else None
 
-    rc = device_recipe(p.recipe)
+    rc = copy_to_device(p.recipe)
 
     def launch(arrays, drop):
         bq, bk, bv, bm, bdo, bo, bl, bdq, bdk, bdv, bdm = arrays

@@ -15,12 +15,12 @@ batch index ``b``, the sequence's, for the user's functions, ALiBi and the dropo
 """
 
 
-from ..block_mask import K_BLOCK, Q_BLOCK
+from ..score.blocks import K_BLOCK, Q_BLOCK
 from .arrays import as_strided, device_array
 from .backward import backward
 from .forward import forward
-from .launch import device_recipe
 from .reduce import sum_to
+from .variants import copy_to_device
 from .work import Sequences
 
 
@@ -45,7 +45,7 @@ def run(p, q, k, v, out, dropout=None):
     result = device_array(p.out_shape, p.dtype) if out is None else out
     lse = device_array(p.lse_shape, p.compute_dtype)
     forward(_rows(q), _rows(k), _rows(v), None, p.is_causal, p.scale, _rows(result),
-            _lse_rows(lse), dropout=dropout, recipe=device_recipe(p.recipe),
+            _lse_rows(lse), dropout=dropout, recipe=copy_to_device(p.recipe),
             block_sizes=(Q_BLOCK, K_BLOCK), sequences=_sequences(p))
     return result, lse
 
@@ -59,6 +59,6 @@ def run_backward(p, grad_out, q, k, v, out, lse, dropout=None):
     dv = device_array(v.shape, ct)
     backward(_rows(q), _rows(k), _rows(v), None, p.is_causal, p.scale, _rows(grad_out),
              _rows(out), _lse_rows(lse), _rows(dq), _rows(dk), _rows(dv), dropout, None,
-             recipe=device_recipe(p.recipe), block_sizes=(Q_BLOCK, K_BLOCK),
+             recipe=copy_to_device(p.recipe), block_sizes=(Q_BLOCK, K_BLOCK),
              sequences=_sequences(p))
     return tuple(sum_to(g, g.shape, p.dtype) for g in (dq, dk, dv))

@@ -1,24 +1,28 @@
-"""The score recipe (:mod:`sdpa_numba.score.recipe`) on the GPU: kernel arguments and back.
+"""The score recipe (:mod:`sdpa_numba.score.recipe`) on the GPU: one kernel argument and back.
 
-A CUDA kernel cannot take None, a function or a named tuple of mixed parts as an argument. So a
-host :class:`~sdpa_numba.score.recipe.Recipe` travels as
+A CUDA kernel cannot take None or a function as an argument. So a host
+:class:`~sdpa_numba.score.recipe.Recipe` travels as one :class:`RecipeArg`, a named tuple of
 
 * five run-time numbers (offset, left, right, softcap, batch offset): dense, causal, windowed,
   bottom-right and soft-capped attention share one compiled kernel;
 * each optional array (ALiBi slopes, sinks, block mask) as a tuple of zero or one array, and the
   block mask's block sizes as two more numbers; ``mod_args`` as the tuple it is (an empty tuple
   is no kernel argument at all);
-* the user's functions (``score_mod``, ``mask_mod``, ``score_mod_grad``) closed over by the
-  kernel factory, which is cached per :func:`compile_key`;
 
-and :func:`unpack` rebuilds the Recipe inside the kernel, so that the kernels call the same
-jitted score functions as the CPU. The attention mask travels the same way (:func:`masked`):
-an empty tuple is "no mask", the one encoding of it (no operand stands in for it); the
-backward's mask gradient likewise (:func:`store_grad`).
+while the user's functions (``score_mod``, ``mask_mod``, ``score_mod_grad``) are closed over by
+the kernel factory, which is cached per :func:`compile_key`. Numba passes a named tuple as its
+fields, so the kernel's parameters are the same as if each were its own.
+:func:`recipe_of` rebuilds the Recipe inside the kernel, so that the kernels call the same
+jitted score functions as the CPU; a kernel that takes the fields as parameters of its own
+(``*kernel_args(r)``) rebuilds it with :func:`unpack`. The attention mask travels the same way
+(:func:`masked`): an empty tuple is "no mask", the one encoding of it (no operand stands in for
+it); the backward's mask gradient likewise (:func:`store_grad`).
 
 On Numba's CUDA simulator the kernels run as Python and call the score functions as CPU-jitted
 code, which cannot take the simulator's arrays: :func:`unpack` hands them their NumPy arrays.
 """
+
+from collections import namedtuple
 
 import numba
 import numpy as np
@@ -26,14 +30,24 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..options import INLINE
-from ..score.recipe import BLOCK_FULL, Recipe, covered_block_state, modifies_scores, sink_logit
+from ..score.recipe import BLOCK_FULL, BLOCK_PARTIAL, Recipe, covered_block_state, \
+    modifies_scores, sink_logit, window_covers
 from .storage import load
 
-__all__ = ["compile_key", "arg_types", "kernel_args", "unpack", "device_recipe", "masked",
-           "store_grad", "tile_state", "sink_of", "modifies", "NO_MASK"]
+__all__ = ["RecipeArg", "compile_key", "arg_type", "kernel_args", "recipe_of", "unpack",
+           "copy_to_device", "device_recipe", "masked", "store_grad", "tile_state", "tile_visit",
+           "sink_of", "modifies", "NO_MASK"]
 
 #: The attention-mask argument of a kernel without a mask.
 NO_MASK = ()
+
+#: A host recipe as one kernel argument (see the module doc; :func:`kernel_args`).
+RecipeArg = namedtuple("RecipeArg", [
+    "offset", "left", "right", "softcap", "batch_offset",  # the recipe's numbers
+    "alibi", "sinks", "block_mask",  # () or (array,) each
+    "bq", "bk",  # the block mask's query rows and keys per block
+    "mod_args",  # the tuple of mod_args
+])
 
 
 def _a(t):
@@ -59,17 +73,19 @@ def compile_key(r):
             r.mask_mod, r.score_mod_grad, tuple(_type_of(x) for x in r.mod_args))
 
 
-def arg_types(key, ct):
-    """The Numba types of :func:`kernel_args` for compile key ``key`` and compute type ``ct``."""
+def arg_type(key, ct):
+    """The Numba type of :func:`kernel_args` for compile key ``key`` and compute type ``ct``:
+    a named tuple of :class:`RecipeArg`."""
     has_alibi, has_sinks, has_bm = key[:3]
 
     def opt(present, t):
         return types.UniTuple(t, 1) if present else types.Tuple(())
 
-    return (types.int64, types.int64, types.int64, types.float64, types.int64,
-            opt(has_alibi, types.Array(ct, 2, "A")), opt(has_sinks, types.Array(ct, 1, "A")),
-            opt(has_bm, types.Array(types.int8, 3 + 1, "A")), types.int64, types.int64,
-            types.Tuple(key[6]))
+    return types.NamedTuple(
+        (types.int64, types.int64, types.int64, types.float64, types.int64,
+         opt(has_alibi, types.Array(ct, 2, "A")), opt(has_sinks, types.Array(ct, 1, "A")),
+         opt(has_bm, types.Array(types.int8, 3 + 1, "A")), types.int64, types.int64,
+         types.Tuple(key[6])), RecipeArg)
 
 
 def _device(x, to_device):
@@ -77,10 +93,10 @@ def _device(x, to_device):
 
 
 def kernel_args(r, block_sizes=(1, 1), to_device=None):
-    """The kernel arguments of host recipe ``r`` (see the module doc), in :func:`arg_types`'s
-    order. ``block_sizes``: the block mask's (query rows, keys) per block. ``to_device``:
-    copies NumPy arrays (slopes, sinks, block mask, ``mod_args``) to the device (default
-    :func:`numba.cuda.to_device`)."""
+    """The kernel argument of host recipe ``r``: a :class:`RecipeArg` (see the module doc), of
+    :func:`arg_type`'s type. ``block_sizes``: the block mask's (query rows, keys) per block.
+    ``to_device``: copies NumPy arrays (slopes, sinks, block mask, ``mod_args``) to the
+    device (default :func:`numba.cuda.to_device`)."""
     if to_device is None:
         from numba import cuda
         to_device = cuda.to_device
@@ -93,9 +109,22 @@ def kernel_args(r, block_sizes=(1, 1), to_device=None):
                       int(x) if isinstance(x, (int, np.integer)) else
                       float(x) if isinstance(x, (float, np.floating)) else x)
                      for x in r.mod_args)
-    return (np.int64(r.offset), np.int64(r.left), np.int64(r.right), float(r.softcap),
-            np.int64(r.batch_offset), opt(r.alibi), opt(r.sinks), opt(r.block_mask),
-            np.int64(block_sizes[0]), np.int64(block_sizes[1]), mod_args)
+    return RecipeArg(np.int64(r.offset), np.int64(r.left), np.int64(r.right), float(r.softcap),
+                     np.int64(r.batch_offset), opt(r.alibi), opt(r.sinks), opt(r.block_mask),
+                     np.int64(block_sizes[0]), np.int64(block_sizes[1]), mod_args)
+
+
+def copy_to_device(r):
+    """Recipe ``r`` with its NumPy arrays (any optional part: slopes, sinks, block mask; and
+    ``mod_args``) copied to the device: a launcher's, once per call rather than once per
+    launch."""
+    from numba import cuda
+
+    def dev(x):
+        return cuda.to_device(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+
+    return r._replace(**{f: dev(x) for f, x in zip(r._fields, r) if isinstance(x, np.ndarray)},
+                      mod_args=tuple(dev(x) for x in r.mod_args))
 
 
 # --- inside the kernels -------------------------------------------------------------------
@@ -135,6 +164,23 @@ def _unpack(offset, left, right, softcap, batch_offset, alibi_t, sinks_t, bm_t, 
     return ns["impl"]
 
 
+def recipe_of(ra, offset, score_mod, mask_mod, score_mod_grad):
+    """The :class:`~sdpa_numba.score.recipe.Recipe` of kernel argument ``ra`` (a
+    :class:`RecipeArg`) at ``offset`` (the work item's: per sequence in a packed batch); the
+    functions are the kernel factory's. Device code (and simulator Python)."""
+    return unpack(offset, ra.left, ra.right, ra.softcap, ra.batch_offset, ra.alibi, ra.sinks,
+                  ra.block_mask, score_mod, mask_mod, score_mod_grad, ra.mod_args)
+
+
+@overload(recipe_of, target="generic")
+def _recipe_of(ra, offset, score_mod, mask_mod, score_mod_grad):
+    def impl(ra, offset, score_mod, mask_mod, score_mod_grad):
+        return unpack(offset, ra.left, ra.right, ra.softcap, ra.batch_offset, ra.alibi,
+                      ra.sinks, ra.block_mask, score_mod, mask_mod, score_mod_grad,
+                      ra.mod_args)
+    return impl
+
+
 def masked(s, mask_t, b, h, i, j, neg_inf):
     """Score ``s`` of query ``i`` and key ``j`` under the attention mask ``mask_t`` (an empty
     tuple: no mask; else a 1-tuple of the mask, read in place): ``neg_inf`` where a bool mask
@@ -161,9 +207,8 @@ def device_recipe(r):
     """Recipe ``r`` as the score functions take it in device code: ``r`` itself on a GPU; on
     the simulator (device code runs as Python, the score functions as CPU-jitted code), with
     its arrays as their NumPy arrays. For device functions that take a user's recipe."""
-    return r._replace(alibi=_host(r.alibi), sinks=_host(r.sinks),
-                      mod_args=tuple(_host(x) for x in r.mod_args),
-                      block_mask=_host(r.block_mask))
+    return r._replace(**{f: _host(x) for f, x in zip(r._fields, r) if f != "mod_args"},
+                      mod_args=tuple(_host(x) for x in r.mod_args))
 
 
 @overload(device_recipe, target="generic")
@@ -198,6 +243,20 @@ def tile_state(r, has_block_mask, bq, bk, b, h, i_first, i_last, j_first, j_last
     if not has_block_mask:
         return BLOCK_FULL
     return covered_block_state(r, b, h, i_first, i_last, j_first, j_last, bq, bk)
+
+
+@njit(**INLINE)
+def tile_visit(r, has_block_mask, element_mask, bq, bk, b, h, i_first, i_last, j_first,
+               j_last):
+    """``(state, test)`` of the tile of rows ``i_first..i_last`` and keys ``j_first..j_last``
+    (inclusive): its :func:`tile_state` (BLOCK_EMPTY: skipped), and whether its scores need
+    the per-element tests (:func:`~sdpa_numba.score.recipe.keeps`): where the window cuts the
+    tile, or a mask_mod (``element_mask``) may and the block mask does not say the tile is
+    full. Device code."""
+    state = tile_state(r, has_block_mask, bq, bk, b, h, i_first, i_last, j_first, j_last)
+    test = not window_covers(r, i_first, i_last, j_first, j_last) or (
+        element_mask and (not has_block_mask or state == BLOCK_PARTIAL))
+    return state, test
 
 
 @njit(**INLINE)

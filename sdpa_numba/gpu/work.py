@@ -44,6 +44,7 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda
 
+from ..score.recipe import key_range
 from .tiles import grid_block, query_block
 
 #: A packed batch as the launchers take it: ``cu_q``, ``cu_k`` int64 NumPy arrays of shape
@@ -151,3 +152,15 @@ def key_work(q, k, bn, work, offset):
         b = 0
         s, j0, q0, n_q, k0, n_k, offset = work_row(work, t)
     return b, s, kh, j0, q0, n_q, k0, n_k, offset
+
+
+@cuda.jit(device=True, inline="always")
+def key_blocks(rc, i0, bm, L, S, bn):
+    """``(i_last, j_first, j_end)`` of the query block of rows ``i0 .. i_last`` (at most
+    ``bm``, less past row ``L``): the blocks of ``bn`` keys it visits, from ``j_first`` (a
+    multiple of ``bn``) up to key ``j_end`` (exclusive), are those that some row of it sees
+    under recipe ``rc``'s window (:func:`~sdpa_numba.score.recipe.key_range`; ``(0, 0)`` when
+    none: no block). The forward's and the dQ kernel's work: they go over the same blocks."""
+    i_last = min(i0 + bm, L) - 1
+    j_begin, j_end = key_range(rc, i0, i_last, S)  # (0, 0) when none: no block
+    return i_last, j_begin - j_begin % bn, j_end

@@ -1,5 +1,6 @@
 """Checks of the scalar arguments shared by the forward and the backward: flags, the dropout
-probability and the seed. Each returns the value in its canonical Python type or raises
+probability and the seed (:func:`sdpa_numba.dropout.check_seed`, kept with the dropout
+stream's seeds and re-exported here). Each returns the value in its canonical Python type or raises
 TypeError / ValueError naming the argument."""
 
 import math
@@ -7,7 +8,7 @@ import numbers
 
 import numpy as np
 
-_U64 = 1 << 64
+from ..dropout import check_seed  # noqa: F401 - the seed's check, with the others here
 
 
 def shape_str(x):
@@ -41,18 +42,6 @@ def check_dropout(dropout_p):
     if not 0.0 <= float(dropout_p) < 1.0:  # also rejects NaN
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
-
-
-def check_seed(seed: object) -> int | None:
-    """``seed`` as a Python int in ``[0, 2**64)``, or None; TypeError / ValueError otherwise."""
-    if seed is None:
-        return None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    seed = int(seed)
-    if not 0 <= seed < _U64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    return seed
 
 
 def check_device_strides(named):

@@ -13,7 +13,8 @@ import numpy as np
 
 from .arguments import check_flag, check_scale, shape_str
 from .dtypes import check_storage_dtype, compute_dtype
-from .variants import variants_recipe, with_block_mask
+from .block_mask import with_block_mask
+from .variants import variants_recipe
 from ..score.recipe import DENSE, Recipe
 
 

@@ -18,6 +18,7 @@ import numbers
 import numpy as np
 
 from ..score import recipe as R
+from ..score.blocks import K_BLOCK, Q_BLOCK, BlockMask, block_counts
 from .arguments import shape_str
 
 _ALIGNMENTS = ("top_left", "bottom_right")
@@ -200,8 +201,6 @@ def check_function(name, f, kind, mod_args, cdt):
 
 def _block_mask(block_mask, mask_mod, batch, hq, L, S):
     """The BlockMask's states array checked against the problem, and the mask_mod to use."""
-    from ..block_mask import BlockMask
-
     if block_mask is None:
         return None, mask_mod
     if not isinstance(block_mask, BlockMask):
@@ -212,9 +211,13 @@ def _block_mask(block_mask, mask_mod, batch, hq, L, S):
     elif mask_mod is not block_mask.mask_mod:
         raise ValueError("block_mask was made for another mask_mod than the one given: pass "
                          "the same function (or omit mask_mod to use the block mask's)")
+    if (block_mask.q_block, block_mask.k_block) != (Q_BLOCK, K_BLOCK):
+        raise ValueError(f"block_mask has blocks of {block_mask.q_block} x "
+                         f"{block_mask.k_block}; the kernels read blocks of {Q_BLOCK} x "
+                         f"{K_BLOCK} (make it with sdpa_numba.create_block_mask)")
     b_flat = math.prod(batch)
     st = block_mask.states
-    want = block_mask.shape_for(L, S)
+    want = block_counts(L, S)
     if (st.shape[2:] != want or block_mask.L != L or block_mask.S != S
             or st.shape[0] not in (1, b_flat) or st.shape[1] not in (1, hq)):
         raise ValueError(f"block_mask was made for (B, H, L, S) = ({block_mask.B}, "
@@ -272,20 +275,6 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, window=None, alignment="
     return R.recipe(offset=offset, left=left, right=right, softcap=cap, alibi=alibi,
                     sinks=sink, score_mod=score_mod, mask_mod=mask_mod,
                     score_mod_grad=score_mod_grad, mod_args=mod_args, block_mask=states)
-
-
-def with_block_mask(r, batch, hq, L, S):
-    """Recipe ``r`` of a (batch, Hq, L, S) attention call with a block mask for its
-    ``mask_mod`` when it has none (:func:`sdpa_numba.block_mask.call_states`: built under the
-    window, or every block partial for small calls); else ``r``. For callers whose kernels
-    read block masks of the call's L x S (the dense forward and backward, both targets)."""
-    if r.mask_mod is None or r.block_mask is not None:
-        return r
-    from ..block_mask import call_states
-
-    return r._replace(block_mask=call_states(r.mask_mod, math.prod(batch), hq, L, S,
-                                             r.mod_args, R.recipe(offset=r.offset,
-                                                                  left=r.left, right=r.right)))
 
 
 def sinks_grad(r, grad_out, out, lse):

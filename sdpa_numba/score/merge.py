@@ -19,9 +19,9 @@ and likewise for n parts. The conventions at the edges:
 The scalar pieces (:func:`merge_max`, :func:`merge_finish`, :func:`merge_weights`) are plain
 ``@njit`` functions on scalars, which numba-cuda compiles as device functions of its own, from
 this source (as :mod:`sdpa_numba.score.dropout`); :func:`merge_row` and :func:`merge_rows` add
-the loops over a row's elements for users' ``@njit`` code (on the CUDA target too; the CUDA
-simulator runs device code as Python and cannot pass its arrays to ``@njit`` functions, so
-:mod:`sdpa_numba.gpu.merge` has the same loops as device functions). The exponentials are
+the loops over a row's elements for users' ``@njit`` code, and :mod:`sdpa_numba.gpu.merge`
+compiles their Python source as CUDA device functions (the CUDA simulator runs device code
+as Python and cannot pass its arrays to ``@njit`` functions). The exponentials are
 ``math.exp``: one per part and row, not per element, so their speed does not matter here;
 the weights are computed in float64 where Numba's typing promotes float32 (a literal 1.0 or
 0.0 with a float32), which costs nothing per element and only rounds better.

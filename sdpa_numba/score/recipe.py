@@ -36,14 +36,12 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..options import FASTMATH, INLINE
+from .blocks import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL
 from .numbers import cast
 
 #: A window side without a limit, in the kernels' encoding (``i' ± NO_LIMIT`` stays far inside
 #: int64 for any row index).
 NO_LIMIT = 1 << 62
-
-#: Block-mask states of a (query block, key block) pair.
-BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2
 
 Recipe = namedtuple("Recipe", [
     "offset",          # int64: i' = i + offset
@@ -58,6 +56,7 @@ Recipe = namedtuple("Recipe", [
     "score_mod_grad",  # None or an @njit function (s, b, h, i, j, *mod_args) -> ds'/ds
     "mod_args",        # tuple of arrays (or scalars), () when none
     "block_mask",      # None or int8 (B or 1, Hq or 1, q blocks, k blocks) of BLOCK_* states
+                       # (.blocks: the block size)
 ])
 
 

@@ -389,7 +389,7 @@ def test_public_block_mask_built_per_call(monkeypatch):
     """A mask_mod without a block mask, built per call (device mod_args copied to the host for
     it): empty and full blocks skipped; the same bits as every block partial, forward and
     backward, and the reference's values."""
-    from sdpa_numba import block_mask as bmod
+    from sdpa_numba.problem import block_mask as bmod
 
     rng = np.random.default_rng(13)
     L = S = 70
