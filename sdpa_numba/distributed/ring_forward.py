@@ -58,11 +58,11 @@ from typing import Any
 
 import numpy as np
 
-from .merge import merge_attention_states
-from .problem import compute_dtype
-from .problem.arguments import check_flag
-from .problem.variants import sinks_grad
-from .score.recipe import NO_LIMIT
+from ..merge import merge_attention_states
+from ..problem import compute_dtype
+from ..problem.arguments import check_flag
+from ..problem.variants import sinks_grad
+from ..score.recipe import NO_LIMIT
 
 __all__ = ["ring_attention", "ring_attention_backward", "shard", "unshard", "shard_rows",
            "mpi_cuda_aware", "LAYOUTS", "CUDA_AWARE_ENV"]
@@ -240,7 +240,7 @@ def _as_bytes(a):
     (a Numba device array, which mpi4py takes by its ``__cuda_array_interface__``)."""
     if isinstance(a, np.ndarray):
         return a.reshape(-1).view(np.uint8)
-    from .gpu.arrays import as_strided
+    from ..gpu.arrays import as_strided
 
     return as_strided(a, (a.size * a.dtype.itemsize,), (1,), np.uint8)
 
@@ -365,7 +365,7 @@ def _is_host_array(x):
 def _device_kind(named):
     """'host' for NumPy arrays, 'cuda' for CUDA arrays (Numba device arrays, real or
     simulated, CuPy, torch CUDA tensors); TypeError for anything else or a mix."""
-    from .api import _is_device_array
+    from ..api import _is_device_array
 
     kinds = {}
     for name, x in named:
@@ -544,7 +544,7 @@ def _rows(x, s, axis=-2):
 def _block_plan(q, k, v, ring, offset, left, right):
     """The plan of one dense call: the ring's scale, GQA, soft cap and ALiBi, with the
     call's offset and window in its recipe (sinks are folded in once per row, by the ring)."""
-    from .problem import plan
+    from ..problem import plan
 
     p = plan(q, k, v, None, False, ring.scale, ring.enable_gqa)
     r = ring.recipe._replace(offset=np.int64(offset), left=np.int64(left),
@@ -555,9 +555,9 @@ def _block_plan(q, k, v, ring, offset, left, right):
 def _attend(q, k, v, ring, offset, left, right):
     """``(out, lse)`` of one dense call (the CPU or GPU launcher, with the ring's recipe)."""
     if ring.device == "cuda":
-        from .gpu import launch
+        from ..gpu import launch
     else:
-        from .cpu import launch
+        from ..cpu import launch
 
     return launch.run(_block_plan(q, k, v, ring, offset, left, right), q, k, v, None, None)
 
@@ -565,9 +565,9 @@ def _attend(q, k, v, ring, offset, left, right):
 def _attend_backward(grad_out, q, k, v, out, lse, ring, offset, left, right):
     """``(dq, dk, dv)`` of one dense call, from the GLOBAL ``out`` and ``lse`` rows."""
     if ring.device == "cuda":
-        from .gpu import launch_backward
+        from ..gpu import launch_backward
     else:
-        from .cpu import launch_backward
+        from ..cpu import launch_backward
 
     p = _block_plan(q, k, v, ring, offset, left, right)
     return launch_backward.run_backward(p, grad_out, q, k, v, None, out, lse, None, False)[:3]
@@ -620,19 +620,19 @@ class _DeviceOps:
 
     @staticmethod
     def copy(x):
-        from .gpu.ring import contiguous_copy
+        from ..gpu.ring import contiguous_copy
 
         return contiguous_copy(x)
 
     @staticmethod
     def empty(shape, dtype):
-        from .gpu.arrays import device_array
+        from ..gpu.arrays import device_array
 
         return device_array(shape, dtype)
 
     @staticmethod
     def zeros(shape, dtype):
-        from .gpu.ring import zeros
+        from ..gpu.ring import zeros
 
         return zeros(shape, dtype)
 
@@ -648,20 +648,20 @@ class _DeviceOps:
 
     @staticmethod
     def merge(out, lse, o, lo, qs, n_q):
-        from .gpu.ring import merge_into
+        from ..gpu.ring import merge_into
 
         merge_into(_rows(out, qs), _rows(lse, qs, -1), o, lo)
         return out, lse
 
     @staticmethod
     def add(acc, x):
-        from .gpu.ring import add_into
+        from ..gpu.ring import add_into
 
         add_into(acc, x)
 
     @staticmethod
     def cast(x, dtype):
-        from .gpu.reduce import sum_to
+        from ..gpu.reduce import sum_to
 
         return sum_to(x, tuple(x.shape), dtype)
 
@@ -745,13 +745,13 @@ def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mas
         enable_gqa = check_flag("enable_gqa", enable_gqa)
         device = _device_kind(list(zip(names, arrays)))
         if device == "cuda":
-            from .api import adopt
-            from .gpu.arrays import is_simulated_mode
-            from .problem import check_device_strides
+            from ..api import adopt
+            from ..gpu.arrays import is_simulated_mode
+            from ..problem import check_device_strides
 
             arrays, restore = adopt(device, list(zip(names, arrays)))
             check_device_strides(list(zip(names, arrays)))
-            from ._bf16 import is_bfloat16
+            from .._bf16 import is_bfloat16
 
             if any(is_bfloat16(x.dtype) for x in arrays):
                 # The ring's merge and sum kernels (sdpa_numba.gpu.ring) read and write plain
@@ -768,7 +768,7 @@ def _prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mas
             extra(arrays)
         q, k = arrays[names.index("query")], arrays[names.index("key")]
         _check_local(q, k, layout)
-        from .problem import plan
+        from ..problem import plan
 
         # The dense functions' checks of the shards and of the variants (its recipe's offset
         # is the shards' S - L; the whole sequence's is size times that).
@@ -976,7 +976,7 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
     names = ["query", "key", "value", "grad_out", "out", "lse"]
 
     def check_like(arrays):
-        from .problem import plan
+        from ..problem import plan
 
         q_, k_, v_, grad_out_, out_, lse_ = arrays
         p0 = plan(q_, k_, v_, None, bool(is_causal), scale, bool(enable_gqa))

@@ -73,14 +73,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._bf16 import is_bfloat16
-from .api import scaled_dot_product_attention as _forward
-from .backward import scaled_dot_product_attention_backward as _backward
-from .kvcache import attention_with_kvcache as _kvcache
-from .merge import merge_attention_states as _merge
-from .varlen import varlen_attention as _varlen
-from .varlen import varlen_attention_backward as _varlen_backward
-from .problem import compute_dtype
+from .._bf16 import is_bfloat16
+from ..api import scaled_dot_product_attention as _forward
+from ..backward import scaled_dot_product_attention_backward as _backward
+from ..kvcache import attention_with_kvcache as _kvcache
+from ..merge import merge_attention_states as _merge
+from ..varlen import varlen_attention as _varlen
+from ..varlen import varlen_attention_backward as _varlen_backward
+from ..problem import compute_dtype
 
 __all__ = ["scaled_dot_product_attention", "attention_forward", "attention_backward",
            "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
@@ -123,7 +123,7 @@ def _operand(t, name, mask=False):
     if t.device.type != "cpu":
         return t.detach()
     if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: ml_dtypes' over the same bits
-        from ._bf16 import bfloat16
+        from .._bf16 import bfloat16
 
         return t.detach().view(torch.int16).numpy().view(bfloat16())
     return t.detach().numpy()
@@ -307,7 +307,7 @@ def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     additive mask, then masked; sinks in every row's denominator; fully masked rows give 0;
     the dropout mask of :mod:`sdpa_numba.dropout`). ``batch_index``: 3-D inputs that are
     entry ``batch_index`` of a batch (a varlen sequence), for the dropout stream."""
-    from .dropout import keep_mask
+    from ..dropout import keep_mask
 
     dtype = query.dtype
     nd = max(query.dim(), key.dim(), value.dim(), 3)
@@ -990,7 +990,7 @@ def _check_schema_arguments(func, tensors, optional, window, score_mod, mask_mod
 
 def _check_window(window):
     """``window`` as the op's two sides, with the NumPy-level API's errors."""
-    from .problem.variants import check_window
+    from ..problem.variants import check_window
 
     check_window(window)  # TypeError / ValueError naming the argument
     if window is None:
