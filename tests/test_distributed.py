@@ -26,6 +26,7 @@ pytest.importorskip("mpi4py", reason="ring attention needs mpi4py: pip install -
 import sdpa_numba  # noqa: E402
 from sdpa_numba import distributed  # noqa: E402
 from sdpa_numba.distributed import mpi, steps  # noqa: E402
+from sdpa_numba.score.recipe import NO_LIMIT  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mpi_ring_worker.py"
@@ -255,7 +256,7 @@ def _local_visible(nq, nk, offset, left, right):
     return _visible(np.arange(nq), np.arange(nk), offset, left, right)
 
 
-NL = distributed.NO_LIMIT
+NL = NO_LIMIT
 #: (is_causal-like window (left, right), alignment offset factor, alibi): the work lists'
 #: cases. right 0 is causality; goff is size * (n_k - n_q) for bottom-right alignment.
 WINDOWS = [(NL, 0), (NL, NL), (2, 0), (0, 0), (3, 1), (NL, 2), (1, NL), (7, 0), (20, 0)]
