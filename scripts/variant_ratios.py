@@ -8,7 +8,7 @@ two figures, each as the minimum over rounds and as the median of the per-round 
 calls of one round ran seconds apart, so a machine whose speed drifts moves both alike):
 
 * soft cap: its speed over the dense speed (the target: >= 0.90);
-* window: its time over the ideal, the visited work (:func:`sdpa_numba.bench.visited_fraction`)
+* window: its time over the ideal, the visited work (:func:`sdpa_numba.tiles.visited_fraction`)
   at the dense rate (the target: <= 1.25).
 
 Usage::
@@ -41,7 +41,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from sdpa_numba import scaled_dot_product_attention as sdpa
-    from sdpa_numba.bench import visited_fraction
+    from sdpa_numba.tiles import visited_fraction
 
     if args.threads:
         numba.set_num_threads(args.threads)

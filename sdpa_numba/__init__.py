@@ -7,7 +7,8 @@ kernels), with the attention variants as keywords (windows, soft cap, ALiBi, sin
 combines attention over disjoint key sets by their log-sum-exp; ``attention_with_kvcache``
 attends new tokens to a key/value cache (decode, contiguous or paged), and
 ``kvcache_plan`` plans such a step once for every layer of a model;
-``varlen_attention`` (and its backward) runs ragged batches packed back to back. The jitted kernels
+``varlen_attention`` (and its backward) runs ragged batches packed back to back; ``warmup``
+compiles the CPU kernels into Numba's on-disk cache ahead of time. The jitted kernels
 themselves are in :mod:`sdpa_numba.cpu` and :mod:`sdpa_numba.gpu` (the CUDA kernels, imported
 lazily: no GPU or CUDA toolkit needed to import this package). :mod:`sdpa_numba.dropout`
 describes the dropout mask's random stream; :mod:`sdpa_numba.torch` (needs torch, not imported
@@ -20,6 +21,7 @@ from .backward import scaled_dot_product_attention_backward
 from .block_mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BlockMask, create_block_mask
 from .kvcache import KVCachePlan, attention_with_kvcache, kvcache_plan
 from .merge import merge_attention_states
+from .precompile import warmup
 from .varlen import varlen_attention, varlen_attention_backward
 
 _runtime.choose_threading_layer()  # before the first parallel launch
@@ -29,4 +31,5 @@ __version__ = "0.1.0"
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward",
            "attention_with_kvcache", "kvcache_plan", "KVCachePlan", "merge_attention_states",
            "varlen_attention", "varlen_attention_backward", "BlockMask", "create_block_mask",
-           "BLOCK_EMPTY", "BLOCK_PARTIAL", "BLOCK_FULL", "dropout", "reference", "__version__"]
+           "BLOCK_EMPTY", "BLOCK_PARTIAL", "BLOCK_FULL", "dropout", "reference", "warmup",
+           "__version__"]

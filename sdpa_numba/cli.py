@@ -15,14 +15,16 @@ with torch), 2 bad usage, 3 an unexpected error (its traceback is printed).
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
 
 import numpy as np
 
-from . import bench, bench_decode, bench_varlen
+from . import bench
+from .bench import decode as bench_decode
+from .bench import report
+from .bench import varlen as bench_varlen
 from .problem import flops as count_flops
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
@@ -210,7 +212,7 @@ def build_parser():
                                    "which CPU kernel specializations Numba's cache holds.")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    from .cpu.specializations import DTYPES, MASKS
+    from .precompile import DTYPES, MASKS
 
     p = sub.add_parser(
         "warmup", help="compile kernels into Numba's on-disk cache ahead of time",
@@ -316,129 +318,6 @@ def cmd_check(args, out=None):
 # ----------------------------------------------------------------------------------- bench
 
 
-def _fmt(x, spec):
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
-
-
-def _label(r):
-    return bench.Case(r["batch"], r["heads"], r["seq"], r["dim"], r["dtype"], r["causal"]).label
-
-
-def _render(head, rows, markdown):
-    """A table: Markdown (numbers right-aligned), or text with aligned columns."""
-    if markdown:
-        lines = ["| " + " | ".join(line) + " |" for line in [head] + rows]
-        lines.insert(1, "| --- |" + " ---: |" * (len(head) - 1))
-        return "\n".join(lines)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
-                       for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_table(results, impls, markdown=False):
-    """One row per case: the speed ratio to torch, then ms and GFLOP/s per implementation.
-
-    ``markdown=True`` gives a Markdown table (for docs/performance.md), else aligned text.
-    """
-    has_torch = any("speed_vs_torch" in r for r in results)
-    has_numpy = any("speed_vs_numpy" in r for r in results)
-    head = ["case"] + (["vs torch"] if has_torch else [])
-    for impl in impls:
-        head += [f"{impl} ms", "GFLOP/s"]
-    head += (["err vs torch"] if has_torch else []) + (["vs numpy"] if has_numpy else [])
-    rows = []
-    for r in results:
-        row = [_label(r)]
-        if has_torch:
-            row.append(_fmt(r.get("speed_vs_torch"), ".2f") + ("x" if "speed_vs_torch" in r else ""))
-        for impl in impls:
-            t = r["time_s"].get(impl)
-            row += [_fmt(None if t is None else t * 1e3, ".2f"), _fmt(r["gflops"].get(impl), ".1f")]
-        if has_torch:
-            row.append(_fmt(r.get("rel_err_vs_torch"), ".1e"))
-        if has_numpy:
-            row.append(_fmt(r.get("speed_vs_numpy"), ".1f") + ("x" if "speed_vs_numpy" in r else ""))
-        rows.append(row)
-    return _render(head, rows, markdown)
-
-
-def summarize_runs(runs, markdown=False):
-    """Median and range over ``runs`` (a list of ``(sgemm, results)``) of each case's ratio to
-    torch, GFLOP/s and, with the matmul rates, the fraction of torch's matmul rate."""
-
-    def stat(xs, spec, suffix=""):
-        xs = [x for x in xs if x is not None and math.isfinite(x)]
-        if not xs:
-            return "-"
-        return (f"{_fmt(statistics.median(xs), spec)}{suffix} "
-                f"({_fmt(min(xs), spec)}-{_fmt(max(xs), spec)})")
-
-    head = ["case", "vs torch", "sdpa_numba GFLOP/s", "torch GFLOP/s", "% of torch matmul"]
-    rows = []
-    for c, first in enumerate(runs[0][1]):
-        per = [results[c] for _, results in runs]
-        ours = [r["gflops"].get("sdpa_numba") for r in per]
-        roofs = [(sg or {}).get("torch") for sg, _ in runs]
-        rows.append([_label(first),
-                     stat([r.get("speed_vs_torch") for r in per], ".2f", "x"),
-                     stat(ours, ".1f"),
-                     stat([r["gflops"].get("torch") for r in per], ".1f"),
-                     stat([100 * o / m if o and m else None for o, m in zip(ours, roofs)],
-                          ".0f", "%")])
-    return _render(head, rows, markdown)
-
-
-def plot_results(results, path, sgemm=None, title=None, sgemm_size=4096):
-    """GFLOP/s against L, one panel per (B, H, E, dtype, causal), one line per implementation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = {}
-    for r in results:
-        key = (r["batch"], r["heads"], r["dim"], r["dtype"], r["causal"])
-        groups.setdefault(key, []).append(r)
-    n = len(groups)
-    ncols = min(n, 3)
-    nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
-    styles = {"sdpa_numba": dict(color="C0", marker="o"), "torch": dict(color="C1", marker="s"),
-              "numpy": dict(color="C2", marker="^")}
-    for ax, ((b, h, e, dt, causal), rs) in zip(axes.flat, groups.items()):
-        rs = sorted(rs, key=lambda r: r["seq"])
-        xs = [r["seq"] for r in rs]
-        for impl in bench.IMPLS:
-            ys = [r["gflops"].get(impl, math.nan) for r in rs]
-            if not all(math.isnan(y) for y in ys):
-                ax.plot(xs, ys, label=impl, linewidth=2, **styles[impl])
-        for name, rate in (sgemm or {}).items():
-            ax.axhline(rate, color="grey", linestyle="--" if name == "torch" else ":",
-                       linewidth=1.2, label=f"float32 matmul {sgemm_size}² ({name})")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("sequence length L (= S)")
-        ax.set_ylabel("GFLOP/s")
-        ax.set_title(f"B{b} H{h} D{e} {dt}{' causal' if causal else ''}")
-        ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.set_visible(False)
-    legend = {}  # one legend for every panel, under them, so that no curve is hidden
-    for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 5),
-               fontsize=9, frameon=False)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.09 / nrows, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _bench_cases(args):
     cases = [c for name in args.preset if name in bench.PRESETS
              for c in bench.PRESETS[name]] + list(args.case)
@@ -481,29 +360,13 @@ def cmd_bench_decode(args, cases, out):
     if args.json:
         _dump_json({"threads": threads, "read_bytes_per_s": bw, "decode": results}, out)
         return EXIT_OK
-    print(f"sdpa_numba bench (decode): {threads} threads; "
-          f"{bench_decode.read_label(threads)}: {bw / 1e9:.1f} GB/s before the cases; "
-          f"each case's % of read is against the read timed in its own rounds (read GB/s)",
-          file=out)
-    head = ["case", "timing", "vs torch", "sdpa_numba ms", "GB/s", "% of read", "read GB/s",
-            "torch ms", "torch GB/s", "err vs torch", "vs 1 thread"]
-    rows = []
-    for r in results:
-        t, g = r["time_s"], r["gb_per_s"]
-        rows.append([r["case"], r["timing"],
-                     _fmt(r.get("speed_vs_torch"), ".2f") + ("x" if "speed_vs_torch" in r else ""),
-                     _fmt(t["sdpa_numba"] * 1e3, ".3f"), _fmt(g["sdpa_numba"], ".1f"),
-                     _fmt(100 * r["of_read_bandwidth"], ".0f") + "%",
-                     _fmt(r["read_bytes_per_s"] / 1e9, ".1f"),
-                     _fmt(t.get("torch", math.nan) * 1e3, ".3f"), _fmt(g.get("torch"), ".1f"),
-                     _fmt(r.get("rel_err_vs_torch"), ".1e"),
-                     _fmt(r.get("speedup_vs_one_thread"), ".2f")])
-    print(_render(head, rows, args.markdown), file=out)
+    print(report.format_decode(results, bw, threads, bench_decode.read_label(threads),
+                               args.markdown), file=out)
     return EXIT_OK
 
 
 def cmd_bench_variants(args, out):
-    """The ``variants`` preset: its own table (:func:`sdpa_numba.bench.run_variants`)."""
+    """The ``variants`` preset: its own table (:func:`sdpa_numba.bench.variants.run_variants`)."""
     threads = _set_threads(args, torch_too=True)
     load = _warn_load()
     res = bench.run_variants(args.repeats, args.pause)
@@ -516,7 +379,7 @@ def cmd_bench_variants(args, out):
 
 
 def cmd_bench_varlen(args, out):
-    """The ``varlen`` preset: its own table (:func:`sdpa_numba.bench_varlen.run`)."""
+    """The ``varlen`` preset: its own table (:func:`sdpa_numba.bench.varlen.run`)."""
     threads = _set_threads(args, torch_too=True)
     load = _warn_load()
     res = bench_varlen.run(args.repeats, args.pause)
@@ -584,34 +447,19 @@ def cmd_bench(args, out=None):
                     "sgemm_gflops": sgemm, "results": results,
                     "runs": [{"sgemm_gflops": sg, "results": rs} for sg, rs in runs]}, out)
     else:
-        print(f"sdpa_numba bench: {threads} threads ({info['threading_layer']}), CPU "
-              f"{info['cpu']['name']}, avx512f {'yes' if info['cpu']['avx512f'] else 'no'}, "
-              f"load average before {_fmt(load, '.1f')}; time = min of {args.repeats} "
-              f"interleaved runs after warm-up", file=out)
-        if "torch" in args.impl and "torch" not in shown:
-            print("torch is not installed: no torch column (pip install 'sdpa_numba[bench]')",
-                  file=out)
-        print(format_table(results, shown, markdown=args.markdown), file=out)
-        for r in runs[0][1]:  # the first run's: later runs find the kernels warm
-            if "first_call_s" in r:
-                print(f"first sdpa_numba call, {r['dtype']} (compile or load from Numba's cache; "
-                      f"not in the times): {r['first_call_s']:.2f} s", file=out)
-        if sgemm:
-            n = args.sgemm_size
-            print(f"float32 {n}x{n} matmul: " + ", ".join(
-                f"{k} {v:.1f} GFLOP/s" for k, v in sgemm.items()), file=out)
-        if args.runs > 1:
-            print(f"\nover {args.runs} runs (the table above is the last): median (min-max)",
-                  file=out)
-            print(summarize_runs(runs, markdown=args.markdown), file=out)
+        print(report.format_dense(runs, shown, threads, info, load, args.repeats,
+                                  torch_missing="torch" in args.impl and "torch" not in shown,
+                                  sgemm_size=args.sgemm_size, markdown=args.markdown),
+              file=out)
     if args.plot:
-        plot_results(results, args.plot, sgemm,
-                     title=f"sdpa_numba bench, {threads} threads, {info['cpu']['name']}, "
-                           f"load average before the run {_fmt(load, '.1f')}",
-                     sgemm_size=args.sgemm_size)
+        report.plot_results(results, args.plot, sgemm,
+                            title=f"sdpa_numba bench, {threads} threads, "
+                                  f"{info['cpu']['name']}, load average before the run "
+                                  f"{report.fmt(load, '.1f')}",
+                            sgemm_size=args.sgemm_size)
         print(f"plot written to {args.plot}", file=sys.stderr)
     for r in disagree:
-        label = _label(r)
+        label = report.label(r)
         print(f"FAILED: sdpa_numba and torch disagree on {label}: relative error "
               f"{r['rel_err_vs_torch']:.2e} > {AGREEMENT[r['dtype']]:.0e}", file=sys.stderr)
     return EXIT_FAILED if disagree else EXIT_OK
@@ -621,11 +469,11 @@ def cmd_bench(args, out=None):
 
 
 def cmd_info(args, out=None):
-    from .cpu.specializations import specializations
+    from .precompile import cached_kernels
 
     out = out or sys.stdout
     info = bench.collect_info()
-    info["cached"] = [str(s) for s in specializations() if s.is_cached()]
+    info["cached"] = cached_kernels()
     if args.json:
         _dump_json(info, out)
         return EXIT_OK
@@ -635,7 +483,7 @@ def cmd_info(args, out=None):
     lines += [
         f"threads     {info['threads']} (Numba; set NUMBA_NUM_THREADS or --threads)",
         f"threading   {info['threading_layer']}",
-        f"load        {_fmt(info['load_average_1min'], '.2f')} (1-minute load average)",
+        f"load        {report.fmt(info['load_average_1min'], '.2f')} (1-minute load average)",
         f"platform    {info['platform']}",
         f"cpu         {cpu['name']}"
         + (" (from NUMBA_CPU_NAME/NUMBA_CPU_FEATURES)" if cpu["from_numba_env_override"] else ""),
@@ -657,23 +505,20 @@ def cmd_info(args, out=None):
 
 
 def cmd_warmup(args, out=None):
-    from .cpu.specializations import specializations
+    from .precompile import warmup
 
     out = out or sys.stdout
     dropout = {"no": (False,), "yes": (True,), "both": (False, True)}[args.dropout]
-    todo = specializations(args.dtype, args.mask, dropout, backward=not args.no_backward)
-    done = []
-    for spec in todo:
-        was_cached = spec.is_cached()
-        t0 = time.perf_counter()
-        spec.compile()
-        seconds = time.perf_counter() - t0
-        done.append({"kernel": spec.kernel, "dtype": spec.dtype, "mask": spec.mask,
-                     "dropout": spec.dropout, "seconds": seconds, "was_cached": was_cached,
-                     "cached": spec.is_cached()})
+
+    def progress(record):
         if not args.json:
-            how = "loaded from the cache" if was_cached else "compiled"
-            print(f"{str(spec):<40} {how} in {seconds:.1f} s", file=out, flush=True)
+            how = "loaded from the cache" if record["was_cached"] else "compiled"
+            print(f"{record['name']:<40} {how} in {record['seconds']:.1f} s", file=out,
+                  flush=True)
+
+    done = [{k: x for k, x in r.items() if k != "name"}
+            for r in warmup(args.dtype, args.mask, dropout, backward=not args.no_backward,
+                            progress=progress)]
     if args.json:
         _dump_json({"specializations": done}, out)
     missing = [d for d in done if d["cached"] is False]

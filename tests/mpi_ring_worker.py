@@ -182,8 +182,10 @@ def error_cases():
 
     before = ring_attention(q, k, v)
     # A rank failing midway (its second kernel call: ring step 1 when P > 1) stops everyone.
-    real = distributed._attend
-    real_bwd = distributed._attend_backward
+    from sdpa_numba.distributed import ring_backward, ring_forward
+
+    real = ring_forward._attend
+    real_bwd = ring_backward._attend_backward
     calls = [0]
 
     def failing(*args, **kwargs):
@@ -198,19 +200,19 @@ def error_cases():
             raise RuntimeError("injected failure")
         return real_bwd(*args, **kwargs)
 
-    distributed._attend = failing
+    ring_forward._attend = failing
     try:
         errors["midway_forward"] = expect_error(lambda: ring_attention(q, k, v))
     finally:
-        distributed._attend = real
+        ring_forward._attend = real
     out, lse = ring_attention(q, k, v, return_lse=True)
     calls[0] = 0
-    distributed._attend_backward = failing_bwd
+    ring_backward._attend_backward = failing_bwd
     try:
         errors["midway_backward"] = expect_error(
             lambda: ring_attention_backward(q, q, k, v, out, lse))
     finally:
-        distributed._attend_backward = real_bwd
+        ring_backward._attend_backward = real_bwd
     # The communicator still works after all of that.
     after = ring_attention(q, k, v)
     errors["usable_after"] = comm.gather(bool(np.array_equal(after, before)), root=0)

@@ -3,8 +3,9 @@ figures are consistent; speed itself is never a pass/fail test)."""
 
 import json
 
-from sdpa_numba import bench_decode, cli
-from sdpa_numba.bench_decode import DecodeCase
+from sdpa_numba import cli
+from sdpa_numba.bench import decode as bench_decode
+from sdpa_numba.bench.decode import DecodeCase
 
 SMALL = [DecodeCase(1, 4, 2, 40, 8), DecodeCase(1, 1, 1, 16, 8, tiny=True),
          DecodeCase(2, 2, 1, 37, 8, page_size=5), DecodeCase(3, 2, 2, 300, 8, ragged=True),

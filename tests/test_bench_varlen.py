@@ -5,7 +5,8 @@ import json
 
 import numpy as np
 
-from sdpa_numba import bench_varlen, cli
+from sdpa_numba import cli
+from sdpa_numba.bench import varlen as bench_varlen
 
 
 def test_varlen_preset_runs_and_compares_with_torch(capsys, monkeypatch):

@@ -165,13 +165,15 @@ def test_bench_markdown_table(capsys):
 
 def test_bench_exit_1_when_results_disagree_with_torch(capsys, monkeypatch):
     pytest.importorskip("torch")
-    real = bench.prepare
+    from sdpa_numba.bench import dense
+
+    real = dense.prepare
 
     def wrong(impl, case, q, k, v):
         fn = real(impl, case, q, k, v)
         return (lambda: fn() * 2) if impl == "sdpa_numba" else fn
 
-    monkeypatch.setattr(bench, "prepare", wrong)
+    monkeypatch.setattr(dense, "prepare", wrong)
     rc = cli.main(TINY_BENCH + ["-L", "16", "--causal", "no", "--impl", "sdpa_numba", "torch"])
     assert rc == cli.EXIT_FAILED
     assert "disagree" in capsys.readouterr().err

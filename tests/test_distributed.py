@@ -25,6 +25,8 @@ pytest.importorskip("mpi4py", reason="ring attention needs mpi4py: pip install -
 
 import sdpa_numba  # noqa: E402
 from sdpa_numba import distributed  # noqa: E402
+from sdpa_numba.distributed import mpi, steps  # noqa: E402
+from sdpa_numba.score.recipe import NO_LIMIT  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mpi_ring_worker.py"
@@ -219,6 +221,24 @@ def test_shard_rows_cover_the_sequence_once(layout):
     assert distributed.shard_rows(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("n, size, rank, name", [
+    (8, 2, 5, "rank"), (8, 2, 2, "rank"), (8, 2, -1, "rank"), (8, 0, 0, "size"),
+    (8, -2, 0, "size"), (-4, 2, 0, "n")])
+def test_shard_rows_refuse_a_rank_outside_the_communicator(n, size, rank, name):
+    # Unchecked, rank 5 of 2 gave rows past the end, rank -1 negative rows, size 0 a
+    # ZeroDivisionError.
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        distributed.shard_rows(n, size, rank)
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        distributed.shard_rows(n, size, rank, "zigzag")
+
+
+def test_shard_rows_refuse_non_integers():
+    for args, name in (((8.0, 2, 0), "n"), ((8, 2.0, 0), "size"), ((8, 2, True), "rank")):
+        with pytest.raises(TypeError, match=rf"^{name} must be an integer"):
+            distributed.shard_rows(*args)
+
+
 def test_shard_rows_refuse_uneven_splits():
     with pytest.raises(ValueError, match="does not split into 4 equal parts"):
         distributed.shard_rows(6, 2, 0, "zigzag")
@@ -236,7 +256,7 @@ def _local_visible(nq, nk, offset, left, right):
     return _visible(np.arange(nq), np.arange(nk), offset, left, right)
 
 
-NL = distributed.NO_LIMIT
+NL = NO_LIMIT
 #: (is_causal-like window (left, right), alignment offset factor, alibi): the work lists'
 #: cases. right 0 is causality; goff is size * (n_k - n_q) for bottom-right alignment.
 WINDOWS = [(NL, 0), (NL, NL), (2, 0), (0, 0), (3, 1), (NL, 2), (1, NL), (7, 0), (20, 0)]
@@ -265,7 +285,7 @@ def test_work_lists_see_every_visible_pair_once(layout):
                             for t in range(P):
                                 src = (rank - t) % P
                                 krows = distributed.shard_rows(S, P, src, layout)
-                                for qs, ks, o, lf, rt in distributed._work(
+                                for qs, ks, o, lf, rt in steps.step_work(
                                         layout, n_q, n_k, P, rank, src, goff, left, right,
                                         alibi):
                                     qi, kj = qrows[qs], krows[ks]
@@ -294,7 +314,7 @@ def test_work_skips_steps_a_narrow_window_leaves_empty():
     P, n = 4, 6
     for rank in range(P):
         steps = [t for t in range(P)
-                 if distributed._work("contiguous", n, n, P, rank, (rank - t) % P, 0, 2, 0,
+                 if steps.step_work("contiguous", n, n, P, rank, (rank - t) % P, 0, 2, 0,
                                       False)]
         assert steps == ([0] if rank == 0 else [0, 1]), (rank, steps)
 
@@ -344,7 +364,7 @@ def test_mpich_answers_the_cuda_query(monkeypatch):
         pytest.skip("this mpi4py asks the library itself")
     if "MPICH" not in MPI.Get_library_version():
         pytest.skip("MPICH's libmpi is the one known here to export the query")
-    answer = distributed._mpix_query_cuda_support()
+    answer = mpi._mpix_query_cuda_support()
     assert answer is not None, "MPIX_Query_cuda_support was not found in the loaded libmpi"
     monkeypatch.delenv(distributed.CUDA_AWARE_ENV, raising=False)
     assert distributed.mpi_cuda_aware() is answer

@@ -72,6 +72,67 @@ def test_unsupported_dtype_is_a_type_error_naming_the_dtype():
         snt.scaled_dot_product_attention(f, f.long(), f)
 
 
+def _mixed_device_calls():
+    """Every operator called with CPU and meta tensors mixed: (what, call, the argument on
+    meta). Without the check the Meta dispatch key won and the fake kernel returned a CPU
+    tensor of uninitialized memory."""
+    q, k, v = randn(1, 2, 5, 4), randn(1, 2, 7, 4), randn(1, 2, 7, 3)
+    out, lse = randn(1, 2, 5, 3), randn(1, 2, 5)
+    meta = torch.empty(1, 2, 7, 4, device="meta")
+    kc, vc = randn(2, 9, 2, 4), randn(2, 9, 2, 3)
+    qd, lens = randn(2, 1, 2, 4), torch.tensor([3, 4])
+    qv, kv, vv = randn(6, 2, 4), randn(9, 2, 4), randn(9, 2, 3)
+    cu_q, cu_k = torch.tensor([0, 2, 6]), torch.tensor([0, 4, 9])
+    return [
+        ("attention_forward", lambda: ops.attention_forward(
+            q, meta, meta.new_empty(1, 2, 7, 3), None, 0.0, False, None, False, None), "key"),
+        ("attention_forward", lambda: ops.attention_forward(
+            q, k, v, torch.empty(5, 7, device="meta"), 0.0, False, None, False, None),
+         "attn_mask"),
+        ("attention_backward", lambda: ops.attention_backward(
+            out.to("meta"), q, k, v, out, lse, None, 0.0, False, None, False, None, False),
+         "grad_out"),
+        ("attention_forward", lambda: snt.scaled_dot_product_attention(
+            q.to("meta"), k, v), "query"),
+        ("attention_with_kvcache", lambda: snt.attention_with_kvcache(
+            qd, kc.to("meta"), vc.to("meta"), lens), "k_cache"),
+        ("attention_with_kvcache", lambda: ops.attention_with_kvcache(
+            qd, kc, vc, lens, randn(2, 1, 2, 4).to("meta"), randn(2, 1, 2, 3)), "k"),
+        ("attention_with_kvcache", lambda: snt.attention_with_kvcache(
+            qd, kc, vc, lens.to("meta")), "cache_seqlens"),
+        ("merge_attention_states", lambda: snt.merge_attention_states(
+            out, lse, out.to("meta"), lse.to("meta")), "out_b"),
+        ("merge_attention_states", lambda: ops.merge_attention_states(
+            torch.stack([out, out]), torch.stack([lse, lse]).to("meta")), "lse_a"),
+        ("varlen_attention_forward", lambda: snt.varlen_attention(
+            qv, kv.to("meta"), vv, cu_q, cu_k), "k"),
+        ("varlen_attention_backward", lambda: ops.varlen_attention_backward(
+            randn(6, 2, 3), qv, kv, vv, randn(6, 2, 3), randn(2, 6).to("meta"), cu_q, cu_k,
+            0.0, False, None, None), "lse"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_mixed_device_calls())))
+def test_mixed_device_types_are_refused_naming_the_arguments(case):
+    """As torch's SDPA ("Expected query, key, and value to have the same device type"): a
+    ValueError naming the operator and the arguments' devices, not uninitialized memory."""
+    what, call, name = _mixed_device_calls()[case]
+    with pytest.raises(ValueError, match=rf"{what}: expected .*same device type.*"
+                                         rf"\b{name} on meta"):
+        call()
+
+
+def test_host_read_arguments_may_stay_on_the_cpu():
+    """The seed (a CPU int64 tensor by the schema), sequence lengths and ALiBi slopes are read
+    on the host: on the CPU beside meta tensors they are not a mix (shapes still come)."""
+    q, k, v = (torch.empty(1, 2, 5, 4, device="meta"), torch.empty(1, 2, 7, 4, device="meta"),
+               torch.empty(1, 2, 7, 3, device="meta"))
+    out, _ = ops.attention_forward(q, k, v, None, 0.5, False, None, False,
+                                   torch.tensor(3, dtype=torch.int64), None, None, "top_left",
+                                   None, torch.rand(2, dtype=torch.float64))
+    assert out.device.type == "meta" and out.shape == (1, 2, 5, 3)
+
+
 def test_sdpafunction_is_a_deprecated_alias():
     q = randn(1, 2, 3, 4)
     with pytest.warns(DeprecationWarning, match="scaled_dot_product_attention"):

@@ -105,14 +105,16 @@ def test_kvcache_strided_cache_views():
 def test_kvcache_variants_are_passed_by_their_api_names(monkeypatch):
     """The variants reach the NumPy-level API under its keywords (window as a pair), and only
     those given; cache_leftpad as an integer array; the results are the API's, bitwise."""
+    from sdpa_numba.torch import serving
+
     seen = []
-    real = snt._kvcache
+    real = serving._kvcache
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(snt, "_kvcache", spy)
+    monkeypatch.setattr(serving, "_kvcache", spy)
     q, k_cache, v_cache, _, _, lens = kv_problem(4, B=2)
     lens = lens[:2]
     slopes, sinks = torch.rand(6, dtype=torch.float64), torch.rand(6, dtype=torch.float64)

@@ -1,5 +1,5 @@
 """Varlen on the CPU (``varlen_attention`` and its backward): a ragged batch of 8 causal
-sequences packed back to back, H8 D64 float32, lengths from ``bench_varlen.lengths`` (100 to
+sequences packed back to back, H8 D64 float32, lengths from ``bench.varlen.lengths`` (100 to
 2000 tokens) scaled to the longest ``L`` (the ``bench --preset varlen`` batch at L = 2000).
 
 Commits older than the varlen API have no ``varlen_attention``: setup raises
@@ -12,7 +12,7 @@ import sdpa_numba
 
 from .common import flops, min_time
 
-#: The preset's lengths (sdpa_numba.bench_varlen.lengths()), fixed here so that every commit
+#: The preset's lengths (sdpa_numba.bench.varlen.lengths()), fixed here so that every commit
 #: times the same batch.
 LENGTHS = np.array([100, 2000, 1666, 1557, 1177, 1123, 918, 278])
 

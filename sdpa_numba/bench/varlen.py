@@ -11,13 +11,13 @@ user would run it, on inputs already laid out for it (the layout work is not tim
 
 The backward likewise: ``varlen_attention_backward`` against torch's autograd backward of
 each way (``torch.autograd.backward`` of the outputs kept from one forward). Times are the
-minimum of interleaved rounds with a pause before each call (:func:`sdpa_numba.bench.
-time_interleaved`); the ratio is the faster torch way's time over ours.
+minimum of interleaved rounds with a pause before each call
+(:func:`sdpa_numba.bench.timing.time_interleaved`); the ratio is the faster torch way's time over ours.
 """
 
 import numpy as np
 
-from .bench import rel_error, time_interleaved, torch_available
+from .timing import rel_error, time_interleaved, torch_available
 
 #: Sequences, heads, head dim, dtype of the preset; lengths 100..2000 from a fixed seed.
 N_SEQ, HEADS, DIM, DTYPE = 8, 8, 64, "float32"
@@ -35,7 +35,7 @@ def lengths(n=N_SEQ, lo=100, hi=2000, seed=16):
 def prepare(lens, heads, dim, dtype, seed=0):
     """``(forward, backward)``: dicts of ``{impl: zero-argument callable}``; the forwards
     return the output packed ``(total, H, D)``, the backwards dq packed."""
-    from . import varlen_attention, varlen_attention_backward
+    from .. import varlen_attention, varlen_attention_backward
 
     rng = np.random.default_rng(seed)
     dt = np.dtype(dtype)

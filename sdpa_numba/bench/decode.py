@@ -1,15 +1,14 @@
 """Decode benchmarks, for ``python -m sdpa_numba bench --preset decode``.
 
-Decoding is memory-bound, so its figure is bandwidth: bytes of K and V read per second,
-against a NumPy streaming read on as many threads as the kernels run (:class:`StreamingRead`:
-each thread reduces its part of a 256 MiB float32 array) timed in the same interleaved rounds
-as the case, and against torch's SDPA on the same cache (laid
-out ``(B, H, S, D)``, torch's preferred layout; ``enable_gqa`` for GQA), with a pause before
-each timed call (see
-:data:`sdpa_numba.bench.PAUSE`). ``attention_with_kvcache`` reads the cache in FlashAttention's
-``(B, S, H, D)`` layout. Latency of a tiny call is the median after an idle pause of 50 ms,
-since that is what a serving loop sees (a parallel launch after an idle pause pays for waking
-the thread pool).
+Decoding is memory-bound, so its figure is bandwidth: bytes of K and V read per second, against
+a NumPy streaming read on as many threads as the kernels run (:class:`StreamingRead`: each
+thread reduces its part of a 256 MiB float32 array) timed in the same interleaved rounds as the
+case, and against torch's SDPA on the same cache (laid out ``(B, H, S, D)``, torch's preferred
+layout; ``enable_gqa`` for GQA), with a pause before each timed call (see
+:data:`sdpa_numba.bench.timing.PAUSE`). ``attention_with_kvcache`` reads the cache in
+FlashAttention's ``(B, S, H, D)`` layout. Latency of a tiny call is the median after an idle
+pause of 50 ms, since that is what a serving loop sees (a parallel launch after an idle pause
+pays for waking the thread pool).
 """
 
 import statistics
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bench import time_interleaved, torch_available
+from .timing import time_interleaved, torch_available
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ def read_label(threads):
 
 def prepare(case, seed=0):
     """``{impl: zero-argument callable returning the output as (B, Hq, D)}``."""
-    from . import attention_with_kvcache
+    from .. import attention_with_kvcache
 
     rng = np.random.default_rng(seed)
     dt = np.dtype(case.dtype)

@@ -1,0 +1,175 @@
+"""The validated ring call: the local checks on every rank, then the collective ones
+(:func:`prepare`), giving :class:`Ring`, what every ring step needs."""
+
+import dataclasses
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ..problem.arguments import check_flag
+from .agreement import compare, digest, signature
+from .layouts import check_layout
+from .mpi import mpi_cuda_aware
+from .ops import DeviceOps, HostOps
+from .steps import step_work
+
+#: The attention variants of the dense API that ring attention shards (validated as the
+#: dense functions do, with the same keywords and defaults).
+_SHARDED = ("window", "alignment", "softcap", "alibi_slopes", "sinks")
+
+#: The variants it refuses unless off: the user's functions see the positions of one dense
+#: call, and a block mask is laid out for the whole (L, S) problem.
+_REFUSED = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "block_mask")
+
+
+def _check_variants(attn_mask, dropout_p, variants):
+    unknown = sorted(set(variants) - set(_SHARDED) - set(_REFUSED))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}")
+    if attn_mask is not None:
+        raise ValueError("ring attention takes no dense attn_mask: an (L, S) mask cannot be "
+                         "sharded along with the keys; use is_causal, window, alignment, "
+                         "alibi_slopes, softcap or sinks, which depend on positions only")
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real) \
+            or dropout_p != 0:
+        raise NotImplementedError(f"ring attention has no dropout yet (dropout_p={dropout_p!r}):"
+                                  f" pass dropout_p=0")
+    used = [name for name in _REFUSED if variants.get(name) is not None
+            and not (name == "mod_args" and isinstance(variants[name], (tuple, list))
+                     and len(variants[name]) == 0)]
+    if used:
+        raise NotImplementedError(
+            f"ring attention does not shard {', '.join(used)}: a score_mod or mask_mod is "
+            f"called with the positions i, j of one dense call (not the global ones), and a "
+            f"block_mask covers the whole (L, S) problem; the variants that depend on global "
+            f"positions only (is_causal, window, alignment, alibi_slopes) and softcap and "
+            f"sinks are sharded")
+    return {name: variants[name] for name in _SHARDED if name in variants}
+
+
+def _is_host_array(x):
+    return isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__")
+
+
+def _device_kind(named):
+    """'host' for NumPy arrays, 'cuda' for CUDA arrays (Numba device arrays, real or
+    simulated, CuPy, torch CUDA tensors); TypeError for anything else or a mix."""
+    from ..api import _is_device_array
+
+    kinds = {}
+    for name, x in named:
+        if _is_device_array(x):
+            kinds[name] = "cuda"
+        elif _is_host_array(x):
+            kinds[name] = "host"
+        else:
+            raise TypeError(f"{name} must be a NumPy array or a CUDA array, got "
+                            f"{type(x).__name__}")
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{n} on {k}" for n, k in kinds.items())
+        raise TypeError(f"inputs mix host and device arrays ({desc}): put them on one device")
+    return next(iter(kinds.values()))
+
+
+def _check_arrays(named):
+    for name, x in named:
+        least = 1 if name == "lse" else 2
+        if x.ndim < least:
+            raise ValueError(f"{name} must have at least {least} dims, got shape {x.shape}")
+
+
+def _check_local(q, k, layout):
+    # tuple(): the CUDA simulator's shapes take no negative index
+    L, S = tuple(q.shape)[-2], tuple(k.shape)[-2]
+    if layout == "zigzag" and (L % 2 or S % 2):
+        raise ValueError(f"the zigzag layout needs shards of even length (two equal chunks "
+                         f"each): query {q.shape}, key {k.shape}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """The validated call: what every ring step needs."""
+
+    scale: float
+    enable_gqa: bool
+    layout: str
+    recipe: Any       # the dense calls' recipe: soft cap, ALiBi; no sinks (offset/window per call)
+    goff: int         # the global alignment offset (S - L over the whole sequence, or 0)
+    left: int         # the window, causality folded in (NO_LIMIT: unlimited)
+    right: int
+    sinks: Any        # the plan's recipe with the sinks (None without)
+    hq: int
+    batch: tuple
+    L: int
+    out_shape: tuple  # this rank's output shard
+    dtype: Any
+    device: str       # "host" (NumPy arrays) or "cuda" (Numba device arrays)
+    stage: bool       # device buffers go through host buffers to MPI (not CUDA-aware)
+
+    @property
+    def ops(self):
+        return DeviceOps if self.device == "cuda" else HostOps
+
+    def work(self, n_q, n_k, size, rank, src):
+        return step_work(self.layout, n_q, n_k, size, rank, src, self.goff, self.left,
+                     self.right, self.recipe.alibi is not None)
+
+
+def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask, dropout_p,
+             variants, extra=None):
+    """The local and the collective checks; every rank raises if one fails. Returns the
+    validated call as a :class:`Ring`."""
+    error = None
+    device, restore = "host", None
+    try:
+        sharded = _check_variants(attn_mask, dropout_p, variants)
+        check_layout(layout)
+        is_causal = check_flag("is_causal", is_causal)
+        enable_gqa = check_flag("enable_gqa", enable_gqa)
+        device = _device_kind(list(zip(names, arrays)))
+        if device == "cuda":
+            from ..api import adopt
+            from ..gpu.arrays import is_simulated_mode
+            from ..problem import check_device_strides
+
+            arrays, restore = adopt(device, list(zip(names, arrays)))
+            check_device_strides(list(zip(names, arrays)))
+            from .._bf16 import is_bfloat16
+
+            if any(is_bfloat16(x.dtype) for x in arrays):
+                # The ring's merge and sum kernels (sdpa_numba.gpu.ring) read and write plain
+                # floats; bfloat16 storage would need the kernels' storage views.
+                raise NotImplementedError("ring attention on bfloat16 CUDA arrays is not built "
+                                          "yet: pass float16, float32 or float64, or NumPy "
+                                          "arrays")
+            # The simulator's arrays are host memory without __cuda_array_interface__.
+            stage = is_simulated_mode() or not mpi_cuda_aware()
+        else:
+            stage = False
+        _check_arrays(list(zip(names, arrays)))
+        if extra is not None:
+            extra(arrays)
+        q, k = arrays[names.index("query")], arrays[names.index("key")]
+        _check_local(q, k, layout)
+        from ..problem import plan
+
+        # The dense functions' checks of the shards and of the variants (its recipe's offset
+        # is the shards' S - L; the whole sequence's is size times that).
+        p = plan(q, k, arrays[names.index("value")], None, is_causal, scale, enable_gqa,
+                 **sharded)
+        r = p.recipe
+        ring = Ring(scale=p.scale, enable_gqa=enable_gqa, layout=layout,
+                     recipe=r._replace(sinks=None, offset=np.int64(0)),
+                     goff=coll.size * int(r.offset), left=int(r.left), right=int(r.right),
+                     sinks=None if r.sinks is None else r, hq=p.hq, batch=p.batch, L=p.L,
+                     out_shape=p.out_shape, dtype=p.dtype, device=device, stage=stage)
+    except Exception as e:  # every rank must hear of it before anyone communicates
+        error = e
+    coll.agree(error, "before the first step (bad input)")
+    sig = signature(arrays, is_causal=is_causal, scale=ring.scale, enable_gqa=enable_gqa,
+                     device=device, layout=layout, window=(ring.left, ring.right), offset=ring.goff,
+                     softcap=float(r.softcap), alibi_slopes=digest(r.alibi),
+                     sinks=digest(r.sinks))
+    compare(coll, sig, names)
+    return ring, arrays, (restore or (lambda x: x))

@@ -1,0 +1,349 @@
+"""The user-facing functions on torch tensors: :func:`scaled_dot_product_attention`,
+:func:`varlen_attention`, :func:`attention_with_kvcache` and :func:`merge_attention_states`
+check their arguments (naming them) before the operators are called (and traced), then call
+the operators; ``SDPAFunction`` is the deprecated name of earlier versions."""
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from .dense import attention_forward
+from .serving import (attention_with_kvcache_op, attention_with_kvcache_read_op,
+                      kvcache_forward, merge_attention_states_op)
+from .tensors import check_index, check_tensor, seed_tensor
+from .varlen import varlen_attention_forward
+
+FUNC_GRAD = (
+    "sdpa_numba.torch: torch.func.grad, vjp, jacrev, jvp and hessian are not supported over "
+    "this operator (torch's custom operators with autograd do not support torch.func's "
+    "autodiff transforms): use torch.autograd.grad / .backward(); torch.vmap works")
+
+
+def _check_no_func_grad(*tensors):
+    """A clear error inside torch.func's autodiff transforms, instead of torch's message about
+    an autograd.Function's setup_context that the user never wrote."""
+    is_wrapped = getattr(torch._C._functorch, "is_gradtrackingtensor", None)
+    if is_wrapped is not None and any(t is not None and is_wrapped(t) for t in tensors):
+        raise NotImplementedError(FUNC_GRAD)
+
+
+NUMBA_LEVEL = (
+    "sdpa_numba.torch.{func}: {names} cannot cross a PyTorch operator's schema (they are Numba "
+    "functions and objects, not tensors or numbers): use the NumPy-level sdpa_numba.{func} / "
+    "{func}_backward (which take them with NumPy arrays, and CUDA arrays: torch CUDA tensors "
+    "included)")
+
+
+def _check_schema_arguments(func, tensors, optional, window, score_mod, mask_mod, mod_args,
+                            score_mod_grad, block_mask):
+    """The public wrappers' checks, before the operator is called (and traced): the
+    Numba-level variants refused (NotImplementedError naming them and ``func``'s NumPy-level
+    twin), ``tensors`` (name, tensor) required, ``optional`` ones tensors or None (a bool
+    ``attn_mask`` allowed), the window's sides returned. Outside torch.compile, torch.func's
+    autodiff transforms are refused."""
+    numba_level = [name for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                                        ("score_mod_grad", score_mod_grad),
+                                        ("block_mask", block_mask)) if x is not None]
+    if mod_args != () and mod_args is not None:
+        numba_level.append("mod_args")
+    if numba_level:
+        raise NotImplementedError(NUMBA_LEVEL.format(func=func, names=", ".join(numba_level)))
+    for name, t in tensors:
+        if t is None:
+            raise TypeError(f"{name} must be a torch.Tensor, got None")
+        check_tensor(t, name)
+    for name, t in optional:
+        check_tensor(t, name, mask=name == "attn_mask")
+    if not torch.compiler.is_compiling():
+        _check_no_func_grad(*(t for _, t in tensors + optional))
+    return _check_window(window)
+
+
+def _check_window(window):
+    """``window`` as the op's two sides, with the NumPy-level API's errors."""
+    from ..problem.variants import check_window
+
+    check_window(window)  # TypeError / ValueError naming the argument
+    if window is None:
+        return None, None
+    return tuple(None if x is None else int(x) for x in window)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *, seed=None,
+                                 window=None, alignment="top_left", softcap=None,
+                                 alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
+                                 mod_args=(), score_mod_grad=None, block_mask=None):
+    """``torch.nn.functional.scaled_dot_product_attention`` on sdpa_numba's CPU or CUDA
+    kernels, as a PyTorch operator: autograd (gradients for query, key, value and a float
+    ``attn_mask``), ``torch.compile`` (no graph break), ``vmap``, meta tensors.
+
+    Same arguments and semantics as torch's (``dropout_p`` applies whenever it is > 0, as in
+    torch's functional form: pass 0 in evaluation). ``seed`` (an int in ``[0, 2**64)``) fixes
+    the dropout mask (see :mod:`sdpa_numba.dropout`: the same seed gives the mask that
+    :func:`sdpa_numba.scaled_dot_product_attention` draws); None draws one from torch's
+    generator, and the backward replays that mask. CPU tensors run on the CPU kernels, CUDA
+    tensors on the CUDA kernels; float16, bfloat16 (needs ml_dtypes), float32, float64; 16-bit
+    inputs compute in float32. Double backward works: with ``create_graph=True`` the gradients
+    are taken through torch operations (L x S memory) so that they have second-order terms.
+
+    The variants of :func:`sdpa_numba.scaled_dot_product_attention` that fit an operator
+    schema, keyword-only, same semantics:
+
+    * ``window=(left, right)``: query ``i`` sees keys ``i' - left <= j <= i' + right``
+      (``None`` on a side: unlimited), ``i' = i`` or, with ``alignment="bottom_right"``,
+      ``i + S - L`` (which also moves ``is_causal`` and ALiBi's diagonal);
+    * ``softcap=c``: scores ``c * tanh(s / c)`` (differentiable);
+    * ``alibi_slopes``: a tensor ``(Hq,)`` or ``(*batch, Hq)``; adds ``-slope * |i' - j|``
+      (no gradient for the slopes: they are constants in every model that uses them);
+    * ``sinks``: a tensor ``(Hq,)``, one logit per head in every row's softmax denominator
+      (gpt-oss's attention sinks); differentiable: autograd gives its gradient.
+
+    16-bit slopes or sinks are read in float32. ``score_mod``, ``mask_mod``, ``mod_args``,
+    ``score_mod_grad`` and ``block_mask`` raise NotImplementedError: Numba functions cannot
+    cross an operator's schema; the NumPy-level API takes them.
+    """
+    window_left, window_right = _check_schema_arguments(
+        "scaled_dot_product_attention", [("query", query), ("key", key), ("value", value)],
+        [("attn_mask", attn_mask), ("alibi_slopes", alibi_slopes), ("sinks", sinks)], window,
+        score_mod, mask_mod, mod_args, score_mod_grad, block_mask)
+    out, _ = attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, seed_tensor(seed, dropout_p), window_left,
+                               window_right, alignment, softcap, alibi_slopes, sinks)
+    return out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, dropout_p=0.0, is_causal=False, scale=None, seed=None,
+                     return_lse=False, window=None, alignment="top_left", softcap=None,
+                     alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
+                     mod_args=(), score_mod_grad=None, block_mask=None):
+    """:func:`sdpa_numba.varlen_attention` on torch tensors (FlashAttention's
+    ``flash_attn_varlen_func`` layout), as the PyTorch operator
+    ``torch.ops.sdpa_numba.varlen_attention_forward``: autograd (gradients for q, k, v and
+    the sinks; double backward through torch operations, per sequence), ``torch.compile``
+    (no graph break), meta tensors.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (total_q, Hq, E)
+        A ragged batch packed back to back; float16, bfloat16 (needs ml_dtypes), float32 or
+        float64; CPU or CUDA.
+    k, v : torch.Tensor, shape (total_k, H, E) / (total_k, H, Ev)
+        ``Hq`` a multiple of ``H`` (grouped-query attention).
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor of int32 or int64, shape (B + 1,)
+        Cumulative sequence lengths (read on the host); sequences of length 0 are allowed.
+    max_seqlen_q, max_seqlen_k : int, optional
+        FlashAttention's hints: checked to be at least the longest sequence if given.
+    dropout_p, is_causal, scale, seed
+        As in :func:`scaled_dot_product_attention`: ``seed`` None draws one from torch's
+        generator; sequence ``b`` gets the dense stream of batch entry ``b``.
+    return_lse : bool
+        Also return the log-sum-exp ``(Hq, total_q)`` in the compute dtype (no gradient).
+    window, alignment, softcap, alibi_slopes, sinks
+        The variants, as in :func:`scaled_dot_product_attention`, per sequence (rows and keys
+        counted from the sequence's first; ``alibi_slopes`` ``(Hq,)`` or ``(B, Hq)``).
+    score_mod, mask_mod, mod_args, score_mod_grad, block_mask
+        Refused (NotImplementedError): Numba functions cannot cross an operator's schema;
+        the NumPy-level :func:`sdpa_numba.varlen_attention` takes them.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (total_q, Hq, Ev), q's dtype, contiguous
+    lse : torch.Tensor, shape (Hq, total_q), only with ``return_lse=True``
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad input, naming the argument (cu_seqlens' values are checked by the NumPy-level
+        API when the operator runs).
+    """
+    window_left, window_right = _check_schema_arguments(
+        "varlen_attention", [("q", q), ("k", k), ("v", v)],
+        [("alibi_slopes", alibi_slopes), ("sinks", sinks)], window, score_mod, mask_mod,
+        mod_args, score_mod_grad, block_mask)
+    check_index(cu_seqlens_q, "cu_seqlens_q")
+    check_index(cu_seqlens_k, "cu_seqlens_k")
+    out, lse = varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, dropout_p, is_causal, scale,
+                                        seed_tensor(seed, dropout_p), window_left,
+                                        window_right, alignment, softcap, alibi_slopes, sinks)
+    return (out, lse) if return_lse else out
+
+
+NO_BACKWARD = (
+    "sdpa_numba.torch.attention_with_kvcache is an inference operator (it writes the cache and "
+    "has no backward): {names} require(s) grad with grad mode on; call it under "
+    "torch.no_grad() / torch.inference_mode(), or use sdpa_numba.torch."
+    "scaled_dot_product_attention on the cache's contents when gradients are wanted")
+
+
+def _eager_cpu(*tensors):
+    """Whether a call on these tensors (None: absent) would run the operator's CPU kernel
+    eagerly: not under ``torch.compile`` or a dispatch mode (fake tensors, ``make_fx``), and
+    every tensor a plain CPU tensor, not one wrapped by a torch.func transform (``vmap``'s
+    batched tensors have no storage and need the operator's vmap rule). Then the operator's
+    body may be called directly."""
+    if torch.compiler.is_compiling() or _dispatch_mode() is not None:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(t is None or (type(t) is Tensor and t.device.type == "cpu" and not wrapped(t))
+               for t in tensors)
+
+
+def _dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None,
+                           block_table=None, cache_leftpad=None, is_causal=True, scale=None,
+                           return_lse=False, window=None, alignment=None, softcap=None,
+                           alibi_slopes=None, sinks=None):
+    """:func:`sdpa_numba.attention_with_kvcache` on torch tensors, as the PyTorch operator
+    ``torch.ops.sdpa_numba.attention_with_kvcache`` (``torch.compile`` traces it with no graph
+    break; meta tensors get shapes), or without ``k`` and ``v`` as
+    ``torch.ops.sdpa_numba.attention_with_kvcache_read``, which only reads the caches.
+
+    New query tokens against a key/value cache, contiguous or paged (FlashAttention's
+    ``flash_attn_with_kvcache`` layouts), with an optional in-place append of ``k`` and ``v``
+    into the caches: the one documented write to an input (the operator declares the caches
+    mutated, so torch.compile keeps the write).
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, Lq, Hq, E)
+        float16, bfloat16 (needs ml_dtypes), float32 or float64; CPU or CUDA.
+    k_cache, v_cache : torch.Tensor, shape (B, S_max, H, E) / (B, S_max, H, Ev)
+        Or ``(num_pages, page_size, H, ·)`` with ``block_table``. q's dtype and device; any
+        strides with the last dim contiguous (``key.transpose(1, 2)`` of a ``(B, H, S, E)``
+        tensor is taken without a copy).
+    cache_seqlens : int or torch.Tensor of ints, shape (B,)
+        Keys already in the cache per sequence (read on the host).
+    k, v : torch.Tensor, optional
+        New keys and values ``(B, Lq_new, H, ·)``, written into the caches first.
+    block_table : torch.Tensor of int32, shape (B, max_pages), optional
+        A paged cache's page table.
+    cache_leftpad : torch.Tensor of ints, shape (B,), optional
+        Where each sequence's keys start in its cache (left padding; passed to the NumPy-level
+        API, which says whether it takes it).
+    is_causal : bool
+        Bottom-right aligned causality (default True): query token ``t`` sees the cache and
+        the new tokens up to its own position; False: every key.
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    return_lse : bool
+        Also return the log-sum-exp ``(B, Hq, Lq)`` in the compute dtype.
+    window, alignment, softcap, alibi_slopes, sinks
+        The variants, spelled as in :func:`scaled_dot_product_attention`; passed to the
+        NumPy-level API only when given (None: its defaults), which raises
+        NotImplementedError for those it does not take.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (B, Lq, Hq, Ev), q's dtype, contiguous
+    lse : torch.Tensor, shape (B, Hq, Lq), only with ``return_lse=True``
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad input, naming the argument, before the cache is written.
+    NotImplementedError
+        When gradients are wanted (grad mode on and an input requires grad): the operator
+        has no backward. (Called directly, ``torch.ops.sdpa_numba.attention_with_kvcache``
+        registers no autograd; differentiating through it raises torch's "no autograd
+        formula" error.) Also under ``torch.vmap`` with ``k`` and ``v`` (an in-place append
+        cannot be vmapped: see :func:`attention_with_kvcache_op`); without them, vmap works
+        (the vmapped dim joins the batch dim).
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t is None:
+            raise TypeError(f"{name} must be a torch.Tensor, got None")
+        check_tensor(t, name)
+    for name, t in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        check_tensor(t, name)
+    if torch.is_grad_enabled():
+        wanting = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                        ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+                                        ("sinks", sinks))
+                   if t is not None and t.requires_grad]
+        if wanting:
+            raise NotImplementedError(NO_BACKWARD.format(names=", ".join(wanting)))
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if q.dim() < 1:
+            raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {tuple(q.shape)}")
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int64)
+    window_left, window_right = _check_window(window)
+    variants = (window_left, window_right, alignment, softcap, alibi_slopes, sinks)
+    if _eager_cpu(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                  alibi_slopes, sinks):
+        # No tracing, no fake tensors, no dispatch mode: the operator's body itself. Through
+        # torch's dispatcher a call costs ~0.1 ms more, as much as a decode step of a small
+        # model's layer.
+        out, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                   cache_leftpad, is_causal, scale, *variants)
+    elif k is None and v is None:  # nothing to append: the operator that declares no mutation
+        out, lse = attention_with_kvcache_read_op(q, k_cache, v_cache, cache_seqlens,
+                                                  block_table, cache_leftpad, is_causal, scale,
+                                                  *variants)
+    else:
+        out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v,
+                                             block_table, cache_leftpad, is_causal, scale,
+                                             *variants)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(out_a, lse_a, out_b=None, lse_b=None):
+    """:func:`sdpa_numba.merge_attention_states` on torch tensors, as the PyTorch operator
+    ``torch.ops.sdpa_numba.merge_attention_states``, with autograd (the gradients of both
+    results, in torch operations) and ``torch.compile`` support.
+
+    Parameters
+    ----------
+    out_a, lse_a, out_b, lse_b : torch.Tensor
+        Two parts: normalized attention outputs ``(..., Ev)`` over disjoint key sets and their
+        log-sum-exp ``(...)``. Or the n-ary form ``merge_attention_states(outs, lses)``:
+        ``outs (n, ..., Ev)`` and ``lses (n, ...)`` (lists or tuples of tensors are stacked
+        first).
+
+    Returns
+    -------
+    out : torch.Tensor, shape (..., Ev), the outputs' dtype
+    lse : torch.Tensor, shape (...), the compute dtype
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad input, naming the argument.
+    """
+    if (out_b is None) != (lse_b is None):
+        raise TypeError("merge_attention_states takes (out_a, lse_a, out_b, lse_b) or "
+                        "(outs, lses): out_b and lse_b go together")
+    if out_b is None:
+        out_a, lse_a = (torch.stack(list(x)) if isinstance(x, (list, tuple)) else x
+                        for x in (out_a, lse_a))
+    if out_a is None:
+        raise TypeError("out_a must be a torch.Tensor, got None")
+    check_tensor(out_a, "out_a")
+    check_tensor(out_b, "out_b")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return merge_attention_states_op(out_a, lse_a, out_b, lse_b)
+
+
+class SDPAFunction:
+    """Deprecated: earlier versions' ``torch.autograd.Function``. ``SDPAFunction.apply(query,
+    key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)`` still works: it
+    calls :func:`scaled_dot_product_attention`, with a DeprecationWarning."""
+
+    @staticmethod
+    def apply(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, seed=None):
+        warnings.warn("sdpa_numba.torch.SDPAFunction is deprecated: call "
+                      "sdpa_numba.torch.scaled_dot_product_attention", DeprecationWarning,
+                      stacklevel=2)
+        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                            scale, enable_gqa, seed=seed)

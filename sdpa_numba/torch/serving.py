@@ -1,0 +1,162 @@
+"""The serving operators: ``torch.ops.sdpa_numba.attention_with_kvcache`` (the KV-cache
+attention with the append; the caches are its mutated arguments), its read-only twin
+``attention_with_kvcache_read`` and ``merge_attention_states``, on the NumPy-level
+:func:`sdpa_numba.attention_with_kvcache` and :func:`sdpa_numba.merge_attention_states`, with
+their fake (meta) kernels."""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..kvcache import attention_with_kvcache as _kvcache
+from ..merge import merge_attention_states as _merge
+from .tensors import (as_tensor, check_devices, index_operand, lse_dtype, operand,
+                      variant_keywords)
+
+
+def _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes, sinks):
+    """The NumPy-level keywords of the variants the serving op was given (those left at None
+    are not passed, so the API's defaults and its errors for what it lacks apply)."""
+    return {k: x for k, x in variant_keywords(window_left, window_right, alignment, softcap,
+                                              alibi_slopes, sinks).items() if x is not None}
+
+
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
+                    is_causal, scale, window_left, window_right, alignment, softcap,
+                    alibi_slopes, sinks):
+    """The body of both KV-cache operators: :func:`sdpa_numba.attention_with_kvcache` on
+    NumPy views (or CUDA tensors), ``(out, lse)`` as tensors. Variants left at None are not
+    passed (the API's defaults apply)."""
+    _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                           cache_leftpad, alibi_slopes, sinks)
+    variants = _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes,
+                                 sinks)
+    if cache_leftpad is not None:
+        variants["cache_leftpad"] = index_operand(cache_leftpad, "cache_leftpad")
+    out, lse = _kvcache(operand(q, "q"), operand(k_cache, "k_cache"),
+                        operand(v_cache, "v_cache"),
+                        index_operand(cache_seqlens, "cache_seqlens"),
+                        k=operand(k, "k"), v=operand(v, "v"),
+                        block_table=index_operand(block_table, "block_table"),
+                        is_causal=is_causal, scale=scale, return_lse=True, **variants)
+    return as_tensor(out), as_tensor(lse)
+
+
+def _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                           cache_leftpad, alibi_slopes, sinks):
+    check_devices("attention_with_kvcache",
+                  [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
+                  [("cache_seqlens", cache_seqlens), ("block_table", block_table),
+                   ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes),
+                   ("sinks", sinks)])
+
+
+@torch.library.custom_op("sdpa_numba::attention_with_kvcache",
+                         mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                              cache_seqlens: Tensor, k: Optional[Tensor] = None,
+                              v: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+                              cache_leftpad: Optional[Tensor] = None, is_causal: bool = True,
+                              scale: Optional[float] = None, window_left: Optional[int] = None,
+                              window_right: Optional[int] = None,
+                              alignment: Optional[str] = None, softcap: Optional[float] = None,
+                              alibi_slopes: Optional[Tensor] = None,
+                              sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`sdpa_numba.attention_with_kvcache` (``out`` ``(B, Lq, Hq,
+    Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute dtype). Writes ``k`` and ``v`` into the
+    caches when given (the caches are the op's mutated arguments). No autograd: an inference
+    operator. Variants left at None are not passed (the API's defaults apply).
+
+    No vmap (NotImplementedError): the append writes the caches in place, and under vmap
+    a batched cache folded into the batch dim is in general a copy (the write would be
+    lost), while an unbatched cache would take every index's write at the same place.
+    Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`."""
+    return kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                            cache_leftpad, is_causal, scale, window_left, window_right,
+                            alignment, softcap, alibi_slopes, sinks)
+
+
+@torch.library.custom_op("sdpa_numba::attention_with_kvcache_read", mutates_args=())
+def attention_with_kvcache_read_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                   cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
+                                   cache_leftpad: Optional[Tensor] = None,
+                                   is_causal: bool = True, scale: Optional[float] = None,
+                                   window_left: Optional[int] = None,
+                                   window_right: Optional[int] = None,
+                                   alignment: Optional[str] = None,
+                                   softcap: Optional[float] = None,
+                                   alibi_slopes: Optional[Tensor] = None,
+                                   sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_with_kvcache_op` without the append (no ``k``, ``v``): it only reads
+    the caches, so it declares no mutation. (A decode step that attends to a cache filled
+    elsewhere, as transformers' are, takes this one: torch 2.13 dispatches a custom operator
+    that declares mutated arguments through a Python kernel that costs ~0.1-0.2 ms a call
+    with this many arguments, as much as the decode kernel itself on a short cache.)"""
+    return kvcache_forward(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
+                            cache_leftpad, is_causal, scale, window_left, window_right,
+                            alignment, softcap, alibi_slopes, sinks)
+
+
+def _kvcache_shapes(q, v_cache):
+    B, Lq, Hq, _ = q.shape
+    return (q.new_empty((B, Lq, Hq, v_cache.shape[-1])),
+            q.new_empty((B, Hq, Lq), dtype=lse_dtype(q.dtype)))
+
+
+@attention_with_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
+      cache_leftpad=None, is_causal=True, scale=None, window_left=None, window_right=None,
+      alignment=None, softcap=None, alibi_slopes=None, sinks=None):
+    _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                           cache_leftpad, alibi_slopes, sinks)
+    return _kvcache_shapes(q, v_cache)
+
+
+@attention_with_kvcache_read_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_leftpad=None,
+      is_causal=True, scale=None, window_left=None, window_right=None, alignment=None,
+      softcap=None, alibi_slopes=None, sinks=None):
+    _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
+                           cache_leftpad, alibi_slopes, sinks)
+    return _kvcache_shapes(q, v_cache)
+
+
+def _lse_operand(t, name):
+    """An lse argument of the merge: any float tensor (the API converts it to the compute
+    dtype), as a NumPy view or CUDA tensor."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a float tensor (log-sum-exp values), got dtype "
+                        f"{t.dtype}")
+    if t.dtype in (torch.float16, torch.bfloat16):  # per-row numbers: a copy is nothing
+        t = t.float()
+    return operand(t, name)
+
+
+@torch.library.custom_op("sdpa_numba::merge_attention_states", mutates_args=())
+def merge_attention_states_op(out_a: Tensor, lse_a: Tensor, out_b: Optional[Tensor] = None,
+                              lse_b: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`sdpa_numba.merge_attention_states`: two parts ``(out_a,
+    lse_a, out_b, lse_b)``, or ``n`` stacked parts ``(outs, lses)`` with ``out_b`` and
+    ``lse_b`` None."""
+    _check_merge_devices(out_a, lse_a, out_b, lse_b)
+    states = [operand(out_a, "out_a"), _lse_operand(lse_a, "lse_a")]
+    if out_b is not None or lse_b is not None:
+        states += [operand(out_b, "out_b"), _lse_operand(lse_b, "lse_b")]
+    out, lse = _merge(*states)
+    return as_tensor(out), as_tensor(lse)
+
+
+def _check_merge_devices(out_a, lse_a, out_b, lse_b):
+    check_devices("merge_attention_states", [("out_a", out_a), ("lse_a", lse_a),
+                                             ("out_b", out_b), ("lse_b", lse_b)])
+
+
+@merge_attention_states_op.register_fake
+def _(out_a, lse_a, out_b=None, lse_b=None):
+    _check_merge_devices(out_a, lse_a, out_b, lse_b)
+    shape = out_a.shape if out_b is not None else out_a.shape[1:]
+    return (out_a.new_empty(shape), out_a.new_empty(shape[:-1],
+                                                    dtype=lse_dtype(out_a.dtype)))

@@ -1,0 +1,152 @@
+"""Tensors in and out of the PyTorch operators: the checks of what the operators take, the
+NumPy views (CPU) or detached tensors (CUDA) the NumPy-level API is given, its results as
+tensors, the dropout seed, and the result shapes and dtypes the fake kernels give."""
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._bf16 import is_bfloat16
+from ..problem import compute_dtype
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_U64 = 1 << 64
+
+
+def check_tensor(t, name, mask=False):
+    """TypeError / NotImplementedError for what the operator does not take."""
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type not in ("cpu", "cuda", "meta"):
+        raise NotImplementedError(
+            f"{name} is on {t.device}: sdpa_numba.torch supports CPU and CUDA tensors only")
+    if t.dtype not in FLOATS and not (mask and t.dtype == torch.bool):
+        raise TypeError(f"{name} dtype {t.dtype} is not supported: use float16, bfloat16, "
+                        f"float32 or float64" + (" (or bool)" if mask else ""))
+
+
+def operand(t, name, mask=False):
+    """What the kernels take for tensor ``t``: a NumPy view of a CPU tensor, the detached
+    CUDA tensor itself (the API adopts it without a copy), None for None."""
+    if t is None:
+        return None
+    check_tensor(t, name, mask)
+    if t.device.type != "cpu":
+        return t.detach()
+    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: ml_dtypes' over the same bits
+        from .._bf16 import bfloat16
+
+        return t.detach().view(torch.int16).numpy().view(bfloat16())
+    return t.detach().numpy()
+
+
+def as_tensor(x):
+    """A result of the kernels as a new contiguous tensor (CUDA results already are tensors,
+    the query's kind)."""
+    if isinstance(x, Tensor):
+        return x.contiguous()
+    x = np.ascontiguousarray(x)
+    if is_bfloat16(x.dtype):
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def small_operand(t, name):
+    """ALiBi slopes or sinks for the kernels: a float32/float64 NumPy view (a CUDA tensor is
+    passed as is: the API copies it to the host), 16-bit tensors as float32 (the API takes
+    float32/float64 only; these are per-head numbers, a copy is nothing), or None."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype not in FLOATS:
+        raise TypeError(f"{name} dtype {t.dtype} is not supported: use a floating dtype")
+    t = t.detach()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def variant_keywords(window_left, window_right, alignment, softcap, alibi_slopes, sinks):
+    """The keywords of the NumPy-level API for the op's variant arguments."""
+    window = None if window_left is None and window_right is None else (window_left,
+                                                                         window_right)
+    return dict(window=window, alignment=alignment, softcap=softcap,
+                alibi_slopes=small_operand(alibi_slopes, "alibi_slopes"),
+                sinks=small_operand(sinks, "sinks"))
+
+
+def kernel_seed(seed):
+    """The kernels' seed (an int in [0, 2**64)) from the op's 0-dim int64 tensor, or None."""
+    return None if seed is None else int(seed.item()) % _U64
+
+
+def seed_tensor(seed, dropout_p):
+    """The op's seed argument: None without dropout; a draw from torch's generator when
+    ``seed`` is None; else the int64 with the bits of ``seed`` (an int in [0, 2**64))."""
+    if not dropout_p > 0:
+        return None
+    if seed is None:
+        return torch.randint(-(1 << 63), (1 << 63) - 1, (), dtype=torch.int64)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed < _U64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return torch.tensor(seed - _U64 if seed >= 1 << 63 else seed, dtype=torch.int64)
+
+
+def lse_dtype(dtype):
+    """The compute dtype of a torch dtype (:func:`sdpa_numba.problem.compute_dtype`)."""
+    return getattr(torch, compute_dtype(dtype).name)
+
+
+def out_shape(query, key, value, enable_gqa):
+    """The output's shape, as :func:`sdpa_numba.problem.plan` gives it, in torch terms (so that
+    symbolic shapes propagate under torch.compile)."""
+    ndims = (query.dim(), key.dim(), value.dim())
+    nd = max(*ndims, 3)
+    qs, ks, vs = ((1,) * (nd - x.dim()) + tuple(x.shape) for x in (query, key, value))
+    batch = tuple(torch.broadcast_shapes(qs[:-3], ks[:-3], vs[:-3]))
+    hq = qs[-3] if enable_gqa else torch.broadcast_shapes((qs[-3],), (ks[-3],))[0]
+    shape = (*batch, hq, qs[-2], vs[-1])
+    return shape[1:] if nd > max(ndims) else shape  # 2-D inputs: no head dim
+
+
+def index_operand(t, name):
+    """An integer argument of the serving op (``cache_seqlens``, ``block_table``,
+    ``cache_leftpad``) for the NumPy-level API: a NumPy view of a CPU tensor, a CUDA tensor as
+    is (the API reads these on the host), None for None."""
+    if t is None:
+        return None
+    check_index(t, name)
+    t = t.detach()
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def check_index(t, name):
+    """TypeError unless ``t`` is an integer tensor."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+
+
+def check_devices(op, tensors, host=()):
+    """ValueError unless the tensors (``(name, tensor or None)`` pairs) share one device type,
+    as torch's SDPA requires; ``host`` ones (read on the host by the NumPy-level API: seeds,
+    sequence lengths, block tables, ALiBi slopes, sinks) may also be CPU tensors. Checked in
+    the operators and their fake kernels: with a meta tensor among CPU ones the Meta dispatch
+    key wins, and the fake kernel would return uninitialized memory instead of an error."""
+    devices = [(name, t.device.type) for name, t in tensors if isinstance(t, Tensor)]
+    kind = devices[0][1]
+    others = [(name, t.device.type) for name, t in host if isinstance(t, Tensor)]
+    if all(d == kind for _, d in devices) and all(d in (kind, "cpu") for _, d in others):
+        return
+    where = ", ".join(f"{name} on {d}" for name, d in devices + others)
+    names = ", ".join(name for name, _ in devices)
+    also = ", ".join(name for name, _ in others)
+    extra = f" ({also}: that one or the CPU)" if others else ""
+    raise ValueError(f"{op}: expected {names} to have the same device type{extra}, got "
+                     f"{where}")
