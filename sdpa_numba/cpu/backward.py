@@ -65,7 +65,8 @@ from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL,
                             query_range, score_and_slope, user_keeps, window_covers)
 from .storage import load
 from .tanh import tanh
-from .tasks import next_task, task_queue
+from .tasks import (failed_task, next_task, raise_lost, record_failure, run_task,
+                    task_queue)
 
 #: Query rows per tile (the tiles' columns): one micro-tile wide.
 BQ = NR
@@ -661,9 +662,18 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
             # (one call for any mask type: an `if mask is None` branch here would compile
             # both)
             r_t, mask_t, dm_t = unstash(p_args)
-            key_group(q, k, v, mask_t, r_t, scale, dout, out, lse, b, kh, group, kb0, kb1,
-                      dq, dq_part, g, dk, dv, drop, dm_t)
+            if not run_task(r_t, key_group, q, k, v, mask_t, r_t, scale, dout, out, lse, b, kh,
+                            group, kb0, kb1, dq, dq_part, g, dk, dv, drop, dm_t):
+                record_failure(queue, t)
             t = next_task(queue, n_tasks)
+    t = failed_task(queue)
+    if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
+        g = t % groups
+        r_t, mask_t, dm_t = unstash(p_args)
+        key_group(q, k, v, mask_t, r_t, scale, dout, out, lse, t // groups // h_len,
+                  t // groups % h_len, group, g * n_kb // groups, (g + 1) * n_kb // groups,
+                  dq, dq_part, g, dk, dv, drop, dm_t)
+        raise_lost()
 
     if groups > 1:
         nqb = (L + BQ - 1) // BQ

@@ -60,7 +60,8 @@ from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..score.numbers import cast
 from .storage import load, store
-from .tasks import next_task, task_queue
+from .tasks import (failed_task, next_task, raise_lost, record_failure, run_task,
+                    task_queue)
 
 #: Keys per chunk (a task, and a partial result merged by lse). Large enough that a chunk's
 #: partial output (``Hq * Lq * Ev`` numbers) is small next to the keys and values it reads
@@ -587,9 +588,15 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         r = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
-                  part_out, part_lse)
+            if not run_task(r, _task, q, k_cache, v_cache, block_table, kv_lens, r, scale, first,
+                            lo, hi, t, part_out, part_lse):
+                record_failure(queue, t)
             t = next_task(queue, n_tasks)
+    t = failed_task(queue)
+    if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
+        _task(q, k_cache, v_cache, block_table, kv_lens, rc, scale, first, lo, hi, t, part_out,
+              part_lse)
+        raise_lost()
     b_len = kv_lens.shape[0]
     for br in prange(b_len * rows):
         r = unstash(p_r)
