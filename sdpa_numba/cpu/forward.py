@@ -43,7 +43,7 @@ from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, _absent, alibi_bias,
                             window_covers)
 from .storage import is_compute_dtype, load, store
 from .tanh import scaled_tanh
-from .tasks import (failed_task, next_task, raise_lost, record_failure, run_task,
+from .tasks import (failed_task, next_task, raise_lost, record_failure, task_runner,
                     task_queue)
 
 #: Keys per key/value block.
@@ -600,7 +600,7 @@ def _chunk_rows(n_heads, L, e_len, ev, itemsize):
     return chunk
 
 
-@njit(**INLINE)
+@njit(**CALLED)  # not inline: called through a task runner (.tasks)
 def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk):
     """Task ``t`` of :func:`forward`: one chunk of ``chunk`` query rows of one head, each
     head's ``n_chunks`` chunks numbered costliest (last) first."""
@@ -620,6 +620,10 @@ def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk
     else:
         attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], r, scale,
                     out[b, h], lse[b, h], i0, i1, dh, b, h)
+
+
+#: _forward_task that reports a user function's exception (see .tasks).
+_run_forward_task = task_runner(_forward_task)
 
 
 @njit(parallel=True, **KERNEL)
@@ -675,7 +679,7 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None
         r = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            if not run_task(r, _forward_task, q, k, v, mask, r, scale, out, lse, dropout, t,
+            if not _run_forward_task(r, q, k, v, mask, r, scale, out, lse, dropout, t,
                             n_chunks, chunk):
                 record_failure(queue, t)
             t = next_task(queue, n_tasks)

@@ -44,29 +44,32 @@ def task_queue():
     return np.zeros(2, np.int64)
 
 
-def run_task(r, task, *args):
-    """``task(*args)`` for a task run with recipe ``r``: True, or False if ``r`` has user
-    functions and the task raised (the exception is caught; the caller records the task
-    with :func:`record_failure`, in the ``prange`` body itself: a failure recorded by a
-    function called in between was lost in tests). Jitted code only."""
-    raise NotImplementedError("run_task is only callable from jitted code")
+def task_runner(task):
+    """``run(r, *args)``, a function of jitted code that calls ``task(*args)`` for a task run
+    with recipe ``r`` and returns True, or False if ``r`` has user functions and the task
+    raised (the exception is caught; the caller records the task with
+    :func:`record_failure`, in the ``prange`` body itself: a failure recorded by a function
+    called in between was lost in tests). ``task`` is called as a global, not passed as a
+    value: a function value would keep the kernel out of Numba's cache."""
+    def run(r, *args):
+        raise NotImplementedError("a task runner is only callable from jitted code")
 
+    @overload(run)
+    def _run(r, *args):
+        if all(_absent(r, f) for f in ("score_mod", "mask_mod", "score_mod_grad")):
+            def bare(r, *args):
+                task(*args)
+                return True
+            return bare
 
-@overload(run_task)
-def _run_task(r, task, *args):
-    if all(_absent(r, f) for f in ("score_mod", "mask_mod", "score_mod_grad")):
-        def bare(r, task, *args):
-            task(*args)
+        def caught(r, *args):
+            try:
+                task(*args)
+            except Exception:  # noqa: BLE001 - run again by the launching thread
+                return False
             return True
-        return bare
-
-    def caught(r, task, *args):
-        try:
-            task(*args)
-        except Exception:  # noqa: BLE001 - run again by the launching thread: failed_task
-            return False
-        return True
-    return caught
+        return caught
+    return run
 
 
 @njit(**INLINE)
