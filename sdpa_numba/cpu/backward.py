@@ -65,7 +65,8 @@ from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL,
                             query_range, score_and_slope, user_keeps, window_covers)
 from .storage import load
 from .tanh import tanh
-from .tasks import next_task, task_queue
+from .tasks import (failed_task, next_task, raise_lost, record_failure, task_runner,
+                    task_queue)
 
 #: Query rows per tile (the tiles' columns): one micro-tile wide.
 BQ = NR
@@ -583,6 +584,10 @@ def _sum_dq(dq_part, scale, dq, b, h, qb):
             dq[b, h, i, e] = acc * sc
 
 
+#: key_group that reports a user function's exception (see .tasks).
+_run_key_group = task_runner(key_group)
+
+
 @njit(parallel=True, **KERNEL)
 def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropout=None,
              dmask=None, recipe=None):
@@ -661,9 +666,18 @@ def backward(q, k, v, mask, is_causal, scale, dout, out, lse, dq, dk, dv, dropou
             # (one call for any mask type: an `if mask is None` branch here would compile
             # both)
             r_t, mask_t, dm_t = unstash(p_args)
-            key_group(q, k, v, mask_t, r_t, scale, dout, out, lse, b, kh, group, kb0, kb1,
-                      dq, dq_part, g, dk, dv, drop, dm_t)
+            if not _run_key_group(r_t, q, k, v, mask_t, r_t, scale, dout, out, lse, b, kh,
+                            group, kb0, kb1, dq, dq_part, g, dk, dv, drop, dm_t):
+                record_failure(queue, t)
             t = next_task(queue, n_tasks)
+    t = failed_task(queue)
+    if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
+        g = t % groups
+        r_t, mask_t, dm_t = unstash(p_args)
+        key_group(q, k, v, mask_t, r_t, scale, dout, out, lse, t // groups // h_len,
+                  t // groups % h_len, group, g * n_kb // groups, (g + 1) * n_kb // groups,
+                  dq, dq_part, g, dk, dv, drop, dm_t)
+        raise_lost()
 
     if groups > 1:
         nqb = (L + BQ - 1) // BQ

@@ -61,7 +61,8 @@ from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..score.numbers import cast
 from .storage import load, store
-from .tasks import next_task, task_queue
+from .tasks import (failed_task, next_task, raise_lost, record_failure, task_runner,
+                    task_queue)
 
 #: Keys per chunk (a task, and a partial result merged by lse). Large enough that a chunk's
 #: partial output (``Hq * Lq * Ev`` numbers) is small next to the keys and values it reads
@@ -463,7 +464,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                 part_out[i, d] = acc[i * ev + d] * inv
 
 
-@njit(**INLINE)
+@njit(**CALLED)  # not inline: called through a task runner (.tasks)
 def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t, part_out,
           part_lse):
     """Task ``t``: chunk ``t - first[b]`` of the keys ``[lo[b], hi[b])`` of the sequence ``b``
@@ -525,6 +526,10 @@ def _plan(kv_lens, kv_begin, r, lq):
     return first, lo, hi
 
 
+#: _task that reports a user function's exception (see .tasks).
+_run_task = task_runner(_task)
+
+
 @njit(parallel=True, **KERNEL)
 def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, recipe=None,
            kv_begin=None):
@@ -580,9 +585,15 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         r = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
-                  part_out, part_lse)
+            if not _run_task(r, q, k_cache, v_cache, block_table, kv_lens, r, scale, first,
+                            lo, hi, t, part_out, part_lse):
+                record_failure(queue, t)
             t = next_task(queue, n_tasks)
+    t = failed_task(queue)
+    if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
+        _task(q, k_cache, v_cache, block_table, kv_lens, rc, scale, first, lo, hi, t, part_out,
+              part_lse)
+        raise_lost()
     b_len = kv_lens.shape[0]
     for br in prange(b_len * rows):
         r = unstash(p_r)

@@ -44,7 +44,8 @@ from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, _absent, alibi_bias,
                             window_covers)
 from .storage import is_compute_dtype, load, store
 from .tanh import scaled_tanh
-from .tasks import next_task, task_queue
+from .tasks import (failed_task, next_task, raise_lost, record_failure, task_runner,
+                    task_queue)
 
 #: Keys per key/value block: the block masks' (block states are read per BM x BN tile).
 BN = K_BLOCK
@@ -603,6 +604,32 @@ def _chunk_rows(n_heads, L, e_len, ev, itemsize):
     return chunk
 
 
+@njit(**CALLED)  # not inline: called through a task runner (.tasks)
+def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk):
+    """Task ``t`` of :func:`forward`: one chunk of ``chunk`` query rows of one head, each
+    head's ``n_chunks`` chunks numbered costliest (last) first."""
+    hq, L = q.shape[1], q.shape[2]
+    group = hq // k.shape[1]
+    bh = t // n_chunks
+    c = n_chunks - 1 - t % n_chunks
+    b = bh // hq
+    h = bh % hq
+    i0 = c * chunk
+    i1 = min(L, i0 + chunk)
+    kh = h // group
+    dh = head_dropout(dropout, b, h)
+    if mask is None:
+        attend_rows(q[b, h], k[b, kh], v[b, kh], None, r, scale,
+                    out[b, h], lse[b, h], i0, i1, dh, b, h)
+    else:
+        attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], r, scale,
+                    out[b, h], lse[b, h], i0, i1, dh, b, h)
+
+
+#: _forward_task that reports a user function's exception (see .tasks).
+_run_forward_task = task_runner(_forward_task)
+
+
 @njit(parallel=True, **KERNEL)
 def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None):
     """Batched attention forward, parallel over batch x head x query chunk.
@@ -645,7 +672,6 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None
     # The recipe crosses into the parallel loop by address (see _llvm.stash).
     p_r = stash(kernel_recipe(recipe, is_causal))
     b_len, hq, L, _ = q.shape
-    group = hq // k.shape[1]
     chunk = _chunk_rows(b_len * hq, L, q.shape[3], out.shape[3], lse.itemsize)
     n_chunks = (L + chunk - 1) // chunk
     n_tasks = b_len * hq * n_chunks
@@ -657,21 +683,14 @@ def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None
         r = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            bh = t // n_chunks
-            c = n_chunks - 1 - t % n_chunks
-            b = bh // hq
-            h = bh % hq
-            i0 = c * chunk
-            i1 = min(L, i0 + chunk)
-            kh = h // group
-            dh = head_dropout(dropout, b, h)
-            if mask is None:
-                attend_rows(q[b, h], k[b, kh], v[b, kh], None, r, scale,
-                            out[b, h], lse[b, h], i0, i1, dh, b, h)
-            else:
-                attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], r, scale,
-                            out[b, h], lse[b, h], i0, i1, dh, b, h)
+            if not _run_forward_task(r, q, k, v, mask, r, scale, out, lse, dropout, t,
+                            n_chunks, chunk):
+                record_failure(queue, t)
             t = next_task(queue, n_tasks)
+    t = failed_task(queue)
+    if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
+        _forward_task(q, k, v, mask, unstash(p_r), scale, out, lse, dropout, t, n_chunks, chunk)
+        raise_lost()
 
 
 @njit(**KERNEL)

@@ -29,7 +29,8 @@ from .backward import BK, BQ, MAX_GROUPS, MIN_GROUP_BLOCKS, TASKS, _sum_dq, as_d
 from .dropout import head_dropout
 from .forward import BM, MIN_TASKS, _task_rows, attend_rows
 from .options import KERNEL
-from .tasks import next_task, task_queue
+from .tasks import (failed_task, next_task, raise_lost, record_failure, task_runner,
+                    task_queue)
 from ..score.recipe import kernel_recipe, key_range, sequence_recipe
 
 
@@ -93,6 +94,10 @@ def _forward_task(q, k, v, cu_q, cu_k, r, bottom_right, scale, out, lse, dropout
                 zero, h)
 
 
+#: _forward_task that reports a user function's exception (see .tasks).
+_run_forward_task = task_runner(_forward_task)
+
+
 @njit(parallel=True, **KERNEL)
 def varlen_forward(q, k, v, cu_q, cu_k, is_causal, scale, out, lse, dropout=None,
                    recipe=None, bottom_right=False):
@@ -141,9 +146,15 @@ def varlen_forward(q, k, v, cu_q, cu_k, is_causal, scale, out, lse, dropout=None
         rt = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            _forward_task(q, k, v, cu_q, cu_k, rt, bottom_right, scale, out, lse, dropout,
-                          seq[t], head[t], row[t], chunk)
+            if not _run_forward_task(rt, q, k, v, cu_q, cu_k, rt, bottom_right, scale, out,
+                            lse, dropout, seq[t], head[t], row[t], chunk):
+                record_failure(queue, t)
             t = next_task(queue, n_tasks)
+    t = failed_task(queue)
+    if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
+        _forward_task(q, k, v, cu_q, cu_k, r, bottom_right, scale, out, lse, dropout, seq[t],
+                      head[t], row[t], chunk)
+        raise_lost()
     keep_alive(r)
 
 
@@ -246,6 +257,10 @@ def _sum_task(cu_q, scale, dq, dq_part, groups, n_heads, b, h, qb):
             _heads_view(dq, q0, q1), b - b, h, qb)
 
 
+#: _backward_task that reports a user function's exception (see .tasks).
+_run_backward_task = task_runner(_backward_task)
+
+
 @njit(parallel=True, **KERNEL)
 def varlen_backward(q, k, v, cu_q, cu_k, is_causal, scale, dout, out, lse, dq, dk, dv,
                     dropout=None, recipe=None, bottom_right=False):
@@ -290,9 +305,16 @@ def varlen_backward(q, k, v, cu_q, cu_k, is_causal, scale, dout, out, lse, dq, d
         rt = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            _backward_task(q, k, v, cu_q, cu_k, rt, bottom_right, scale, dout, out, lse, dq,
-                           dk, dv, drop, dq_part, groups, seq[t], head[t], grp[t])
+            if not _run_backward_task(rt, q, k, v, cu_q, cu_k, rt, bottom_right, scale,
+                            dout, out, lse, dq, dk, dv, drop, dq_part, groups, seq[t], head[t],
+                            grp[t]):
+                record_failure(queue, t)
             t = next_task(queue, n_tasks)
+    t = failed_task(queue)
+    if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
+        _backward_task(q, k, v, cu_q, cu_k, r, bottom_right, scale, dout, out, lse, dq, dk, dv,
+                       drop, dq_part, groups, seq[t], head[t], grp[t])
+        raise_lost()
     if n_part:
         # (sequence, head, query block) of the split sequences
         n_sum = 0

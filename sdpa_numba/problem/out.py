@@ -56,10 +56,57 @@ def may_overlap(a, b, address):
     return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
 
 
+def _is_device(x):
+    return hasattr(x, "__cuda_array_interface__") or hasattr(x, "copy_to_host")
+
+
+#: The variants' arguments that may hold arrays (besides the operands).
+VARIANT_ARRAYS = ("alibi_slopes", "sinks", "mod_args", "block_mask")
+
+
+def given_arrays(variants, **named):
+    """The arrays among a call's arguments other than the operands, as ``(name, array)``
+    pairs for :func:`check_out`, from a plan's validated arguments: those of ``variants``
+    (the public functions' keyword variants, a dict; see :data:`VARIANT_ARRAYS`) and
+    ``named`` (more of the function's own). ``mod_args`` (a tuple) gives ``mod_args[n]`` for each array in it, a block mask its ``states``; None and numbers
+    are left out. Host arrays (torch CPU tensors, ...) are seen through
+    :func:`numpy.asarray`, which shares their memory; device arrays are kept as given."""
+    pairs = []
+    for name, x in [*((n, variants.get(n)) for n in VARIANT_ARRAYS), *named.items()]:
+        if name == "mod_args":
+            pairs += [(f"mod_args[{n}]", a) for n, a in enumerate(x or ())]
+        elif name == "block_mask":
+            pairs.append((name, getattr(x, "states", None)))
+        else:
+            pairs.append((name, x))
+    arrays = []
+    for name, x in pairs:
+        if x is None or np.isscalar(x):
+            continue
+        if not _is_device(x):
+            x = np.asarray(x)
+            if x.ndim == 0:
+                continue
+        arrays.append((name, x))
+    return tuple(arrays)
+
+
+def _overlaps(out, x, address):
+    """Whether ``x`` may share memory with ``out``; False when ``address`` cannot place
+    ``x`` (an array of another memory space than ``out``'s target: host against device)."""
+    try:
+        return may_overlap(out, x, address)
+    except (AttributeError, KeyError, TypeError):
+        return False
+
+
 def check_out(p, out, inputs, address):
     """``out`` must match plan ``p``'s result exactly and be safe to write: no zero strides,
     no element sharing memory with another, writeable (NumPy), apart from every array of
-    ``inputs`` (``(name, array or None)`` pairs). ``address``: the target's, see above."""
+    ``inputs`` (``(name, array or None)`` pairs: the operands) and every other array the
+    call was given (``p.given``, see :func:`given_arrays`: a kernel reading one of them
+    after writing ``out`` would read its own output). ``address``: the target's, see
+    above."""
     if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
         raise ValueError(f"out must have shape {p.out_shape} and dtype {p.dtype}, got "
                          f"{shape_str(out)} {np.dtype(out.dtype)}")
@@ -73,7 +120,7 @@ def check_out(p, out, inputs, address):
                          f"element has memory of its own")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out must be writeable")
-    for name, x in inputs:
-        if x is not None and may_overlap(out, x, address):
+    for name, x in (*inputs, *p.given):
+        if x is not None and _overlaps(out, x, address):
             raise ValueError(f"out overlaps {name}: pass a separate buffer")
 

@@ -14,6 +14,7 @@ import numpy as np
 from .arguments import check_flag, check_scale, shape_str
 from .dtypes import check_storage_dtype, compute_dtype
 from .block_mask import with_block_mask
+from .out import given_arrays
 from .variants import variants_recipe
 from ..score.recipe import DENSE, Recipe
 
@@ -45,6 +46,10 @@ class Plan:
     #: causality folded into its right side), alignment, soft cap, ALiBi, sinks, the user's
     #: functions, block mask. DENSE / CAUSAL for plain calls.
     recipe: Recipe = DENSE
+    #: The call's other arrays as given (ALiBi slopes, sinks, mod_args arrays, the block
+    #: mask's states), ``(name, array)`` pairs that ``out`` must not overlap
+    #: (:func:`sdpa_numba.problem.out.given_arrays`).
+    given: tuple = ()
 
 
 def _broadcast(shapes, names, what):
@@ -139,4 +144,4 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, backward
     r = with_block_mask(variants_recipe(batch, hq, L, S, cdt, is_causal, backward=backward,
                                         **variants), batch, hq, L, S)
     return Plan(batch, hq, h, L, S, E, Ev, out_shape, dtype, cdt, scale, is_causal, mask_kind,
-                r)
+                r, given_arrays(variants))

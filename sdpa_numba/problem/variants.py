@@ -57,8 +57,10 @@ def check_alignment(alignment):
     return alignment
 
 
-def check_softcap(softcap):
-    """``softcap`` as a float > 0, or 0.0 for None (no cap)."""
+def check_softcap(softcap, cdt=np.float64):
+    """``softcap`` as a float > 0, or 0.0 for None (no cap). The kernels divide scores by it
+    (they fold ``1 / softcap`` into the queries' scale): a cap whose reciprocal overflows the
+    compute dtype ``cdt`` would turn every score into inf or NaN, so it is refused."""
     if softcap is None:
         return 0.0
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
@@ -67,6 +69,10 @@ def check_softcap(softcap):
     c = float(softcap)
     if not (math.isfinite(c) and c > 0):
         raise ValueError(f"softcap must be finite and > 0, got {softcap}")
+    if 1 / c > float(np.finfo(cdt).max):
+        raise ValueError(f"softcap {softcap} is too small for the compute dtype "
+                         f"{np.dtype(cdt)}: 1 / softcap overflows it (softcap must be at "
+                         f"least {1 / float(np.finfo(cdt).max):.3g})")
     return c
 
 
@@ -255,7 +261,7 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, window=None, alignment="
     if is_causal:
         right = min(right, 0)
     offset = S - L if alignment == "bottom_right" else 0
-    cap = check_softcap(softcap)
+    cap = check_softcap(softcap, cdt)
     alibi = check_alibi(alibi_slopes, batch, hq, cdt)
     sink = check_sinks(sinks, hq, cdt)
     mod_args = check_mod_args(mod_args)

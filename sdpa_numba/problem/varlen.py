@@ -13,6 +13,7 @@ import numpy as np
 from ..score.recipe import Recipe
 from .arguments import check_flag, check_scale, shape_str
 from .dtypes import check_storage_dtype, compute_dtype
+from .out import given_arrays
 from .variants import check_alignment, host_array, variants_recipe
 
 
@@ -40,6 +41,9 @@ class VarlenPlan:
     is_causal: bool
     bottom_right: bool
     recipe: Recipe
+    #: The call's other arrays as given (cu_seqlens, ALiBi slopes, sinks, mod_args arrays),
+    #: ``(name, array)`` pairs that ``out`` must not overlap (see :class:`~.plan.Plan`).
+    given: tuple = ()
 
 
 def _host_ints(name, x):
@@ -131,4 +135,6 @@ def varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_s
     r = variants_recipe((n_seq,), hq, 0, 0, cdt, is_causal, window=window,
                         backward=backward, **variants)
     return VarlenPlan(n_seq, hq, h, E, Ev, cu_q, cu_k, (total_q, hq, Ev), (hq, total_q), dtype,
-                      cdt, scale, is_causal, bottom_right, r)
+                      cdt, scale, is_causal, bottom_right, r,
+                      given_arrays(variants, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k))

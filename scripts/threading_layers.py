@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""The CPU kernels' time under Numba's threading layers (tbb, omp, workqueue), side by side.
+
+Each round starts one process per layer (``NUMBA_THREADING_LAYER``), in turn, that times the
+dense forward, the dense backward and the decode (``attention_with_kvcache``) through the
+public functions, all threads, and prints each one's median; the driver reports, per kernel
+and layer, the median over the rounds of its time divided by TBB's time in the same round
+(alternating processes, so that a busy neighbour on a shared machine hits every layer alike).
+A layer that does not load (``tbb`` without the wheel on the path) is reported as missing.
+
+Usage::
+
+    python scripts/threading_layers.py --rounds 5
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    import numba
+    import numpy as np
+    import sdpa_numba
+
+    reps = int(sys.argv[1])
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 2048, 64)).astype(np.float32) for _ in range(3))
+    qb, kb, vb = (x[:, :, :1024] for x in (q, k, v))
+    o, lse = sdpa_numba.scaled_dot_product_attention(qb, kb, vb, return_lse=True)
+    dq = rng.standard_normal((8, 1, 32, 128)).astype(np.float32)
+    kc = rng.standard_normal((8, 4096, 8, 128)).astype(np.float32)
+    vc = rng.standard_normal((8, 4096, 8, 128)).astype(np.float32)
+    lens = np.full(8, 4096, np.int32)
+    calls = {
+        "forward": lambda: sdpa_numba.scaled_dot_product_attention(q, k, v),
+        "backward": lambda: sdpa_numba.scaled_dot_product_attention_backward(
+            o, qb, kb, vb, o, lse),
+        "decode": lambda: sdpa_numba.attention_with_kvcache(dq, kc, vc, lens),
+    }
+    res = {}
+    for name, f in calls.items():
+        f()  # compile / load
+        t = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+        res[name] = float(np.median(t))
+    res["layer"] = numba.threading_layer()
+    print(json.dumps(res))
+""")
+
+
+def run(layer, reps):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env["NUMBA_THREADING_LAYER"] = layer
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", CHILD, str(reps)], env=env, capture_output=True,
+                       text=True, cwd=ROOT)
+    if p.returncode:
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per kernel and process")
+    ap.add_argument("--layers", default="tbb,omp,workqueue")
+    a = ap.parse_args()
+    layers = a.layers.split(",")
+    rows = {lay: [] for lay in layers}
+    for _ in range(a.rounds):
+        for lay in layers:
+            rows[lay].append(run(lay, a.reps))
+    base = layers[0]
+    print(f"median time (ms) and median per-round ratio to {base}, {a.rounds} rounds, "
+          f"{os.cpu_count()} cpus")
+    for name in ("forward", "backward", "decode"):
+        cells = []
+        for lay in layers:
+            got = [r for r in rows[lay] if r is not None]
+            if not got:
+                cells.append(f"{lay}: missing")
+                continue
+            ms = statistics.median(r[name] for r in got) * 1e3
+            ratios = [r[name] / b[name] for r, b in zip(rows[lay], rows[base])
+                      if r is not None and b is not None]
+            ratio = f" x{statistics.median(ratios):.3f}" if ratios else ""
+            cells.append(f"{lay}: {ms:.2f}{ratio}")
+        print(f"{name:9s} " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
