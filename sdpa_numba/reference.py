@@ -2,15 +2,56 @@
 
 It builds the full L x S score matrix on purpose (clarity over memory): use it on small inputs.
 Semantics are those of :func:`sdpa_numba.scaled_dot_product_attention`.
+
+It depends on NumPy alone, never on the package's other modules (tests/test_reference.py
+checks): an oracle that ran the code it judges (a shared reduction, a shared dropout stream)
+would agree with that code's bugs.
 """
 
 import math
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from ._typing import F64, ArrayLike
-from .problem.reductions import sum_to
+ArrayLike = npt.ArrayLike
+F64 = npt.NDArray[np.float64]
+
+# The dropout stream of :mod:`sdpa_numba.dropout` (SplitMix64), restated from its
+# specification there rather than imported.
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _sum_to(x, shape):
+    """``x`` summed back to ``shape``, the shape of an operand broadcast to ``x.shape``: over
+    the leading axes the operand lacks, then over the axes where it has 1 and ``x`` does not."""
+    shape = tuple(shape)
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))
+    stretched = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return x.sum(axis=stretched, keepdims=True).reshape(shape)
+
+
+def _keep_mask(seed, p, batch, heads, L, S):
+    """The dropout keep mask (True: kept), shape ``(*batch, heads, L, S)``: element
+    ``(b, h, i, j)`` (``b`` the flat batch index) is kept when the top 32 bits of
+    ``step(step(step(step(seed, b), h), i), j)`` are at least ``floor(p * 2**32)``, with
+    ``step(key, n) = mix(key + (n + 1) * GAMMA)``, all modulo 2**64."""
+    def mix(z):
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return z ^ (z >> np.uint64(31))
+
+    def step(key, n):
+        return mix(key + (np.asarray(n, np.uint64) + np.uint64(1)) * _GAMMA)
+
+    nb = math.prod(batch)
+    b, h, i, j = np.ix_(*(np.arange(n, dtype=np.uint64) for n in (nb, heads, L, S)))
+    with np.errstate(over="ignore"):
+        bits = step(step(step(step(np.uint64(seed), b), h), i), j)
+    threshold = min(int(float(p) * 2.0**32), 2**32 - 1)
+    return ((bits >> np.uint64(32)) >= np.uint64(threshold)).reshape((*batch, heads, L, S))
 
 
 def _call(f):
@@ -177,8 +218,6 @@ def _train_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     """Everything the training references need, in float64 with explicit broadcasting:
     ``(q, k, v, scale, rep, p, z, lse)``, and with ``with_slope=True`` also d(score) /
     d(scale · q · k) (or None where that is 1)."""
-    from .dropout import keep_mask
-
     with_slope = variants.pop("with_slope", False)
     sinks = variants.pop("sinks", None)
     q, k, v, scale, rep, s, slope = _scores(query, key, value, attn_mask, is_causal, scale,
@@ -188,7 +227,7 @@ def _train_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     if dropout_p > 0:
         L, S = p.shape[-2:]
         batch, heads = (p.shape[:-3], p.shape[-3]) if p.ndim >= 3 else ((), 1)
-        z = keep_mask(seed, dropout_p, batch, heads, L, S).reshape(p.shape) / (1.0 - dropout_p)
+        z = _keep_mask(seed, dropout_p, batch, heads, L, S).reshape(p.shape) / (1.0 - dropout_p)
     if with_slope:
         return q, k, v, scale, rep, p, z, lse, slope
     return q, k, v, scale, rep, p, z, lse
@@ -203,7 +242,7 @@ def attention_dropout(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                       alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
                       score_mod: Any = None, mask_mod: Any = None,
                       mod_args: tuple[Any, ...] = ()) -> tuple[F64, F64]:
-    """Reference attention with dropout (the mask of :func:`sdpa_numba.dropout.keep_mask`).
+    """Reference attention with dropout (the mask of :mod:`sdpa_numba.dropout`'s stream).
 
     Returns ``(out, lse)`` in float64; ``lse`` is that of the softmax before dropout. The
     variants (keyword-only) are those of :func:`attention`.
@@ -269,9 +308,9 @@ def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
         dk, dv = group_sum(dk), group_sum(dv)
     dmask = None
     if attn_mask is not None and np.asarray(attn_mask).dtype != bool:
-        dmask = sum_to(ds, np.shape(attn_mask))
-    grads = (sum_to(dq, np.shape(query)), sum_to(dk, np.shape(key)),
-             sum_to(dv, np.shape(value)), dmask)
+        dmask = _sum_to(ds, np.shape(attn_mask))
+    grads = (_sum_to(dq, np.shape(query)), _sum_to(dk, np.shape(key)),
+             _sum_to(dv, np.shape(value)), dmask)
     if sinks is None:
         return grads
     sink = np.asarray(sinks, dtype=np.float64)
