@@ -25,7 +25,8 @@ pytest.importorskip("mpi4py", reason="ring attention needs mpi4py: pip install -
 
 import sdpa_numba  # noqa: E402
 from sdpa_numba import distributed  # noqa: E402
-from sdpa_numba.distributed import mpi, steps  # noqa: E402
+from sdpa_numba.distributed import mpi  # noqa: E402
+from sdpa_numba.distributed.steps import step_work  # noqa: E402
 from sdpa_numba.score.recipe import NO_LIMIT  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -285,7 +286,7 @@ def test_work_lists_see_every_visible_pair_once(layout):
                             for t in range(P):
                                 src = (rank - t) % P
                                 krows = distributed.shard_rows(S, P, src, layout)
-                                for qs, ks, o, lf, rt in steps.step_work(
+                                for qs, ks, o, lf, rt in step_work(
                                         layout, n_q, n_k, P, rank, src, goff, left, right,
                                         alibi):
                                     qi, kj = qrows[qs], krows[ks]
@@ -314,8 +315,7 @@ def test_work_skips_steps_a_narrow_window_leaves_empty():
     P, n = 4, 6
     for rank in range(P):
         steps = [t for t in range(P)
-                 if steps.step_work("contiguous", n, n, P, rank, (rank - t) % P, 0, 2, 0,
-                                      False)]
+                 if step_work("contiguous", n, n, P, rank, (rank - t) % P, 0, 2, 0, False)]
         assert steps == ([0] if rank == 0 else [0, 1]), (rank, steps)
 
 
