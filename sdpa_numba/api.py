@@ -17,33 +17,14 @@ from .dropout import new_seed
 from .dropout import params as dropout_params
 from .problem import (Plan, check_dropout, check_flag, check_out, check_seed, may_self_overlap,
                       plan)
-from .targets import by_name, is_device_array, target_of
+from .targets import target_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._typing import ForwardVariants
 
-__all__ = ["scaled_dot_product_attention", "Plan", "plan", "check_dropout", "may_self_overlap",
-           "adopt", "address"]
-
-
-#: Kept for callers of the old name: :func:`sdpa_numba.targets.is_device_array`.
-_is_device_array = is_device_array
-
-
-def address(device):
-    """The target's ``address(x)`` of an array's element 0 (for the ``out`` checks). Kept for
-    callers of the old name: ``target.address`` (:mod:`sdpa_numba.targets`); ``device``: a
-    target or its name."""
-    return by_name(device).address
-
-
-def adopt(device, named, out=None):
-    """The operands as the arrays the back end reads, and ``restore(x)``. Kept for callers of
-    the old name: ``target.adopt(named, out)`` (:mod:`sdpa_numba.targets`); ``device``: a
-    target or its name."""
-    return by_name(device).adopt(named, out)
+__all__ = ["scaled_dot_product_attention", "Plan", "plan", "check_dropout", "may_self_overlap"]
 
 
 @overload

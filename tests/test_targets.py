@@ -1,10 +1,8 @@
-"""The targets seam: one device detector, one object per target, and the old names in
-sdpa_numba.api kept for their callers."""
+"""The targets seam: one device detector, one object per target."""
 
 import numpy as np
 import pytest
 
-from sdpa_numba import api
 from sdpa_numba.problem import host_address
 from sdpa_numba.targets import CUDA, HOST, by_name, target_of
 
@@ -29,10 +27,9 @@ def test_target_of_tells_host_from_cuda_and_refuses_a_mix():
         target_of([("query", "text")])
 
 
-def test_old_names_in_api_are_the_seams():
+def test_targets_by_name_and_host_adoption():
     x = np.zeros(3)
-    assert api.address("host") is host_address and api.address(HOST) is host_address
-    (y,), restore = api.adopt("host", [("query", x)])
+    assert by_name("host").address is host_address and by_name(HOST) is HOST
+    (y,), restore = HOST.adopt([("query", x)])
     assert y is x and restore(y) is x
-    assert api._is_device_array(_CudaLike()) and not api._is_device_array(x)
-    assert by_name("cuda") is CUDA and by_name(HOST) is HOST
+    assert by_name("cuda") is CUDA

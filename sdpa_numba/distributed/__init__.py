@@ -49,8 +49,8 @@ The package's modules: :mod:`~sdpa_numba.distributed.mpi` (mpi4py, the communica
 exchange with the ring's neighbours), :mod:`~sdpa_numba.distributed.layouts` (the sharding
 layouts), :mod:`~sdpa_numba.distributed.agreement` (the ranks agree on the arguments and on
 failures), :mod:`~sdpa_numba.distributed.call` (the validated call),
-:mod:`~sdpa_numba.distributed.steps` (the work of one ring step),
-:mod:`~sdpa_numba.distributed.ops` (buffer operations on the host and the device),
+:mod:`~sdpa_numba.distributed.steps` (the work of one ring step; the buffer operations and
+the dense calls are the target's, :mod:`sdpa_numba.targets`),
 :mod:`~sdpa_numba.distributed.ring_forward` and :mod:`~sdpa_numba.distributed.ring_backward`.
 
 mpi4py is imported when a function here is called, not when this package is imported.

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 
 from ..problem.arguments import check_flag
+from ..targets import HOST, target_of
 from .agreement import compare, digest, signature
 from .layouts import check_layout
 from .mpi import mpi_cuda_aware
-from .ops import DeviceOps, HostOps
 from .steps import step_work
 
 #: The attention variants of the dense API that ring attention shards (validated as the
@@ -48,28 +48,17 @@ def _check_variants(attn_mask, dropout_p, variants):
     return {name: variants[name] for name in _SHARDED if name in variants}
 
 
-def _is_host_array(x):
-    return isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__")
-
-
-def _device_kind(named):
-    """'host' for NumPy arrays, 'cuda' for CUDA arrays (Numba device arrays, real or
-    simulated, CuPy, torch CUDA tensors); TypeError for anything else or a mix."""
-    from ..api import _is_device_array
-
-    kinds = {}
+def _target(named):
+    """The arrays' target (:mod:`sdpa_numba.targets`): NumPy arrays run on the host, CUDA
+    arrays (Numba device arrays, real or simulated, CuPy, torch CUDA tensors) on the device;
+    TypeError for anything else or a mix."""
+    target = target_of(named, [n for n, _ in named])
     for name, x in named:
-        if _is_device_array(x):
-            kinds[name] = "cuda"
-        elif _is_host_array(x):
-            kinds[name] = "host"
-        else:
+        if target is HOST and not isinstance(x, np.ndarray):
+            # MPI sends the shards' buffers: only NumPy arrays are passed on as they are.
             raise TypeError(f"{name} must be a NumPy array or a CUDA array, got "
                             f"{type(x).__name__}")
-    if len(set(kinds.values())) > 1:
-        desc = ", ".join(f"{n} on {k}" for n, k in kinds.items())
-        raise TypeError(f"inputs mix host and device arrays ({desc}): put them on one device")
-    return next(iter(kinds.values()))
+    return target
 
 
 def _check_arrays(named):
@@ -104,12 +93,13 @@ class Ring:
     L: int
     out_shape: tuple  # this rank's output shard
     dtype: Any
-    device: str       # "host" (NumPy arrays) or "cuda" (Numba device arrays)
+    target: Any       # sdpa_numba.targets.HOST (NumPy arrays) or CUDA (Numba device arrays)
     stage: bool       # device buffers go through host buffers to MPI (not CUDA-aware)
 
     @property
-    def ops(self):
-        return DeviceOps if self.device == "cuda" else HostOps
+    def device(self):
+        """The target's name, "host" or "cuda"."""
+        return self.target.name
 
     def work(self, n_q, n_k, size, rank, src):
         return step_work(self.layout, n_q, n_k, size, rank, src, self.goff, self.left,
@@ -121,20 +111,18 @@ def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask
     """The local and the collective checks; every rank raises if one fails. Returns the
     validated call as a :class:`Ring`."""
     error = None
-    device, restore = "host", None
+    target, restore = HOST, None
     try:
         sharded = _check_variants(attn_mask, dropout_p, variants)
         check_layout(layout)
         is_causal = check_flag("is_causal", is_causal)
         enable_gqa = check_flag("enable_gqa", enable_gqa)
-        device = _device_kind(list(zip(names, arrays)))
-        if device == "cuda":
-            from ..api import adopt
+        target = _target(list(zip(names, arrays)))
+        if target is not HOST:
             from ..gpu.arrays import is_simulated_mode
-            from ..problem import check_device_strides
 
-            arrays, restore = adopt(device, list(zip(names, arrays)))
-            check_device_strides(list(zip(names, arrays)))
+            arrays, restore = target.adopt(list(zip(names, arrays)))
+            target.check_strides(list(zip(names, arrays)))
             from .._bf16 import is_bfloat16
 
             if any(is_bfloat16(x.dtype) for x in arrays):
@@ -163,13 +151,13 @@ def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask
                      recipe=r._replace(sinks=None, offset=np.int64(0)),
                      goff=coll.size * int(r.offset), left=int(r.left), right=int(r.right),
                      sinks=None if r.sinks is None else r, hq=p.hq, batch=p.batch, L=p.L,
-                     out_shape=p.out_shape, dtype=p.dtype, device=device, stage=stage)
+                     out_shape=p.out_shape, dtype=p.dtype, target=target, stage=stage)
     except Exception as e:  # every rank must hear of it before anyone communicates
         error = e
     coll.agree(error, "before the first step (bad input)")
     sig = signature(arrays, is_causal=is_causal, scale=ring.scale, enable_gqa=enable_gqa,
-                     device=device, layout=layout, window=(ring.left, ring.right), offset=ring.goff,
-                     softcap=float(r.softcap), alibi_slopes=digest(r.alibi),
-                     sinks=digest(r.sinks))
+                    device=target.name, layout=layout, window=(ring.left, ring.right),
+                    offset=ring.goff, softcap=float(r.softcap), alibi_slopes=digest(r.alibi),
+                    sinks=digest(r.sinks))
     compare(coll, sig, names)
     return ring, arrays, (restore or (lambda x: x))

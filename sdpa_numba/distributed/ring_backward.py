@@ -17,13 +17,8 @@ from .steps import block_plan, take_rows
 
 def _attend_backward(grad_out, q, k, v, out, lse, ring, offset, left, right):
     """``(dq, dk, dv)`` of one dense call, from the GLOBAL ``out`` and ``lse`` rows."""
-    if ring.device == "cuda":
-        from ..gpu import launch_backward
-    else:
-        from ..cpu import launch_backward
-
     p = block_plan(q, k, v, ring, offset, left, right)
-    return launch_backward.run_backward(p, grad_out, q, k, v, None, out, lse, None, False)[:3]
+    return ring.target.backward(p, grad_out, q, k, v, None, out, lse, None, False)[:3]
 
 
 def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
@@ -105,7 +100,7 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
     P, rank = coll.size, coll.rank
     n_q, n_k = tuple(q.shape)[-2], tuple(k.shape)[-2]
     ct = compute_dtype(q.dtype)
-    ops = ring.ops
+    ops = ring.target
     cur = [ops.copy(k), ops.copy(v)]
     nxt = [ops.empty(tuple(x.shape), x.dtype) for x in cur]
     # dK/dV accumulators in the compute dtype: the one for the shard held now, the one coming.
@@ -134,9 +129,9 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
         if error is None:
             try:
                 for qs, ks, dq_p, dk_p, dv_p in parts:
-                    ops.add(take_rows(dq, qs), dq_p)
-                    ops.add(take_rows(acc[0], ks), dk_p)
-                    ops.add(take_rows(acc[1], ks), dv_p)
+                    ops.add_into(take_rows(dq, qs), dq_p)
+                    ops.add_into(take_rows(acc[0], ks), dk_p)
+                    ops.add_into(take_rows(acc[1], ks), dv_p)
             except Exception as e:
                 error = e
         # Send them on; after the last step's hop each shard's gradients reach their owner.

@@ -17,12 +17,8 @@ from .steps import block_plan, take_rows
 
 def _attend(q, k, v, ring, offset, left, right):
     """``(out, lse)`` of one dense call (the CPU or GPU launcher, with the ring's recipe)."""
-    if ring.device == "cuda":
-        from ..gpu import launch
-    else:
-        from ..cpu import launch
-
-    return launch.run(block_plan(q, k, v, ring, offset, left, right), q, k, v, None, None)
+    return ring.target.forward(block_plan(q, k, v, ring, offset, left, right), q, k, v, None,
+                               None, None)
 
 
 def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool = False,
@@ -110,20 +106,20 @@ def _sink_part(ring, out, lse):
     """The sinks as one more part to merge: ``out`` 0, ``lse`` the head's sink."""
     s = ring.sinks.sinks.reshape(ring.hq, 1)
     sink_lse = np.broadcast_to(s, (*ring.batch, ring.hq, ring.L)).reshape(lse.shape)
-    return (ring.ops.zeros(tuple(out.shape), out.dtype),
-            ring.ops.from_host(np.ascontiguousarray(sink_lse, dtype=lse.dtype)))
+    return (ring.target.zeros(tuple(out.shape), out.dtype),
+            ring.target.from_host(np.ascontiguousarray(sink_lse, dtype=lse.dtype)))
 
 
 def _nothing_seen(ring):
     """The result of rows that saw no key: ``out`` 0, ``lse`` -inf (as the dense API)."""
-    return (ring.ops.zeros(ring.out_shape, ring.dtype),
-            ring.ops.from_host(np.full(ring.out_shape[:-1], -np.inf, compute_dtype(ring.dtype))))
+    return (ring.target.zeros(ring.out_shape, ring.dtype),
+            ring.target.from_host(np.full(ring.out_shape[:-1], -np.inf, compute_dtype(ring.dtype))))
 
 
 def _forward(coll, q, k, v, ring):
     P, rank = coll.size, coll.rank
     n_q, n_k = tuple(q.shape)[-2], tuple(k.shape)[-2]
-    ops = ring.ops
+    ops = ring.target
     # Two key/value buffers: the one being computed (and sent on) and the one being received.
     cur = [ops.copy(k), ops.copy(v)]
     nxt = [ops.empty(tuple(x.shape), x.dtype) for x in cur]
@@ -141,13 +137,12 @@ def _forward(coll, q, k, v, ring):
                     continue
                 if out is None:  # no call so far covered every row: start from "no key"
                     out, lse = _nothing_seen(ring)
-                out, lse = ops.merge(out, lse, o, l_, qs, n_q)
+                ops.merge_into(take_rows(out, qs), take_rows(lse, qs, -1), o, l_)
             if t == P - 1:
                 if out is None:  # no row of this rank sees any key (a narrow window)
                     out, lse = _nothing_seen(ring)
                 if ring.sinks is not None:
-                    out, lse = ops.merge(out, lse, *_sink_part(ring, out, lse),
-                                         slice(0, n_q), n_q)
+                    ops.merge_into(out, lse, *_sink_part(ring, out, lse))
         except Exception as e:  # finish the step's messages, then tell every rank
             error = e
         if exchange is not None:

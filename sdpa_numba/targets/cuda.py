@@ -77,6 +77,51 @@ class Cuda(Target):
 
         check_device_strides(named)
 
+    # The ring's buffer operations (sdpa_numba.distributed), by sdpa_numba.gpu.ring's kernels.
+
+    @staticmethod
+    def copy(x):
+        """A C-contiguous copy of device array ``x``, on the device."""
+        from ..gpu.ring import contiguous_copy
+
+        return contiguous_copy(x)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        """A device array of zeros."""
+        from ..gpu.ring import zeros
+
+        return zeros(shape, dtype)
+
+    @staticmethod
+    def from_host(x):
+        """A device copy of NumPy array ``x``."""
+        import numpy as np
+        from numba import cuda
+
+        return cuda.to_device(np.ascontiguousarray(x))
+
+    @staticmethod
+    def merge_into(out, lse, o, lo):
+        """Merge the attention state ``(o, lo)`` into ``(out, lse)`` in place (by lse)."""
+        from ..gpu.ring import merge_into
+
+        merge_into(out, lse, o, lo)
+
+    @staticmethod
+    def add_into(acc, x):
+        """``acc += x`` in place, on the device."""
+        from ..gpu.ring import add_into
+
+        add_into(acc, x)
+
+    @staticmethod
+    def cast(x, dtype):
+        """``x`` converted to ``dtype`` (a device copy)."""
+        from ..gpu.reduce import sum_to
+
+        return sum_to(x, tuple(x.shape), dtype)
+
 
 #: The CUDA target.
 CUDA = Cuda("cuda", "CUDA", _gpu_launchers)

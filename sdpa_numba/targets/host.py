@@ -3,6 +3,7 @@
 import numpy as np
 
 from ..host_arrays import adopt as _adopt
+from ..problem.dtypes import compute_dtype
 from ..problem.out import host_address
 from .base import Target
 
@@ -51,6 +52,42 @@ class Host(Target):
     @staticmethod
     def check_strides(named):
         """The CPU kernels take any strides: nothing to check."""
+
+    # The ring's buffer operations (sdpa_numba.distributed).
+
+    @staticmethod
+    def copy(x):
+        """A C-contiguous copy of ``x``."""
+        return np.ascontiguousarray(x).copy()
+
+    @staticmethod
+    def zeros(shape, dtype):
+        """A NumPy array of zeros."""
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def from_host(x):
+        """NumPy array ``x`` as this target's array (itself)."""
+        return x
+
+    def merge_into(self, out, lse, o, lo):
+        """Merge the attention state ``(o, lo)`` into ``(out, lse)`` in place (by lse, with
+        :meth:`merge`'s kernels)."""
+        dt = np.dtype(out.dtype)
+        merged, merged_lse = self.merge([out, lse, o, lo], dt, compute_dtype(dt),
+                                        tuple(out.shape[:-1]), out.shape[-1])
+        out[...] = merged
+        lse[...] = merged_lse
+
+    @staticmethod
+    def add_into(acc, x):
+        """``acc += x`` in place."""
+        acc[...] += x
+
+    @staticmethod
+    def cast(x, dtype):
+        """``x`` converted to ``dtype`` (a copy)."""
+        return x.astype(dtype)
 
 
 #: The host target.
