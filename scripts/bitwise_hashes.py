@@ -37,6 +37,7 @@ must not depend on ``NUMBA_NUM_THREADS``.
 import argparse
 import hashlib
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -58,40 +59,24 @@ SEED = 1234  # dropout seed
 # --------------------------------------------------------------------------------------------
 # user functions of the variants (module level: Numba compiles them into the kernels)
 
+# One score_mod and one mask_mod, sharing their mod_args, for every case that takes them: a
+# kernel specialized on a user's function is compiled in every process (Numba cannot cache
+# it), so few of them keep a warm run short.
+
 @njit
-def tanh_mod(s, b, h, i, j, c):
-    return c * np.tanh(s / c)
+def tanh_bias_mod(s, b, h, i, j, table, doc_q, doc_k):
+    return 2.0 * np.tanh(s / 2.0) + table[h, abs(i - j)]
 
 
 @njit
-def tanh_mod_grad(s, b, h, i, j, c):
-    t = np.tanh(s / c)
+def tanh_bias_mod_grad(s, b, h, i, j, table, doc_q, doc_k):
+    t = np.tanh(s / 2.0)
     return 1.0 - t * t
 
 
 @njit
-def bias_mod(s, b, h, i, j, table):
-    return s + table[h, abs(i - j)]
-
-
-@njit
-def one_grad(s, b, h, i, j, table):
-    return 1.0
-
-
-@njit
-def stripes_mask(b, h, i, j, period):
-    return (i + j + h + b) % period != 0
-
-
-@njit
-def causal_mask(b, h, i, j):
-    return j <= i
-
-
-@njit
-def doc_mask(b, h, i, j, doc_q, doc_k):
-    return doc_q[i] == doc_k[j]
+def doc_stripes_mask(b, h, i, j, table, doc_q, doc_k):
+    return doc_q[i] == doc_k[j] and (i + j + h + b) % 5 != 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,20 +206,17 @@ def dense_cases():
         ("f64-alibi-batch", np.float64, Q4, K4, V4, None, {"alibi_slopes": (2, 3),
                                                            "is_causal": True}),
         ("f32-sinks", np.float32, Q4, K4, V4, None, {"sinks": (3,)}),
-        ("f32-score-mod", np.float32, Q4, K4, V4, None, "score_mod"),
-        ("f64-score-mod-bias", np.float64, Q4, K4, V4, None, "score_mod_bias"),
-        ("f32-mask-mod", np.float32, Q4, K4, V4, None, "mask_mod"),
-        ("f32-block-mask", np.float32, Q4, K4, V4, None, "block_mask"),
-        ("f64-block-mask-doc", np.float64, (1, 3, 13, 7), (1, 3, 11, 7), (1, 3, 11, 5),
-         None, "block_mask_doc"),
+        ("f32-score-mod-mask-mod", np.float32, Q4, K4, V4, None, "mods"),
+        ("f64-score-mod-mask-mod-block-mask", np.float64, (1, 3, 13, 7), (1, 3, 11, 7),
+         (1, 3, 11, 5), None, "block_mask"),
         ("f64-all-variants", np.float64, (2, 4, 9, 7), (2, 2, 11, 7), (2, 2, 11, 5), None,
          {"window": (5, 1), "alignment": "bottom_right", "is_causal": True, "softcap": 3.0,
           "alibi_slopes": (4,), "sinks": (4,), "enable_gqa": True}),
     ]
     cuda_ok = {"f64", "f32", "f16", "f32-causal-gqa", "f64-bool-mask-causal-bcast",
                "f32-float-mask-grad", "f32-dropout", "f32-window", "f32-bottom-right-causal",
-               "f32-softcap", "f32-alibi", "f32-sinks", "f32-score-mod", "f32-mask-mod",
-               "f32-block-mask", "f64-all-variants"}
+               "f32-softcap", "f32-alibi", "f32-sinks", "f32-score-mod-mask-mod",
+               "f64-score-mod-mask-mod-block-mask", "f64-all-variants"}
     cases = []
     for name, dtype, qs, ks, vs, mask, kw in specs:
         def fn(t, name=name, dtype=dtype, qs=qs, ks=ks, vs=vs, mask=mask, kw=kw):
@@ -251,30 +233,28 @@ def dense_cases():
     return cases
 
 
+def mod_args(t, name, H, L, S):
+    """The mod_args of :func:`tanh_bias_mod` and :func:`doc_stripes_mask`: a bias table per
+    head and distance, and each query's and key's document (sorted ids)."""
+    rng = rng_for(name + "/mod")
+    table = rng.standard_normal((H, max(L, S)))
+    doc_q = np.sort(rng.integers(0, 3, L)).astype(np.int64)
+    doc_k = np.sort(rng.integers(0, 3, S)).astype(np.int64)
+    doc_k[0] = doc_q[0]  # every row sees some key
+    return (t.dev(table), t.dev(doc_q), t.dev(doc_k)), (table, doc_q, doc_k)
+
+
 def mod_kwargs(kind, t, name, qs, ks):
     """The keywords of the score_mod / mask_mod / block_mask cases."""
     import sdpa_numba
 
-    rng = rng_for(name + "/mod")
-    L, S = qs[-2], ks[-2]
-    if kind == "score_mod":
-        return {"score_mod": tanh_mod, "score_mod_grad": tanh_mod_grad, "mod_args": (2.0,),
-                "is_causal": True}
-    if kind == "score_mod_bias":
-        table = rng.standard_normal((qs[-3], max(L, S)))
-        return {"score_mod": bias_mod, "score_mod_grad": one_grad,
-                "mod_args": (t.dev(table),)}
-    if kind == "mask_mod":
-        return {"mask_mod": stripes_mask, "mod_args": (3,)}
+    args, host_args = mod_args(t, name, qs[-3], qs[-2], ks[-2])
+    kw = {"score_mod": tanh_bias_mod, "score_mod_grad": tanh_bias_mod_grad,
+          "mask_mod": doc_stripes_mask, "mod_args": args, "is_causal": kind == "mods"}
     if kind == "block_mask":
-        return {"block_mask": sdpa_numba.create_block_mask(causal_mask, None, None, L, S),
-                "mask_mod": causal_mask}
-    if kind == "block_mask_doc":
-        doc_q = np.sort(rng.integers(0, 3, L)).astype(np.int64)
-        doc_k = np.sort(rng.integers(0, 3, S)).astype(np.int64)
-        bm = sdpa_numba.create_block_mask(doc_mask, None, None, L, S, (doc_q, doc_k))
-        return {"block_mask": bm, "mask_mod": doc_mask, "mod_args": (doc_q, doc_k)}
-    raise ValueError(kind)
+        kw["block_mask"] = sdpa_numba.create_block_mask(
+            doc_stripes_mask, math.prod(qs[:-3]), qs[-3], qs[-2], ks[-2], host_args)
+    return kw
 
 
 def varlen_cases():
@@ -350,7 +330,7 @@ def kvcache_cases():
         ("contig-f64-variants", np.float64, 2, 3, 4, 2, 5, 5, 25, [12, 20], 1, [0, 2], None,
          {"window": (6, 0), "softcap": 3.0, "alibi_slopes": (2, 4), "sinks": (4,)}),
         ("paged1-f32-mods", np.float32, 2, 2, 2, 2, 7, 5, 13, [5, 9], 1, None, 1,
-         {"score_mod": tanh_mod, "mask_mod": stripes_mask, "mod_args": (3,)}),
+         {"mods": True}),
         ("contig-f16", np.float16, 2, 2, 2, 2, 7, 5, 13, [5, 9], 1, None, None, {}),
     ]
     cuda_ok = {"contig-f32-gqa-append-leftpad", "paged1-f32-append",
@@ -369,6 +349,9 @@ def kvcache_cases():
                 kw["alibi_slopes"] = rng.uniform(0.1, 0.9, kw["alibi_slopes"])
             if "sinks" in kw:
                 kw["sinks"] = rng.standard_normal(kw["sinks"])
+            if kw.pop("mods", False):
+                kw["score_mod"], kw["mask_mod"] = tanh_bias_mod, doc_stripes_mask
+                kw["mod_args"] = mod_args(t, name, Hq, S, S)[0]
             table = None
             if page:
                 kc, vc, table = shuffled_pages(rng, (kc, vc), page)
