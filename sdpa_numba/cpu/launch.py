@@ -18,7 +18,7 @@ from numba import from_dtype, typeof, types
 from .._runtime import compile_entry, kernel_launch
 from ..dropout import NO_DROPOUT
 from ..problem import compute_dtype, for_each_launch, operand_views, row_view
-from ..score.recipe import CAUSAL, DENSE, with_batch_offset
+from ..score.recipe import CAUSAL, DENSE, has_optional_parts, with_batch_offset
 from .forward import forward
 from .storage import is_bfloat16, storage_view
 
@@ -56,9 +56,7 @@ def recipe_type(r):
     L2048 D64)."""
     if r is DENSE or r is CAUSAL:
         return PLAIN_RECIPE
-    if (r.alibi is None and r.sinks is None and r.score_mod is None and r.mask_mod is None
-            and r.score_mod_grad is None and r.block_mask is None
-            and type(r.mod_args) is tuple and not r.mod_args
+    if (type(r.mod_args) is tuple and not has_optional_parts(r)
             and all(type(x) is t for x, t in zip(r[:5], _PLAIN_NUMBERS))):
         return PLAIN_RECIPE
     return typeof(r)

@@ -235,8 +235,7 @@ def _block_mask(block_mask, mask_mod, batch, hq, L, S):
 def is_plain(r):
     """Whether recipe ``r`` is dense or causal (top-left) attention: what the kernels did
     before the variants (a launcher that cannot run variants refuses the others)."""
-    optional = (r.alibi, r.sinks, r.score_mod, r.mask_mod, r.block_mask)
-    return (all(x is None for x in optional) and r.softcap == 0 and r.left == R.NO_LIMIT
+    return (not R.has_optional_parts(r) and r.softcap == 0 and r.left == R.NO_LIMIT
             and (r.right == R.NO_LIMIT or (r.right == 0 and r.offset == 0)))
 
 

@@ -60,6 +60,18 @@ Recipe = namedtuple("Recipe", [
 ])
 
 
+#: The recipe's run-time numbers; every other part is optional (None when unused; ``()`` for
+#: ``mod_args``).
+NUMBERS = ("offset", "left", "right", "softcap", "batch_offset")
+
+
+def has_optional_parts(r):
+    """Whether host recipe ``r`` has any optional part (arrays, functions, ``mod_args``): a
+    recipe without one runs as plain (dense, causal, windowed, soft-capped) attention."""
+    return len(r.mod_args) > 0 or any(x is not None for f, x in zip(r._fields, r)
+                                      if f not in NUMBERS and f != "mod_args")
+
+
 def recipe(*, offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0,
            alibi=None, sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None,
            mod_args=(), block_mask=None):
