@@ -101,7 +101,7 @@ def check_out(p, out, inputs, address):
     """``out`` must match plan ``p``'s result exactly and be safe to write: no zero strides,
     no element sharing memory with another, writeable (NumPy), apart from every array of
     ``inputs`` (``(name, array or None)`` pairs: the operands) and every other array the
-    call was given (``p.given``, see :func:`given_arrays`: a kernel reading one of them
+    call was given (``p.given`` if the plan has it, see :func:`given_arrays`: a kernel reading one of them
     after writing ``out`` would read its own output). ``address``: the target's, see
     above."""
     if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
@@ -117,7 +117,8 @@ def check_out(p, out, inputs, address):
                          f"element has memory of its own")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out must be writeable")
-    for name, x in (*inputs, *p.given):
+    # (a plan without ``given`` -- one that lists no arrays of its own -- checks inputs alone)
+    for name, x in (*inputs, *getattr(p, "given", ())):
         if x is not None and _overlaps(out, x, address):
             raise ValueError(f"out overlaps {name}: pass a separate buffer")
 
