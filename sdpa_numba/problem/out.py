@@ -101,9 +101,9 @@ def check_out(p, out, inputs, address):
     """``out`` must match plan ``p``'s result exactly and be safe to write: no zero strides,
     no element sharing memory with another, writeable (NumPy), apart from every array of
     ``inputs`` (``(name, array or None)`` pairs: the operands) and every other array the
-    call was given (``p.given`` if the plan has it, see :func:`given_arrays`: a kernel reading one of them
-    after writing ``out`` would read its own output). ``address``: the target's, see
-    above."""
+    call was given (``p.given`` if the plan has it, see :func:`given_arrays`: a kernel
+    reading one of them after writing ``out`` would read its own output). ``address``: the
+    target's, see above."""
     if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
         raise ValueError(f"out must have shape {p.out_shape} and dtype {p.dtype}, got "
                          f"{shape_str(out)} {np.dtype(out.dtype)}")
