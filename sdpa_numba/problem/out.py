@@ -65,7 +65,8 @@ def given_arrays(variants, **named):
     """The arrays among a call's arguments other than the operands, as ``(name, array)``
     pairs for :func:`check_out`, from a plan's validated arguments: those of ``variants``
     (the public functions' keyword variants, a dict; see :data:`VARIANT_ARRAYS`) and
-    ``named`` (more of the function's own). ``mod_args`` (a tuple) gives ``mod_args[n]`` for each array in it, a block mask its ``states``; None and numbers
+    ``named`` (more of the function's own). ``mod_args`` (a tuple) gives ``mod_args[n]``
+    for each array in it, a block mask its ``states``; None and numbers
     are left out. Host arrays (torch CPU tensors, ...) are seen through
     :func:`numpy.asarray`, which shares their memory; device arrays are kept as given."""
     pairs = []
