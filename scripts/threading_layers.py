@@ -35,9 +35,9 @@ CHILD = textwrap.dedent("""
     qb, kb, vb = (x[:, :, :1024] for x in (q, k, v))
     o, lse = sdpa_numba.scaled_dot_product_attention(qb, kb, vb, return_lse=True)
     dq = rng.standard_normal((8, 1, 32, 128)).astype(np.float32)
-    kc = rng.standard_normal((8, 4096, 8, 128)).astype(np.float32)
-    vc = rng.standard_normal((8, 4096, 8, 128)).astype(np.float32)
-    lens = np.full(8, 4096, np.int32)
+    kc = rng.standard_normal((8, 2048, 8, 128)).astype(np.float32)
+    vc = rng.standard_normal((8, 2048, 8, 128)).astype(np.float32)
+    lens = np.full(8, 2048, np.int32)
     calls = {
         "forward": lambda: sdpa_numba.scaled_dot_product_attention(q, k, v),
         "backward": lambda: sdpa_numba.scaled_dot_product_attention_backward(

@@ -9,7 +9,8 @@ switch and on-disk cache.
   :func:`choose_threading_layer` asks Numba for its ``"forksafe"`` layers: TBB if installed
   (the ``tbb`` wheel is a dependency; :func:`load_tbb` makes Numba find it), else
   ``workqueue``. TBB is the one fork-safe layer that is also thread-safe and runs a parallel
-  kernel called inside a user's ``prange`` (``workqueue`` aborts the process on that). Measured here (2 cores), workqueue is as fast as OpenMP for large calls
+  kernel called inside a user's ``prange`` (``workqueue`` aborts the process on that).
+  Measured here (2 cores), workqueue is as fast as OpenMP for large calls
   (the kernels schedule their own work through a task queue), wakes much faster after an
   idle pause (0.5 ms against 1-30 ms for a small call), and costs ~0.1 ms more on small
   calls made back to back (0.2 ms against 0.1 ms).

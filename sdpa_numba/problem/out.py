@@ -68,7 +68,8 @@ def given_arrays(variants, **named):
     """The arrays among a call's arguments other than the operands, as ``(name, array)``
     pairs for :func:`check_out`, from a plan's validated arguments: those of ``variants``
     (the public functions' keyword variants, a dict; see :data:`VARIANT_ARRAYS`) and
-    ``named`` (more of the function's own). ``mod_args`` (a tuple) gives ``mod_args[n]`` for each array in it, a block mask its ``states``; None and numbers
+    ``named`` (more of the function's own). ``mod_args`` (a tuple) gives ``mod_args[n]``
+    for each array in it, a block mask its ``states``; None and numbers
     are left out. Host arrays (torch CPU tensors, ...) are seen through
     :func:`numpy.asarray`, which shares their memory; device arrays are kept as given."""
     pairs = []
@@ -104,9 +105,9 @@ def check_out(p, out, inputs, address):
     """``out`` must match plan ``p``'s result exactly and be safe to write: no zero strides,
     no element sharing memory with another, writeable (NumPy), apart from every array of
     ``inputs`` (``(name, array or None)`` pairs: the operands) and every other array the
-    call was given (``p.given``, see :func:`given_arrays`: a kernel reading one of them
-    after writing ``out`` would read its own output). ``address``: the target's, see
-    above."""
+    call was given (``p.given`` if the plan has it, see :func:`given_arrays`: a kernel
+    reading one of them after writing ``out`` would read its own output). ``address``: the
+    target's, see above."""
     if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
         raise ValueError(f"out must have shape {p.out_shape} and dtype {p.dtype}, got "
                          f"{shape_str(out)} {np.dtype(out.dtype)}")
@@ -120,7 +121,8 @@ def check_out(p, out, inputs, address):
                          f"element has memory of its own")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out must be writeable")
-    for name, x in (*inputs, *p.given):
+    # (a plan without ``given`` -- one that lists no arrays of its own -- checks inputs alone)
+    for name, x in (*inputs, *getattr(p, "given", ())):
         if x is not None and _overlaps(out, x, address):
             raise ValueError(f"out overlaps {name}: pass a separate buffer")
 
