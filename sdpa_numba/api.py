@@ -10,7 +10,6 @@ copies) in the kernels' 4-D layout, with the same layer's views and batching.
 
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-import numpy as np
 import numpy.typing as npt
 
 from ._typing import F16, F32, ArrayT, Mask, SelfComputed

@@ -52,8 +52,8 @@ def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any = None,
 
     * ``merge_attention_states(out_a, lse_a, out_b, lse_b)``: two parts;
     * ``merge_attention_states(outs, lses)``: ``n`` parts stacked along a leading axis,
-      ``outs (n, ..., Ev)``, ``lses (n, ...)`` (a list or tuple of arrays is stacked first, a
-      copy).
+      ``outs (n, ..., Ev)``, ``lses (n, ...)`` (a non-empty list or tuple of arrays of one
+      shape and dtype is stacked first, a copy).
 
     Parameters
     ----------

@@ -25,9 +25,6 @@ from .storage import is_bfloat16, storage_view
 _NB = {np.dtype(np.float16): types.uint16, np.dtype(np.float32): types.float32,
        np.dtype(np.float64): types.float64}
 _entries = {}
-#: This launcher passes the plan's recipe to the kernel (the public layer refuses variants
-#: on launchers that do not).
-TAKES_RECIPE = True
 #: The Numba type of every recipe without optional parts (dense, causal, windows, soft cap).
 PLAIN_RECIPE = typeof(DENSE)
 #: Numba type of the kernels' ``dropout`` argument when dropout is on.

@@ -25,8 +25,6 @@ from .launch import DROPOUT_TYPE, arr, as_strided, kernel_types
 from .storage import storage_view
 
 _entries = {}
-#: The kernels run the plan's recipe (every variant; sdpa_numba.api.check_takes_recipe).
-TAKES_RECIPE = True
 
 
 def signature(dtype, mask_kind, recipe_type=typeof(DENSE)):

@@ -17,8 +17,6 @@ from .storage import storage_view
 from .varlen import varlen_backward, varlen_forward
 
 _entries = {}
-#: The kernels run the plan's recipe.
-TAKES_RECIPE = True
 _CU = arr(types.int64, 1, True)
 
 

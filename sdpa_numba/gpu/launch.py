@@ -18,9 +18,6 @@ from ..score.recipe import with_batch_offset
 from .arrays import as_strided, device_array
 from .forward import forward
 
-#: This launcher passes plans' recipes to its kernels (see sdpa_numba.api).
-TAKES_RECIPE = True
-
 
 def device_recipe(r):
     """Recipe ``r`` with its NumPy arrays (slopes, sinks, block mask, ``mod_args``) copied to

@@ -5,7 +5,8 @@ As for the forward (:mod:`.launch`): the problem layer (:mod:`sdpa_numba.problem
 operands out as strided 4-D views (nothing copied) and splits the batch into launches (with the
 dropout batch offset that keeps the mask's flat batch index), as on the CPU. The kernels write gradients at the full
 broadcast shapes in the compute dtype; :func:`.reduce.sum_to` sums them over each input's
-broadcast dims and casts them to the input's dtype, on the device.
+broadcast dims and casts them to the input's dtype, on the device. The gradient of sinks is
+the public layer's (:func:`sdpa_numba.problem.variants.sinks_grad`).
 """
 
 from ..block_mask import K_BLOCK, Q_BLOCK
@@ -16,10 +17,6 @@ from .arrays import as_strided, device_array
 from .backward import backward
 from .launch import device_recipe
 from .reduce import sum_to
-
-#: This launcher passes plans' recipes to its kernels (see sdpa_numba.api). The gradient of
-#: sinks is the public layer's (:func:`sdpa_numba.problem.variants.sinks_grad`).
-TAKES_RECIPE = True
 
 
 def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, mask_grad):

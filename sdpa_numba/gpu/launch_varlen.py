@@ -23,9 +23,6 @@ from .launch import device_recipe
 from .reduce import sum_to
 from .work import Sequences
 
-#: The kernels run the plan's recipe.
-TAKES_RECIPE = True
-
 
 def _rows(x):
     """Packed ``(total, H, D)`` device array ``x`` as ``(1, H, total, D)``."""

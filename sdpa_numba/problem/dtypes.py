@@ -1,8 +1,9 @@
 """Storage dtypes and the compute-dtype rule.
 
-The inputs are float16, bfloat16, float32 or float64; the kernels accumulate in float64 for float64 and
-in float32 for everything narrower. That rule is :func:`compute_dtype`, the only place it is
-written: the plan, both back ends' kernel types and the PyTorch operator's ``lse`` use it.
+The inputs are float16, bfloat16, float32 or float64 (:func:`check_storage_dtype`, the one
+check of them); the kernels accumulate in float64 for float64 and in float32 for everything
+narrower. That rule is :func:`compute_dtype`, the only place it is written: the plan, both
+back ends' kernel types and the PyTorch operator's ``lse`` use it.
 """
 
 import numpy as np

@@ -10,7 +10,8 @@ through that object alone, never through a branch on the device or a module name
   (:func:`sdpa_numba.problem.check_out`); ``as_strided``: strided views for the problem layer;
 * ``empty(shape, dtype)``, ``to_host(x)``, ``stack(name, arrays)``;
 * ``check_strides(named)``: the target's layout limits;
-* the launchers: ``forward``, ``backward``, ``varlen_forward``, ``varlen_backward``, ``merge``.
+* the launchers: ``forward``, ``backward``, ``varlen_forward``, ``varlen_backward``, ``merge``
+  (:class:`~.base.Target`, through the back end's launcher modules, ``launchers()``).
 
 The back ends are imported where a target first needs them, so that importing ``sdpa_numba``
 or running on the host never imports ``numba.cuda``.

@@ -1,6 +1,8 @@
 """The CUDA target: CUDA arrays (Numba device arrays, real or simulated, CuPy, PyTorch CUDA
 tensors), the CUDA kernels (:mod:`sdpa_numba.gpu`), imported on first use."""
 
+from .base import Target
+
 
 def is_device_array(x):
     """Whether ``x`` is a CUDA array (without importing ``numba.cuda``)."""
@@ -10,15 +12,16 @@ def is_device_array(x):
     return type(x).__name__ in ("FakeCUDAArray", "DeviceNDArray") and hasattr(x, "copy_to_host")
 
 
-class Cuda:
+def _gpu_launchers():
+    """The CUDA launcher modules, in :class:`~.base.Launchers`' order."""
+    from ..gpu import launch, launch_backward, launch_merge, launch_varlen
+
+    return launch, launch_backward, launch_varlen, launch_merge
+
+
+class Cuda(Target):
     """What running on a CUDA device means: see :mod:`sdpa_numba.targets`."""
 
-    name = "cuda"
-    #: The back end's name in messages.
-    label = "CUDA"
-
-    def __repr__(self):
-        return "sdpa_numba.targets.CUDA"
 
     @staticmethod
     def adopt(named, out=None):
@@ -53,13 +56,11 @@ class Cuda:
     def stack(name, arrays):
         """Numba device arrays of one shape and dtype, each C-contiguous (ValueError naming
         ``name[i]`` otherwise), stacked along a new leading axis (a copy, on the device)."""
-        from ..gpu.arrays import device_array
-
         for i, x in enumerate(arrays):
             if not x.is_c_contiguous():
                 raise ValueError(f"{name}[{i}] is not contiguous: pass a stacked array ({name} "
                                  f"of shape (n, ...)) instead of a list")
-        y = device_array((len(arrays), *arrays[0].shape), arrays[0].dtype)
+        y = Cuda.empty((len(arrays), *arrays[0].shape), arrays[0].dtype)
         for i, x in enumerate(arrays):
             y[i].copy_to_device(x)
         return y
@@ -76,43 +77,6 @@ class Cuda:
 
         check_device_strides(named)
 
-    @staticmethod
-    def forward(p, query, key, value, attn_mask, out, dropout):
-        """:func:`sdpa_numba.gpu.launch.run`."""
-        from ..gpu.launch import run
-
-        return run(p, query, key, value, attn_mask, out, dropout)
-
-    @staticmethod
-    def backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, mask_grad):
-        """:func:`sdpa_numba.gpu.launch_backward.run_backward`."""
-        from ..gpu.launch_backward import run_backward
-
-        return run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout,
-                            mask_grad)
-
-    @staticmethod
-    def varlen_forward(p, q, k, v, out, dropout):
-        """:func:`sdpa_numba.gpu.launch_varlen.run`."""
-        from ..gpu.launch_varlen import run
-
-        return run(p, q, k, v, out, dropout)
-
-    @staticmethod
-    def varlen_backward(p, grad_out, q, k, v, out, lse, dropout):
-        """:func:`sdpa_numba.gpu.launch_varlen.run_backward`."""
-        from ..gpu.launch_varlen import run_backward
-
-        return run_backward(p, grad_out, q, k, v, out, lse, dropout)
-
-
-    @staticmethod
-    def merge(parts, dt, ct, lead, ev):
-        """:func:`sdpa_numba.gpu.launch_merge.run`."""
-        from ..gpu.launch_merge import run
-
-        return run(parts, dt, ct, lead, ev)
-
 
 #: The CUDA target.
-CUDA = Cuda()
+CUDA = Cuda("cuda", "CUDA", _gpu_launchers)

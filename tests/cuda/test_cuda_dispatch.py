@@ -32,6 +32,18 @@ def test_importing_sdpa_numba_does_not_import_numba_cuda():
     assert out.strip() == "[]"
 
 
+def test_running_on_the_host_does_not_import_numba_cuda():
+    """The host target's launchers come through sdpa_numba.targets without the CUDA one's."""
+    out = _python("import sys, numpy as np, sdpa_numba\n"
+                  "q = np.ones((1, 2, 3, 4)); o, l = sdpa_numba.scaled_dot_product_attention("
+                  "q, q, q, return_lse=True)\n"
+                  "sdpa_numba.merge_attention_states(o, l, o, l)\n"
+                  "sdpa_numba.merge_attention_states([o, o], [l, l])\n"
+                  "print(sorted(m for m in sys.modules if m.startswith(('numba.cuda', "
+                  "'numba_cuda', 'sdpa_numba.gpu'))))")
+    assert out.strip() == "[]"
+
+
 def test_sdpa_numba_gpu_imports_in_a_fresh_process():
     """numba-cuda installs a process-wide import redirector for every module name that
     contains "numba.cuda"; the GPU subpackage's name does not, so it imports with no import
