@@ -52,7 +52,8 @@ def _first_key(kv_begin, b):
     return 0 if kv_begin is None else kv_begin[b]
 
 
-_host_bounds = key_bounds_loop(key_range.py_func, _first_key)
+# (key_range itself where NUMBA_DISABLE_JIT leaves it a plain function)
+_host_bounds = key_bounds_loop(getattr(key_range, "py_func", key_range), _first_key)
 
 
 def key_bounds(r, is_causal, kv_lens, leftpad, lq):
