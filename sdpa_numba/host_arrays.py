@@ -22,6 +22,16 @@ import numpy as np
 _DLPACK_CPU = 1
 
 
+def is_device_array(x):
+    """Whether ``x`` is a CUDA array (without importing ``numba.cuda``): what the host path
+    never takes. The one device test of the package (:func:`sdpa_numba.targets.target_of`,
+    the ``out`` checks)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    # Numba's CUDA simulator arrays have no __cuda_array_interface__.
+    return type(x).__name__ in ("FakeCUDAArray", "DeviceNDArray") and hasattr(x, "copy_to_host")
+
+
 def is_host_array(x):
     """Whether ``x`` is a host array the CPU path can read (NumPy or another kind)."""
     if isinstance(x, np.ndarray):

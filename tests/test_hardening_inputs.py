@@ -97,6 +97,28 @@ def test_varlen_out_overlapping_an_argument_is_refused(rng, arg):
     assert np.array_equal(out, before)
 
 
+@pytest.mark.parametrize("arg", ["cache_seqlens", "alibi_slopes", "sinks"])
+def test_kvcache_out_overlapping_an_argument_is_refused(rng, arg):
+    b, s, h, e = 1, 9, 2, 4
+    q = rng.standard_normal((b, 1, h, e)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((b, s, h, e)).astype(np.float32) for _ in range(2))
+    out = np.zeros((b, 1, h, e), np.float32)
+    args = {"cache_seqlens": np.array([5], np.int32), "alibi_slopes": None, "sinks": None}
+    if arg == "cache_seqlens":
+        view = out.reshape(-1).view(np.int32)[:1]
+        view[:] = 5
+    else:
+        view = out.reshape(-1)[:h]
+        view[:] = 0.25
+    args[arg] = view
+    before = out.copy()
+    with pytest.raises(ValueError, match=f"out overlaps {arg}"):
+        sdpa_numba.attention_with_kvcache(q, k_cache, v_cache, args["cache_seqlens"],
+                                          out=out, alibi_slopes=args["alibi_slopes"],
+                                          sinks=args["sinks"])
+    assert np.array_equal(out, before)
+
+
 @pytest.mark.parametrize("dtype,cap", [(np.float32, 1e-39), (np.float32, 2e-39),
                                        (np.float64, 1e-310), (np.float16, 1e-39)])
 def test_softcap_whose_reciprocal_overflows_is_refused(rng, dtype, cap):

@@ -22,6 +22,7 @@ import numpy as np
 from ..score.recipe import key_range
 from .arguments import check_flag, check_scale, shape_str
 from .dtypes import check_storage_dtype, compute_dtype
+from .out import given_arrays
 from .variants import check_alignment, variants_recipe
 
 
@@ -105,6 +106,10 @@ class KVCacheProblem:
     recipe: object
     out_shape: tuple
     lse_shape: tuple
+    #: The call's other arrays as given (ALiBi slopes, sinks, mod_args arrays, the cache
+    #: lengths, block table, left padding), which ``out`` may not overlap
+    #: (:func:`sdpa_numba.problem.out.given_arrays`).
+    given: tuple = ()
 
     @property
     def appending(self):
@@ -292,7 +297,10 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         compute_dtype=compute_dtype(dtype), paged=paged, table=table, seqlens=seqlens,
         kv_lens=kv_lens, leftpad=leftpad, lo=lo, hi=hi, pages=pages, slots=slots,
         is_causal=is_causal, scale=scale, recipe=r, out_shape=(B, Lq, Hq, Ev),
-        lse_shape=(B, Hq, Lq))
+        lse_shape=(B, Hq, Lq),
+        given=given_arrays(dict(alibi_slopes=alibi_slopes, sinks=sinks, mod_args=mod_args),
+                           cache_seqlens=cache_seqlens, block_table=block_table,
+                           cache_leftpad=cache_leftpad))
 
 
 def _mismatch(name, x, expect, dtype):

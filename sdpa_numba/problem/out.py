@@ -10,6 +10,7 @@ arrays may touch then say whether they may overlap (a bounds test, as
 import numpy as np
 
 from .arguments import shape_str
+from ..host_arrays import is_device_array
 
 
 def host_address(x):
@@ -56,10 +57,6 @@ def may_overlap(a, b, address):
     return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
 
 
-def _is_device(x):
-    return hasattr(x, "__cuda_array_interface__") or hasattr(x, "copy_to_host")
-
-
 #: The variants' arguments that may hold arrays (besides the operands).
 VARIANT_ARRAYS = ("alibi_slopes", "sinks", "mod_args", "block_mask")
 
@@ -84,7 +81,7 @@ def given_arrays(variants, **named):
     for name, x in pairs:
         if x is None or np.isscalar(x):
             continue
-        if not _is_device(x):
+        if not is_device_array(x):
             x = np.asarray(x)
             if x.ndim == 0:
                 continue
@@ -105,7 +102,7 @@ def check_out(p, out, inputs, address):
     """``out`` must match plan ``p``'s result exactly and be safe to write: no zero strides,
     no element sharing memory with another, writeable (NumPy), apart from every array of
     ``inputs`` (``(name, array or None)`` pairs: the operands) and every other array the
-    call was given (``p.given`` if the plan has it, see :func:`given_arrays`: a kernel
+    call was given (``p.given``, see :func:`given_arrays`: a kernel
     reading one of them after writing ``out`` would read its own output). ``address``: the
     target's, see above."""
     if tuple(out.shape) != p.out_shape or np.dtype(out.dtype) != p.dtype:
@@ -121,8 +118,7 @@ def check_out(p, out, inputs, address):
                          f"element has memory of its own")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out must be writeable")
-    # (a plan without ``given`` -- one that lists no arrays of its own -- checks inputs alone)
-    for name, x in (*inputs, *getattr(p, "given", ())):
+    for name, x in (*inputs, *p.given):
         if x is not None and _overlaps(out, x, address):
             raise ValueError(f"out overlaps {name}: pass a separate buffer")
 

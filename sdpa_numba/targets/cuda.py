@@ -1,15 +1,8 @@
 """The CUDA target: CUDA arrays (Numba device arrays, real or simulated, CuPy, PyTorch CUDA
 tensors), the CUDA kernels (:mod:`sdpa_numba.gpu`), imported on first use."""
 
+from ..host_arrays import is_device_array  # noqa: F401 - re-exported by the package
 from .base import Target
-
-
-def is_device_array(x):
-    """Whether ``x`` is a CUDA array (without importing ``numba.cuda``)."""
-    if hasattr(x, "__cuda_array_interface__"):
-        return True
-    # Numba's CUDA simulator arrays have no __cuda_array_interface__.
-    return type(x).__name__ in ("FakeCUDAArray", "DeviceNDArray") and hasattr(x, "copy_to_host")
 
 
 def _gpu_launchers():
