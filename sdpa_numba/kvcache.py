@@ -28,15 +28,6 @@ __all__ = ["attention_with_kvcache", "kvcache_plan", "KVCachePlan", "key_bounds"
 _REQUIRED = ("q", "k_cache", "v_cache")
 
 
-def _launcher(target):
-    """The decode launcher module of a target."""
-    if target is CUDA:
-        from .gpu import launch_decode
-    else:
-        from .cpu import launch_decode
-    return launch_decode
-
-
 def _host(name, x):
     """A small integer argument (``cache_seqlens``, ``block_table``) as a NumPy array, copied
     from the device if it is there."""
@@ -80,7 +71,7 @@ def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_l
         block_table = _host("block_table", block_table)
     p = kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                         is_causal, scale, **variants)
-    return KVCachePlan(p, target, _launcher(target).prepare(p))
+    return KVCachePlan(p, target, target.prepare_decode(p))
 
 
 def _refuse_block_mask(block_mask):

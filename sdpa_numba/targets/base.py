@@ -11,6 +11,7 @@ class Launchers(NamedTuple):
     backward: object
     varlen: object
     merge: object
+    decode: object
 
 
 class Target:
@@ -53,6 +54,13 @@ class Target:
     def varlen_backward(self, p, grad_out, q, k, v, out, lse, dropout):
         """The varlen backward for varlen plan ``p``: ``(dq, dk, dv)``."""
         return self.launchers().varlen.run_backward(p, grad_out, q, k, v, out, lse, dropout)
+
+    def prepare_decode(self, p):
+        """The launch of KV-cache problem ``p`` (:func:`sdpa_numba.problem.kvcache.
+        kvcache_problem`): ``launch(q, k_cache, v_cache, k, v, out) -> (out, lse)``, which
+        appends ``k``, ``v`` (if given) and decodes (:func:`sdpa_numba.cpu.launch_decode.
+        prepare`)."""
+        return self.launchers().decode.prepare(p)
 
     def merge(self, parts, dt, ct, lead, ev):
         """The merge of checked attention states ``parts`` (see

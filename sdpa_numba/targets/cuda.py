@@ -7,9 +7,9 @@ from .base import Target
 
 def _gpu_launchers():
     """The CUDA launcher modules, in :class:`~.base.Launchers`' order."""
-    from ..gpu import launch, launch_backward, launch_merge, launch_varlen
+    from ..gpu import launch, launch_backward, launch_decode, launch_merge, launch_varlen
 
-    return launch, launch_backward, launch_varlen, launch_merge
+    return launch, launch_backward, launch_varlen, launch_merge, launch_decode
 
 
 class Cuda(Target):

@@ -10,9 +10,9 @@ from .base import Target
 
 def _cpu_launchers():
     """The CPU launcher modules, in :class:`~.base.Launchers`' order."""
-    from ..cpu import launch, launch_backward, launch_merge, launch_varlen
+    from ..cpu import launch, launch_backward, launch_decode, launch_merge, launch_varlen
 
-    return launch, launch_backward, launch_varlen, launch_merge
+    return launch, launch_backward, launch_varlen, launch_merge, launch_decode
 
 
 class Host(Target):
