@@ -99,9 +99,10 @@ def choose_threading_layer():
     """Prefer Numba's fork-safe layers, unless the user chose one or a layer already runs;
     TBB, the one that is also thread-safe and runs nested parallel calls, is loaded from
     the ``tbb`` wheel (a dependency) if installed."""
-    if not _user_chose_layer() and not _layer_started():
-        load_tbb()
-        config.THREADING_LAYER = "forksafe"
+    if not _layer_started():
+        load_tbb()  # also when the user chose "tbb": Numba would not find the wheel's library
+        if not _user_chose_layer():
+            config.THREADING_LAYER = "forksafe"
 
 
 def _gnu_omp_running():
