@@ -207,35 +207,39 @@ def test_fork_pool_after_use_under_gnu_openmp_is_a_clear_error(tmp_path):
     assert out.startswith("ERROR") and "forked" in out and "spawn" in out
 
 
+#: Eight Python threads calling the forward and backward at once; prints the layer and how
+#: many calls differed from the first (run with run_python).
+THREADS_SCRIPT = """
+    import threading
+    import numba
+    import numpy as np
+    import sdpa_numba
+
+    q = np.random.default_rng(0).standard_normal((2, 3, 65, 16)).astype(np.float32)
+    o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
+    g = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
+    bad = []
+
+    def work():
+        for _ in range(5):
+            o2 = sdpa_numba.scaled_dot_product_attention(q, q, q)
+            g2 = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
+            if not (np.array_equal(o2, o) and np.array_equal(g2[1], g[1])):
+                bad.append(1)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(numba.threading_layer(), "bad", len(bad))
+"""
+
+
 def test_python_threads_under_workqueue_layer():
     """workqueue is not thread-safe: calls from many threads must not abort the process."""
-    proc = run_python("""
-        import threading
-        import numba
-        import numpy as np
-        import sdpa_numba
-
-        q = np.random.default_rng(0).standard_normal((2, 3, 65, 16)).astype(np.float32)
-        o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
-        g = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
-        assert numba.threading_layer() == "workqueue"
-        bad = []
-
-        def work():
-            for _ in range(5):
-                o2 = sdpa_numba.scaled_dot_product_attention(q, q, q)
-                g2 = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
-                if not (np.array_equal(o2, o) and np.array_equal(g2[1], g[1])):
-                    bad.append(1)
-
-        threads = [threading.Thread(target=work) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        print("bad", len(bad))
-    """, NUMBA_THREADING_LAYER="workqueue")
-    assert ok(proc).strip() == "bad 0"
+    proc = run_python(THREADS_SCRIPT, NUMBA_THREADING_LAYER="workqueue")
+    assert ok(proc).strip() == "workqueue bad 0"
 
 
 def test_disable_jit_is_a_clear_error():

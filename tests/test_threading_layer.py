@@ -8,7 +8,7 @@ the caller's NUMBA_* settings (see ``test_hardening_env.run_python``), so it see
 that importing sdpa_numba picks.
 """
 
-from test_hardening_env import _fork_pool, ok, run_python
+from test_hardening_env import THREADS_SCRIPT, _fork_pool, ok, run_python
 
 
 def test_fresh_install_picks_tbb():
@@ -56,29 +56,5 @@ def test_fork_after_use_on_the_default_layer(tmp_path):
 
 
 def test_eight_python_threads_on_the_default_layer():
-    out = ok(run_python("""
-        import threading
-        import numba
-        import numpy as np
-        import sdpa_numba
-
-        q = np.random.default_rng(0).standard_normal((2, 3, 65, 16)).astype(np.float32)
-        o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
-        g = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
-        bad = []
-
-        def work():
-            for _ in range(5):
-                o2 = sdpa_numba.scaled_dot_product_attention(q, q, q)
-                g2 = sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
-                if not (np.array_equal(o2, o) and np.array_equal(g2[1], g[1])):
-                    bad.append(1)
-
-        threads = [threading.Thread(target=work) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        print(numba.threading_layer(), "bad", len(bad))
-    """, timeout=300))
+    out = ok(run_python(THREADS_SCRIPT, timeout=300))
     assert out.strip() == "tbb bad 0"
