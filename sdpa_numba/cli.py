@@ -50,45 +50,25 @@ def _dump_json(doc, out):
     out.write("\n")
 
 
-def _positive_int(text):
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
+def _number(parse, ok, expected):
+    """An argparse type: ``parse(text)``, refused unless ``ok`` of it (the error: ``expected
+    ...``, then the text given)."""
+    def convert(text):
+        try:
+            x = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return x
+
+    return convert
 
 
-def _nonnegative_int(text):
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") \
-            from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {n}")
-    return n
-
-
-def _positive_float(text):
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (x > 0 and math.isfinite(x)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return x
-
-
-def _nonnegative_float(text):
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (x >= 0 and math.isfinite(x)):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return x
+_positive_int = _number(int, lambda n: n >= 1, "a positive integer")
+_nonnegative_int = _number(int, lambda n: n >= 0, "a non-negative integer")
+_positive_float = _number(float, lambda x: x > 0 and math.isfinite(x), "a positive number")
+_nonnegative_float = _number(float, lambda x: x >= 0 and math.isfinite(x), "a number >= 0")
 
 
 def _case_spec(text):
@@ -365,44 +345,39 @@ def cmd_bench_decode(args, cases, out):
     return EXIT_OK
 
 
-def cmd_bench_variants(args, out):
-    """The ``variants`` preset: its own table (:func:`sdpa_numba.bench.variants.run_variants`)."""
-    threads = _set_threads(args, torch_too=True)
-    load = _warn_load()
-    res = bench.run_variants(args.repeats, args.pause)
-    res["load_average_1min_before"] = load
-    if args.json:
-        _dump_json({"info": bench.collect_info(), "threads": threads, "variants": res}, out)
-    else:
-        print(bench.format_variants(res), file=out)
-    return EXIT_OK
+#: The presets that run alone, in the order they are looked for in ``--preset``, each with a
+#: table of its own.
+ALONE = ("varlen", "variants")
 
 
-def cmd_bench_varlen(args, out):
-    """The ``varlen`` preset: its own table (:func:`sdpa_numba.bench.varlen.run`)."""
+def cmd_bench_alone(args, preset, out):
+    """A preset of :data:`ALONE`: ``variants`` (:func:`sdpa_numba.bench.variants.run_variants`)
+    or ``varlen`` (:func:`sdpa_numba.bench.varlen.run`, its table headed by the threads)."""
+    if preset == "variants":
+        run, table, headed = bench.run_variants, bench.format_variants, False
+    else:
+        run, table, headed = bench_varlen.run, bench_varlen.format_result, True
     threads = _set_threads(args, torch_too=True)
     load = _warn_load()
-    res = bench_varlen.run(args.repeats, args.pause)
+    res = run(args.repeats, args.pause)
     res["load_average_1min_before"] = load
     if args.json:
-        _dump_json({"info": bench.collect_info(), "threads": threads, "varlen": res}, out)
-    else:
+        _dump_json({"info": bench.collect_info(), "threads": threads, preset: res}, out)
+        return EXIT_OK
+    if headed:
         print(f"sdpa_numba bench: {threads} threads", file=out)
-        print(bench_varlen.format_result(res), file=out)
+    print(table(res), file=out)
     return EXIT_OK
 
 
 def cmd_bench(args, out=None):
     out = out or sys.stdout
     parser = args.subparser
-    if "varlen" in args.preset:
-        if len(args.preset) > 1 or args.case or args.plot:
-            parser.error("--preset varlen runs alone (no other preset, --case or --plot)")
-        return cmd_bench_varlen(args, out)
-    if "variants" in args.preset:
-        if len(args.preset) > 1 or args.case or args.plot:
-            parser.error("--preset variants runs alone (no other preset, --case or --plot)")
-        return cmd_bench_variants(args, out)
+    for preset in ALONE:
+        if preset in args.preset:
+            if len(args.preset) > 1 or args.case or args.plot:
+                parser.error(f"--preset {preset} runs alone (no other preset, --case or --plot)")
+            return cmd_bench_alone(args, preset, out)
     decode_cases = _decode_cases(args)
     if decode_cases:
         code = cmd_bench_decode(args, decode_cases, out)

@@ -138,51 +138,49 @@ def no_inline(typingctx):
     return sig, codegen
 
 
-@intrinsic
-def half_bits_to_float32(typingctx, bits):
+def _conversion(src, dst):
+    """Make ``emit(builder, x)``, the LLVM value of a ``dst`` computed from the value ``x`` of
+    a Numba ``src``, into an intrinsic ``f(x)`` of ``emit``'s name and doc, typed for ``src``
+    only."""
+    def make(emit):
+        def typer(typingctx, x):
+            if x != src:
+                return None
+
+            def codegen(context, builder, signature, args):
+                return emit(builder, args[0])
+
+            return dst(x), codegen
+
+        typer.__name__, typer.__qualname__, typer.__doc__ = (emit.__name__, emit.__qualname__,
+                                                            emit.__doc__)
+        return intrinsic(typer)
+
+    return make
+
+
+@_conversion(types.uint16, types.float32)
+def half_bits_to_float32(builder, bits):
     """The float32 value of a float16 stored as its uint16 bit pattern."""
-    if bits != types.uint16:
-        return None
-    sig = types.float32(bits)
-
-    def codegen(context, builder, signature, args):
-        h = builder.bitcast(args[0], ir.HalfType())
-        return builder.fpext(h, ir.FloatType())
-
-    return sig, codegen
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
 
 
-@intrinsic
-def float32_to_half_bits(typingctx, x):
+@_conversion(types.float32, types.uint16)
+def float32_to_half_bits(builder, x):
     """The uint16 bit pattern of ``x`` rounded to float16 (round to nearest even)."""
-    if x != types.float32:
-        return None
-    sig = types.uint16(x)
-
-    def codegen(context, builder, signature, args):
-        h = builder.fptrunc(args[0], ir.HalfType())
-        return builder.bitcast(h, ir.IntType(16))
-
-    return sig, codegen
+    return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
 
 
-@intrinsic
-def bf16_bits_to_float32(typingctx, bits):
+@_conversion(types.int16, types.float32)
+def bf16_bits_to_float32(builder, bits):
     """The float32 value of a bfloat16 stored as its int16 bit pattern: its top 16 bits."""
-    if bits != types.int16:
-        return None
-    sig = types.float32(bits)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        hi = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
-        return builder.bitcast(hi, ir.FloatType())
-
-    return sig, codegen
+    i32 = ir.IntType(32)
+    return builder.bitcast(builder.shl(builder.zext(bits, i32), ir.Constant(i32, 16)),
+                           ir.FloatType())
 
 
-@intrinsic
-def float32_to_bf16_bits(typingctx, x):
+@_conversion(types.float32, types.int16)
+def float32_to_bf16_bits(builder, x):
     """The int16 bit pattern of ``x`` rounded to bfloat16, to nearest even.
 
     Adding ``0x7fff`` plus the lowest kept bit to the float32's bits and dropping the low 16
@@ -190,21 +188,14 @@ def float32_to_bf16_bits(typingctx, x):
     finite value that gives inf, as round-to-nearest must; infinities are exact. A NaN could
     carry into its sign or turn into inf, so it keeps its top bits with the quiet bit set.
     """
-    if x != types.float32:
-        return None
-    sig = types.int16(x)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        b = builder.bitcast(args[0], i32)
-        lsb = builder.and_(builder.lshr(b, ir.Constant(i32, 16)), ir.Constant(i32, 1))
-        rounded = builder.lshr(builder.add(builder.add(b, ir.Constant(i32, 0x7FFF)), lsb),
-                               ir.Constant(i32, 16))
-        quiet = builder.or_(builder.lshr(b, ir.Constant(i32, 16)), ir.Constant(i32, 0x40))
-        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
-        return builder.trunc(builder.select(is_nan, quiet, rounded), ir.IntType(16))
-
-    return sig, codegen
+    i32 = ir.IntType(32)
+    b = builder.bitcast(x, i32)
+    lsb = builder.and_(builder.lshr(b, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+    rounded = builder.lshr(builder.add(builder.add(b, ir.Constant(i32, 0x7FFF)), lsb),
+                           ir.Constant(i32, 16))
+    quiet = builder.or_(builder.lshr(b, ir.Constant(i32, 16)), ir.Constant(i32, 0x40))
+    is_nan = builder.fcmp_unordered("uno", x, x)
+    return builder.trunc(builder.select(is_nan, quiet, rounded), ir.IntType(16))
 
 
 def row_mul_add(width):

@@ -56,7 +56,7 @@ from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inl
                     prefer_512_bit, prefetch, ptr_add, rows_pv, stack_buffer, stash, unstash)
 from ..problem.kvcache import key_bounds_loop
 from .merge import part_weights
-from .online_softmax import softmax_row
+from .online_softmax import finalize_row, softmax_row
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scratch import aligned_empty
 from ..score.numbers import cast
@@ -453,15 +453,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                             ar[d] += p * load(vp[d])
     keep_alive((k_cache, v_cache, qs, s, acc, koff))
     for i in range(hq * lq):
-        if l[i] == 0:
-            part_lse[i] = -np.inf
-            for d in range(ev):
-                part_out[i, d] = 0
-        else:
-            inv = 1 / l[i]
-            part_lse[i] = m[i] + np.log(l[i])
-            for d in range(ev):
-                part_out[i, d] = acc[i * ev + d] * inv
+        part_lse[i] = finalize_row(m[i], l[i], acc[i * ev:(i + 1) * ev], part_out[i])
 
 
 @njit(**CALLED)  # not inline: called through a task runner (.tasks)
@@ -526,6 +518,15 @@ def _plan(kv_lens, kv_begin, r, lq):
     return first, lo, hi
 
 
+@njit(**INLINE)
+def _partials(n_tasks, q, out, lse):
+    """``(part_out, part_lse)``: the tasks' partial results, unwritten, in the compute dtype,
+    ``(n_tasks, Hq * Lq, Ev)`` and ``(n_tasks, Hq * Lq)`` (row ``hq * Lq + t``)."""
+    rows = q.shape[2] * q.shape[1]
+    return (np.empty((n_tasks, rows, out.shape[3]), lse.dtype),
+            np.empty((n_tasks, rows), lse.dtype))
+
+
 #: _task that reports a user function's exception (see .tasks).
 _run_task = task_runner(_task)
 
@@ -575,9 +576,7 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     rc = kernel_recipe(recipe, is_causal)
     first, lo, hi = _plan(kv_lens, kv_begin, rc, q.shape[1])
     n_tasks = first[-1]
-    rows = q.shape[2] * q.shape[1]
-    part_out = np.empty((n_tasks, rows, out.shape[3]), lse.dtype)
-    part_lse = np.empty((n_tasks, rows), lse.dtype)
+    part_out, part_lse = _partials(n_tasks, q, out, lse)
     # The recipe crosses into the parallel loops by address (see _llvm.stash).
     p_r = stash(rc)
     queue = task_queue()
@@ -595,6 +594,7 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
               part_lse)
         raise_lost()
     b_len = kv_lens.shape[0]
+    rows = part_lse.shape[1]
     for br in prange(b_len * rows):
         r = unstash(p_r)
         _merge(first, part_out, part_lse, out, lse, br // rows, br % rows, r)
@@ -607,13 +607,10 @@ def decode_serial(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, o
     """:func:`decode` on the calling thread (the same arguments; bitwise the same result)."""
     r = kernel_recipe(recipe, is_causal)
     first, lo, hi = _plan(kv_lens, kv_begin, r, q.shape[1])
-    n_tasks = first[-1]
-    rows = q.shape[2] * q.shape[1]
-    part_out = np.empty((n_tasks, rows, out.shape[3]), lse.dtype)
-    part_lse = np.empty((n_tasks, rows), lse.dtype)
-    for t in range(n_tasks):
+    part_out, part_lse = _partials(first[-1], q, out, lse)
+    for t in range(first[-1]):
         _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
               part_out, part_lse)
     for b in range(kv_lens.shape[0]):
-        for i in range(rows):
+        for i in range(part_lse.shape[1]):
             _merge(first, part_out, part_lse, out, lse, b, i, r)

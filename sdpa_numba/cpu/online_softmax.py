@@ -49,6 +49,21 @@ def softmax_row(row, n, m_old):
     return m_new, exp2((m_old - m_use) * c), total
 
 
+@njit(**INLINE)
+def finalize_row(m, l, acc, out):
+    """The end of one row: ``out = acc / l`` (``acc``, ``out``: the row's vectors; ``out`` may
+    be ``acc``); returns ``lse = m + log(l)``. A row with ``l == 0`` (every score masked) gets
+    ``out = 0`` and ``lse = -inf``."""
+    if l == 0:
+        for d in range(out.shape[0]):
+            out[d] = 0
+        return cast(-np.inf, m)
+    inv = 1 / l
+    for d in range(out.shape[0]):
+        out[d] = acc[d] * inv
+    return m + math.log(l)
+
+
 @njit(**KERNEL)
 def online_softmax_update(s, v, m, l, acc):
     """Fold one block of scores and values into the running softmax state, in place.
@@ -102,14 +117,5 @@ def online_softmax_finalize(m, l, acc, out, lse):
     lse : ndarray, shape (n,)
         Written: the log-sum-exp of each row's scores.
     """
-    n, ev = acc.shape
-    for i in range(n):
-        if l[i] == 0:
-            lse[i] = -np.inf
-            for d in range(ev):
-                out[i, d] = 0
-        else:
-            inv = 1 / l[i]
-            lse[i] = m[i] + math.log(l[i])
-            for d in range(ev):
-                out[i, d] = acc[i, d] * inv
+    for i in range(acc.shape[0]):
+        lse[i] = finalize_row(m[i], l[i], acc[i], out[i])

@@ -50,19 +50,38 @@ def varlen_chunk_rows(cu_q, n_heads, e_len, ev, itemsize):
 
 
 @njit(**KERNEL)
+def _costliest_first(parts, cost, n_heads):
+    """A work list ``(seq, head, part)`` from the costs of the parts of every sequence
+    (sequence ``b`` has ``parts[b]`` of them; ``cost`` lists them sequence by sequence, in
+    part order): each part for every head, costliest first; ties in that order, then head
+    order (a stable sort)."""
+    n = cost.shape[0] * n_heads
+    seq = np.empty(n, np.int64)
+    head = np.empty(n, np.int64)
+    part = np.empty(n, np.int64)
+    neg_cost = np.empty(n, np.float64)
+    t = 0
+    u = 0
+    for b in range(parts.shape[0]):
+        for p in range(parts[b]):
+            for h in range(n_heads):
+                seq[t], head[t], part[t], neg_cost[t] = b, h, p, -cost[u]
+                t += 1
+            u += 1
+    order = np.argsort(neg_cost, kind="mergesort")
+    return seq[order], head[order], part[order]
+
+
+@njit(**KERNEL)
 def forward_tasks(cu_q, cu_k, r, bottom_right, n_heads, chunk):
     """The forward's work list: ``(seq, head, i0)`` per task, costliest first (the rows of
     a chunk times the keys they see; ties in a fixed order)."""
     n_seq = cu_q.shape[0] - 1
-    n = 0
+    parts = np.empty(n_seq, np.int64)
     for b in range(n_seq):
-        n += (cu_q[b + 1] - cu_q[b] + chunk - 1) // chunk
-    n *= n_heads
-    seq = np.empty(n, np.int64)
-    head = np.empty(n, np.int64)
-    row = np.empty(n, np.int64)
-    cost = np.empty(n, np.float64)
-    t = 0
+        parts[b] = (cu_q[b + 1] - cu_q[b] + chunk - 1) // chunk
+    cost = np.empty(parts.sum(), np.float64)
+    u = 0
     for b in range(n_seq):
         lq = cu_q[b + 1] - cu_q[b]
         lk = cu_k[b + 1] - cu_k[b]
@@ -71,12 +90,10 @@ def forward_tasks(cu_q, cu_k, r, bottom_right, n_heads, chunk):
             i1 = min(lq, i0 + chunk)
             jb, je = key_range(rs, i0, i1 - 1, lk)
             # per row: its keys, plus the fixed work of packing and writing it
-            c = (i1 - i0) * (je - jb + 64.0)
-            for h in range(n_heads):
-                seq[t], head[t], row[t], cost[t] = b, h, i0, -c
-                t += 1
-    order = np.argsort(cost, kind="mergesort")
-    return seq[order], head[order], row[order]
+            cost[u] = (i1 - i0) * (je - jb + 64.0)
+            u += 1
+    seq, head, part = _costliest_first(parts, cost, n_heads)
+    return seq, head, part * chunk
 
 
 @njit(**KERNEL)
@@ -178,32 +195,21 @@ def varlen_key_groups(cu_k, n_kv_heads):
 
 
 @njit(**KERNEL)
-def backward_tasks(cu_q, cu_k, r, bottom_right, n_kv_heads, group, groups):
+def backward_tasks(cu_q, cu_k, n_kv_heads, group, groups):
     """The backward's work list: ``(seq, kv head, key group)`` per task, costliest first
     (the keys of the group times the query rows of the sequence)."""
-    n_seq = cu_q.shape[0] - 1
-    n = 0
-    for b in range(n_seq):
-        n += groups[b]
-    n *= n_kv_heads
-    seq = np.empty(n, np.int64)
-    head = np.empty(n, np.int64)
-    grp = np.empty(n, np.int64)
-    cost = np.empty(n, np.float64)
-    t = 0
-    for b in range(n_seq):
+    cost = np.empty(groups.sum(), np.float64)
+    u = 0
+    for b in range(groups.shape[0]):
         lq = cu_q[b + 1] - cu_q[b]
         lk = cu_k[b + 1] - cu_k[b]
         n_kb = (lk + BK - 1) // BK
         for g in range(groups[b]):
             kb0 = g * n_kb // groups[b]
             kb1 = (g + 1) * n_kb // groups[b]
-            c = (min(kb1 * BK, lk) - kb0 * BK + 64.0) * (lq + 64.0) * group
-            for kh in range(n_kv_heads):
-                seq[t], head[t], grp[t], cost[t] = b, kh, g, -c
-                t += 1
-    order = np.argsort(cost, kind="mergesort")
-    return seq[order], head[order], grp[order]
+            cost[u] = (min(kb1 * BK, lk) - kb0 * BK + 64.0) * (lq + 64.0) * group
+            u += 1
+    return _costliest_first(groups, cost, n_kv_heads)
 
 
 @njit(**KERNEL)
@@ -298,14 +304,14 @@ def varlen_backward(q, k, v, cu_q, cu_k, is_causal, scale, dout, out, lse, dq, d
         if groups[b] > 1:
             n_part += groups[b] * n_heads * (cu_q[b + 1] - cu_q[b]) * e_len
     dq_part = np.zeros(n_part, lse.dtype)
-    seq, head, grp = backward_tasks(cu_q, cu_k, r, bottom_right, n_kv, group, groups)
+    seq, head, grp = backward_tasks(cu_q, cu_k, n_kv, group, groups)
     n_tasks = seq.shape[0]
     queue = task_queue()
     for _ in prange(n_tasks):
-        rt = unstash(p_r)
+        r_t = unstash(p_r)
         t = next_task(queue, n_tasks)
         while t >= 0:
-            if not _run_backward_task(rt, q, k, v, cu_q, cu_k, rt, bottom_right, scale,
+            if not _run_backward_task(r_t, q, k, v, cu_q, cu_k, r_t, bottom_right, scale,
                             dout, out, lse, dq, dk, dv, drop, dq_part, groups, seq[t], head[t],
                             grp[t]):
                 record_failure(queue, t)

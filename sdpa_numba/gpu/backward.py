@@ -195,11 +195,10 @@ def _recipe_constants(parts):
 def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_grad=False):
     """The dQ kernel for storage ``dtype``, mask kind, tiling ``blocks``, recipe parts and
     whether it writes the mask gradient."""
-    sig, ct = dq_signature(dtype, mask_kind, parts, mask_grad)
+    sig, CT = dq_signature(dtype, mask_kind, parts, mask_grad)
     MASK_GRAD = mask_grad
     BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
-    CT = ct
-    pair_grads = _pair_grads(blocks, mask_kind, ct)
+    pair_grads = _pair_grads(blocks, mask_kind, CT)
     HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK = _recipe_constants(parts)
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
@@ -298,10 +297,9 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
 def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
     """The dK/dV kernel for storage ``dtype``, mask kind, tiling ``blocks`` and recipe
     parts."""
-    sig, ct = dkv_signature(dtype, mask_kind, parts)
+    sig, CT = dkv_signature(dtype, mask_kind, parts)
     BM, BN, NT, RM, TC, G, SC, SP = _tiling(blocks)
-    CT = ct
-    pair_grads = _pair_grads(blocks, mask_kind, ct)
+    pair_grads = _pair_grads(blocks, mask_kind, CT)
     HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK = _recipe_constants(parts)
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
