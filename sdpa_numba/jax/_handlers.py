@@ -1,0 +1,307 @@
+"""The XLA FFI handlers: Numba ``@cfunc`` functions that read XLA's call frame
+(:mod:`._frame`) and call the CPU kernels (:func:`sdpa_numba.cpu.forward.forward`,
+:func:`sdpa_numba.cpu.backward.backward`) with no Python on the call path.
+
+A handler is made per specialization (storage dtype, mask kind, ALiBi, sinks; and for the
+backward whether the mask gradient is wanted), on first use, registered with XLA under its
+own target name and kept for the process (:func:`forward_target`, :func:`backward_target`).
+Shapes are not part of it: the handler reads every size from the frame's buffer dims.
+
+Operands (XLA buffers, row-major) all have rank ``R = nb + 3`` (``nb >= 1`` batch dims, then
+heads, rows, columns; the attention state ``lse`` rank ``R - 1``; ALiBi slopes and sinks
+``nb + 1``); a dim of size 1 where the output's is larger is broadcast (stride 0), as are the
+query's and the mask's heads, rows and columns. The last batch dim is the kernels' batch dim;
+the handler launches the kernel once per index of the batch dims before it (one launch
+without ``vmap``; ``vmap`` adds leading dims). Two small operands carry the numbers:
+``ints = (offset, left, right, is_causal)`` (int64) and ``floats = (scale, softcap)``
+(float64), in the kernels' encoding (:mod:`sdpa_numba.score.recipe`).
+"""
+
+import threading
+
+import numpy as np
+from numba import carray, cfunc, njit, types
+
+from .._runtime import kernel_launch, stamp_caches
+from ..score.recipe import recipe
+from ._frame import answer_metadata, argument, as_pointer, data, dims, result
+
+_lock = threading.Lock()
+_targets = {}
+_viewers = {}
+
+
+def _storage(dtype):
+    """The NumPy type the kernels read a storage dtype as (float16 as uint16, bfloat16 as
+    int16: :mod:`sdpa_numba.cpu.storage`)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return np.uint16
+    if dtype.name == "bfloat16":
+        return np.int16
+    return dtype.type
+
+
+def _viewer(np_type):
+    """``(view, view3, view2)``: jitted functions giving, for a buffer of ``np_type`` broadcast
+    to dims ``full`` (rank ``R``), the 4-, 3- or 2-D strided view over its last ``3``, ``2``
+    or ``1`` dims plus the last batch dim, at the outer batch indices ``idx``."""
+    if np_type in _viewers:
+        return _viewers[np_type]
+    size = np.dtype(np_type).itemsize
+
+    @njit(inline="always")
+    def base(buffer, full, idx):
+        d = dims(buffer)
+        rank = d.shape[0]
+        st = np.empty(rank, np.int64)
+        s = 1
+        for i in range(rank - 1, -1, -1):
+            st[i] = 0 if d[i] == 1 and full[i] != 1 else s * size
+            s *= d[i]
+        off = 0
+        for i in range(idx.shape[0]):
+            off += idx[i] * st[i]
+        return carray(as_pointer(data(buffer) + off), (1,), np_type), st
+
+    @njit(inline="always")
+    def view4(buffer, full, idx):
+        a, st = base(buffer, full, idx)
+        n = st.shape[0]
+        return np.lib.stride_tricks.as_strided(
+            a, (full[n - 4], full[n - 3], full[n - 2], full[n - 1]),
+            (st[n - 4], st[n - 3], st[n - 2], st[n - 1]))
+
+    @njit(inline="always")
+    def view3(buffer, full, idx):
+        a, st = base(buffer, full, idx)
+        n = st.shape[0]
+        return np.lib.stride_tricks.as_strided(a, (full[n - 3], full[n - 2], full[n - 1]),
+                                               (st[n - 3], st[n - 2], st[n - 1]))
+
+    @njit(inline="always")
+    def view2(buffer, full, idx):
+        a, st = base(buffer, full, idx)
+        n = st.shape[0]
+        return np.lib.stride_tricks.as_strided(a, (full[n - 2], full[n - 1]),
+                                               (st[n - 2], st[n - 1]))
+
+    _viewers[np_type] = (view4, view3, view2)
+    return _viewers[np_type]
+
+
+@njit(inline="always")
+def _full(batch, a, b, c):
+    """Dims ``(*batch, a, b, c)``; ``c < 0`` drops the last (``b < 0`` the last two)."""
+    nb = batch.shape[0]
+    n = nb + (3 if c >= 0 else (2 if b >= 0 else 1))
+    f = np.empty(n, np.int64)
+    f[:nb] = batch
+    f[nb] = a
+    if b >= 0:
+        f[nb + 1] = b
+    if c >= 0:
+        f[nb + 2] = c
+    return f
+
+
+@njit(inline="always")
+def _outer(batch, o):
+    """The indices of outer launch ``o`` over all batch dims but the last."""
+    n = batch.shape[0] - 1
+    idx = np.empty(n, np.int64)
+    for i in range(n - 1, -1, -1):
+        idx[i] = o % batch[i]
+        o //= batch[i]
+    return idx
+
+
+@njit(inline="always")
+def _absent(frame, n, full, idx):
+    return None
+
+
+def _optional(present, make):
+    """``make`` where the operand is present, else a function giving None (both typed at
+    compile time: a missing operand is a None in the kernel's types, as the NumPy launch's)."""
+    return make if present else _absent
+
+
+def _indices(mask_kind, alibi, sinks, tail):
+    """Operand numbers: (mask, alibi, sinks, then the ``tail`` names) after q, k, v."""
+    n = 3
+    out = {}
+    for name, present in (("mask", mask_kind != "none"), ("alibi", alibi), ("sinks", sinks)):
+        out[name] = n if present else -1
+        n += present
+    for name in tail:
+        out[name] = n
+        n += 1
+    return out
+
+
+def _make_forward(dtype, mask_kind, alibi, sinks):
+    """The forward's cfunc for one specialization (see the module's docstring)."""
+    from ..cpu.forward import forward
+    from ..problem.dtypes import compute_dtype
+
+    st = _storage(dtype)
+    ct = compute_dtype(dtype).type
+    view4, view3, _ = _viewer(st)
+    lse_view = _viewer(ct)[1]
+    mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
+    small = _viewer(ct)[2]
+    at = _indices(mask_kind, alibi, sinks, ("ints", "floats"))
+    i_mask, i_alibi, i_sinks, i_ints, i_floats = (at[n] for n in
+                                                  ("mask", "alibi", "sinks", "ints", "floats"))
+
+    @njit(inline="always")
+    def _mask(frame, n, full, idx):
+        return mask_view4(argument(frame, n), full, idx)
+
+    @njit(inline="always")
+    def _small(frame, n, full, idx):
+        return small(argument(frame, n), full, idx)
+
+    get_mask = _optional(mask_kind != "none", _mask)
+    get_alibi = _optional(alibi, _small)
+    get_sinks = _optional(sinks, _small)
+
+    def handler(frame):
+        if answer_metadata(frame):
+            return 0
+        q, k, v = argument(frame, 0), argument(frame, 1), argument(frame, 2)
+        out, lse = result(frame, 0), result(frame, 1)
+        ints = carray(as_pointer(data(argument(frame, i_ints))), (4,), np.int64)
+        floats = carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64)
+        od = dims(out)
+        nb = od.shape[0] - 3
+        batch = od[:nb].copy()
+        hq, L, ev = od[nb], od[nb + 1], od[nb + 2]
+        kd = dims(k)
+        h, s, e = kd[nb], kd[nb + 1], kd[nb + 2]
+        n_out = 1
+        for i in range(nb + 3):
+            n_out *= od[i]
+        if n_out == 0:
+            return 0
+        n_outer = 1
+        for i in range(nb - 1):
+            n_outer *= batch[i]
+        f_q, f_k, f_v = _full(batch, hq, L, e), _full(batch, h, s, e), _full(batch, h, s, ev)
+        f_m, f_o, f_l = _full(batch, hq, L, s), _full(batch, hq, L, ev), _full(batch, hq, L, -1)
+        f_h = _full(batch, hq, -1, -1)
+        for o in range(n_outer):
+            idx = _outer(batch, o)
+            r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
+                       alibi=get_alibi(frame, i_alibi, f_h, idx),
+                       sinks=get_sinks(frame, i_sinks, f_h, idx))
+            forward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
+                    get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
+                    view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r)
+        return 0
+
+    return handler
+
+
+def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
+    """The backward's cfunc for one specialization: results dq, dk, dv (and the mask's
+    gradient with ``mask_grad``) in the compute dtype, of the full broadcast shapes."""
+    from ..cpu.backward import backward
+    from ..dropout import NO_DROPOUT
+    from ..problem.dtypes import compute_dtype
+
+    st = _storage(dtype)
+    ct = compute_dtype(dtype).type
+    view4 = _viewer(st)[0]
+    cview4, lse_view, small = _viewer(ct)
+    mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
+    at = _indices(mask_kind, alibi, sinks, ("dout", "out", "lse", "ints", "floats"))
+    i_mask, i_alibi, i_sinks = at["mask"], at["alibi"], at["sinks"]
+    i_dout, i_out, i_lse, i_ints, i_floats = (at[n] for n in
+                                              ("dout", "out", "lse", "ints", "floats"))
+    no_drop = NO_DROPOUT
+
+    @njit(inline="always")
+    def _mask(frame, n, full, idx):
+        return mask_view4(argument(frame, n), full, idx)
+
+    @njit(inline="always")
+    def _small(frame, n, full, idx):
+        return small(argument(frame, n), full, idx)
+
+    @njit(inline="always")
+    def _dmask(frame, n, full, idx):
+        return cview4(result(frame, n), full, idx)
+
+    get_mask = _optional(mask_kind != "none", _mask)
+    get_alibi = _optional(alibi, _small)
+    get_dmask = _optional(mask_grad, _dmask)
+
+    def handler(frame):
+        if answer_metadata(frame):
+            return 0
+        q, k, v = argument(frame, 0), argument(frame, 1), argument(frame, 2)
+        dout, out, lse = argument(frame, i_dout), argument(frame, i_out), argument(frame, i_lse)
+        dq, dk, dv = result(frame, 0), result(frame, 1), result(frame, 2)
+        ints = carray(as_pointer(data(argument(frame, i_ints))), (4,), np.int64)
+        floats = carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64)
+        qd = dims(dq)
+        nb = qd.shape[0] - 3
+        batch = qd[:nb].copy()
+        hq, L, e = qd[nb], qd[nb + 1], qd[nb + 2]
+        vd = dims(dv)
+        h, s, ev = vd[nb], vd[nb + 1], vd[nb + 2]
+        n_outer = 1
+        n_all = 1
+        for i in range(nb):
+            n_all *= batch[i]
+            if i < nb - 1:
+                n_outer *= batch[i]
+        if n_all * hq * h == 0:
+            return 0
+        f_q, f_k, f_v = _full(batch, hq, L, e), _full(batch, h, s, e), _full(batch, h, s, ev)
+        f_m, f_o, f_l = _full(batch, hq, L, s), _full(batch, hq, L, ev), _full(batch, hq, L, -1)
+        f_h = _full(batch, hq, -1, -1)
+        for o in range(n_outer):
+            idx = _outer(batch, o)
+            r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
+                       alibi=get_alibi(frame, i_alibi, f_h, idx))
+            backward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
+                     get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
+                     view4(dout, f_o, idx), view4(out, f_o, idx), lse_view(lse, f_l, idx),
+                     cview4(dq, f_q, idx), cview4(dk, f_k, idx), cview4(dv, f_v, idx),
+                     no_drop, get_dmask(frame, 3, f_m, idx), r)
+        return 0
+
+    return handler
+
+
+def _target(kind, key, make):
+    """The registered FFI target name of specialization ``key``, made on first use."""
+    import jax
+
+    with _lock:
+        if (kind, key) not in _targets:
+            with kernel_launch():  # refuses what would crash; starts the threading layer
+                pass
+            stamp_caches()
+            fn = cfunc(types.intp(types.intp), nogil=True)(make(*key))
+            name = f"sdpa_numba_{kind}_{len(_targets)}"
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn.address), platform="cpu")
+            _targets[kind, key] = (name, fn)  # the cfunc kept alive with its name
+        return _targets[kind, key][0]
+
+
+def forward_target(dtype, mask_kind, alibi, sinks):
+    """The FFI target of the forward for a storage dtype, mask kind ("none", "bool",
+    "additive"), ALiBi and sinks on/off."""
+    return _target("forward", (np.dtype(dtype), mask_kind, bool(alibi), bool(sinks)),
+                   _make_forward)
+
+
+def backward_target(dtype, mask_kind, alibi, sinks, mask_grad):
+    """The FFI target of the backward (see :func:`forward_target`; ``mask_grad``: an
+    additive mask's gradient is a fourth result)."""
+    return _target("backward", (np.dtype(dtype), mask_kind, bool(alibi), bool(sinks),
+                                bool(mask_grad)), _make_backward)
