@@ -285,3 +285,26 @@ def test_not_built_yet(rng):
         varlen_attention(q, k, v)
     with pytest.raises(NotImplementedError, match="attention_with_kvcache"):
         attention_with_kvcache(q, k, v)
+
+
+def test_handler_error_reaches_the_caller():
+    # The handlers' failure path (sdpa_numba.jax._frame.error): a handler that always fails.
+    from numba import cfunc, types
+
+    from sdpa_numba.jax._frame import answer_metadata, c_string, error
+
+    message = c_string("the test handler failed on purpose")
+
+    @cfunc(types.intp(types.intp))
+    def failing(frame):
+        if answer_metadata(frame):
+            return 0
+        return error(frame, message)
+
+    jax.ffi.register_ffi_target("sdpa_numba_test_failing", jax.ffi.pycapsule(failing.address),
+                                platform="cpu")
+    x = jnp.ones(3)
+    f = jax.jit(lambda x: jax.ffi.ffi_call("sdpa_numba_test_failing",
+                                           jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
+    with pytest.raises(Exception, match="the test handler failed on purpose"):
+        jax.block_until_ready(f(x))

@@ -90,3 +90,37 @@ def dims(buffer):
     """A buffer's dims, an int64 array (a view of XLA's)."""
     return carray(as_pointer(load_i64(buffer + _DIMS)), (load_i64(buffer + _RANK),),
                   np.int64)
+
+
+@intrinsic
+def _call_pointer(typingctx, fn, arg):
+    """``((intptr_t (*)(intptr_t)) fn)(arg)``."""
+    def codegen(context, builder, sig, args):
+        i64 = context.get_value_type(types.intp)
+        fnty = cgutils.ir.FunctionType(i64, [i64])
+        f = builder.inttoptr(args[0], fnty.as_pointer())
+        return builder.call(f, [args[1]])
+    return types.intp(types.intp, types.intp), codegen
+
+
+_INTERNAL = 13  # XLA_FFI_Error_Code_INTERNAL
+_ERROR_CREATE = 48  # XLA_FFI_Api.XLA_FFI_Error_Create (after struct_size, extension_start,
+#                     the 24-byte api_version and internal_api)
+
+
+@njit(inline="always")
+def error(frame, message):
+    """A new ``XLA_FFI_Error*`` carrying ``message`` (a NUL-terminated uint8 array; XLA copies
+    it), made by the API's ``XLA_FFI_Error_Create``: what a handler returns to fail the call,
+    so that the error reaches the caller as an exception."""
+    api = load_i64(frame + 16)
+    args = np.zeros(4, np.int64)  # XLA_FFI_Error_Create_Args
+    args[0] = 28  # struct_size: offsetof(errc) + sizeof(errc)
+    args[2] = message.ctypes.data
+    args[3] = _INTERNAL
+    return _call_pointer(load_i64(api + _ERROR_CREATE), args.ctypes.data)
+
+
+def c_string(text):
+    """``text`` as a NUL-terminated uint8 array (an :func:`error` message)."""
+    return np.frombuffer(text.encode() + b"\0", np.uint8).copy()

@@ -24,7 +24,8 @@ from numba import carray, cfunc, njit, types
 
 from .._runtime import kernel_launch, stamp_caches
 from ..score.recipe import recipe
-from ._frame import answer_metadata, argument, as_pointer, data, dims, result
+from ._frame import (answer_metadata, argument, as_pointer, c_string, data, dims, error,
+                     result)
 
 _lock = threading.Lock()
 _targets = {}
@@ -166,6 +167,7 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
     get_mask = _optional(mask_kind != "none", _mask)
     get_alibi = _optional(alibi, _small)
     get_sinks = _optional(sinks, _small)
+    failed = c_string("sdpa_numba.jax: the CPU attention forward failed (out of memory?)")
 
     def handler(frame):
         if answer_metadata(frame):
@@ -191,14 +193,17 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
         f_q, f_k, f_v = _full(batch, hq, L, e), _full(batch, h, s, e), _full(batch, h, s, ev)
         f_m, f_o, f_l = _full(batch, hq, L, s), _full(batch, hq, L, ev), _full(batch, hq, L, -1)
         f_h = _full(batch, hq, -1, -1)
-        for o in range(n_outer):
-            idx = _outer(batch, o)
-            r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
-                       alibi=get_alibi(frame, i_alibi, f_h, idx),
-                       sinks=get_sinks(frame, i_sinks, f_h, idx))
-            forward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
-                    get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
-                    view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r)
+        try:
+            for o in range(n_outer):
+                idx = _outer(batch, o)
+                r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
+                           alibi=get_alibi(frame, i_alibi, f_h, idx),
+                           sinks=get_sinks(frame, i_sinks, f_h, idx))
+                forward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
+                        get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
+                        view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r)
+        except Exception:  # (out of memory): the call fails with an XLA error
+            return error(frame, failed)
         return 0
 
     return handler
@@ -237,6 +242,7 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
     get_mask = _optional(mask_kind != "none", _mask)
     get_alibi = _optional(alibi, _small)
     get_dmask = _optional(mask_grad, _dmask)
+    failed = c_string("sdpa_numba.jax: the CPU attention backward failed (out of memory?)")
 
     def handler(frame):
         if answer_metadata(frame):
@@ -263,15 +269,18 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
         f_q, f_k, f_v = _full(batch, hq, L, e), _full(batch, h, s, e), _full(batch, h, s, ev)
         f_m, f_o, f_l = _full(batch, hq, L, s), _full(batch, hq, L, ev), _full(batch, hq, L, -1)
         f_h = _full(batch, hq, -1, -1)
-        for o in range(n_outer):
-            idx = _outer(batch, o)
-            r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
-                       alibi=get_alibi(frame, i_alibi, f_h, idx))
-            backward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
-                     get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
-                     view4(dout, f_o, idx), view4(out, f_o, idx), lse_view(lse, f_l, idx),
-                     cview4(dq, f_q, idx), cview4(dk, f_k, idx), cview4(dv, f_v, idx),
-                     no_drop, get_dmask(frame, 3, f_m, idx), r)
+        try:
+            for o in range(n_outer):
+                idx = _outer(batch, o)
+                r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
+                           alibi=get_alibi(frame, i_alibi, f_h, idx))
+                backward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
+                         get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
+                         view4(dout, f_o, idx), view4(out, f_o, idx),
+                         lse_view(lse, f_l, idx), cview4(dq, f_q, idx), cview4(dk, f_k, idx),
+                         cview4(dv, f_v, idx), no_drop, get_dmask(frame, 3, f_m, idx), r)
+        except Exception:  # (out of memory): the call fails with an XLA error
+            return error(frame, failed)
         return 0
 
     return handler
