@@ -20,16 +20,72 @@ without ``vmap``; ``vmap`` adds leading dims). Two small operands carry the numb
 import threading
 
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, cfunc, njit, typeof, types
+from numba.core import cgutils
+from numba.core.callconv import excinfo_t
+from numba.extending import intrinsic
 
 from .._runtime import kernel_launch, stamp_caches
-from ..score.recipe import recipe
+from ..score.recipe import Recipe, recipe
 from ._frame import (answer_metadata, argument, as_pointer, c_string, data, dims, error,
                      result)
 
 _lock = threading.Lock()
 _targets = {}
 _viewers = {}
+
+
+def _native_call(dispatcher, sig):
+    """A jitted function calling ``dispatcher``'s compiled overload for ``sig`` by its address,
+    with a tuple of its arguments (each converted to ``sig``'s type: a mutable array to its
+    read-only type, None or an array to an Optional): the handlers pass the kernels exactly
+    the types the NumPy API's launchers compile (:func:`sdpa_numba.cpu.launch.signature`), so
+    that both run one compiled kernel (and ``sdpa_numba.warmup()``'s cache serves both).
+
+    Called by address, not linked in: linking would have LLVM optimize the whole kernel again
+    inside each handler (tens of seconds per handler). An exception the kernel raises is
+    propagated to the handler as from any jitted call."""
+    from llvmlite import ir
+
+    from .._runtime import compile_entry
+
+    compile_entry(dispatcher, sig)
+    cres = dispatcher.overloads[tuple(sig)]
+    address = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+    argtys = list(cres.signature.args)
+    resty = cres.signature.return_type
+
+    @intrinsic
+    def call(typingctx, args):
+        def codegen(context, builder, signature, llargs):
+            conv = context.call_conv
+            given = cgutils.unpack_tuple(builder, llargs[0])
+            values = [context.cast(builder, v, t, to)
+                      for v, t, to in zip(given, signature.args[0].types, argtys)]
+            fnty = conv.get_function_type(resty, argtys)
+            fn = builder.inttoptr(ir.Constant(ir.IntType(64), address), fnty.as_pointer())
+            ret = cgutils.alloca_once(builder, conv.get_return_type(resty).pointee)
+            builder.store(cgutils.get_null_value(ret.type.pointee), ret)
+            excinfo = cgutils.alloca_once(builder, ir.PointerType(excinfo_t), name="excinfo")
+            packed = list(conv._get_arg_packer(argtys).as_arguments(builder, values))
+            code = builder.call(fn, [ret, excinfo] + packed)
+            status = conv._get_return_status(builder, code, builder.load(excinfo))
+            with cgutils.if_unlikely(builder, status.is_error):
+                conv.return_status_propagate(builder, status)
+            return context.get_dummy_value()
+
+        if not isinstance(args, types.BaseTuple) or len(args) != len(argtys):
+            return None
+        return types.none(args), codegen
+
+    return call
+
+
+def _recipe_type(ct, alibi, sinks):
+    """The Numba type of the NumPy API's recipe with (or without) ALiBi slopes and sinks
+    (C-contiguous arrays of the compute dtype, :func:`sdpa_numba.problem.variants.check_alibi`)."""
+    return typeof(recipe(alibi=np.zeros((1, 1), ct) if alibi else None,
+                         sinks=np.zeros(1, ct) if sinks else None))
 
 
 def _storage(dtype):
@@ -51,7 +107,7 @@ def _viewer(np_type):
         return _viewers[np_type]
     size = np.dtype(np_type).itemsize
 
-    @njit(inline="always")
+    @njit
     def base(buffer, full, idx):
         d = dims(buffer)
         rank = d.shape[0]
@@ -65,7 +121,7 @@ def _viewer(np_type):
             off += idx[i] * st[i]
         return carray(as_pointer(data(buffer) + off), (1,), np_type), st
 
-    @njit(inline="always")
+    @njit
     def view4(buffer, full, idx):
         a, st = base(buffer, full, idx)
         n = st.shape[0]
@@ -73,14 +129,14 @@ def _viewer(np_type):
             a, (full[n - 4], full[n - 3], full[n - 2], full[n - 1]),
             (st[n - 4], st[n - 3], st[n - 2], st[n - 1]))
 
-    @njit(inline="always")
+    @njit
     def view3(buffer, full, idx):
         a, st = base(buffer, full, idx)
         n = st.shape[0]
         return np.lib.stride_tricks.as_strided(a, (full[n - 3], full[n - 2], full[n - 1]),
                                                (st[n - 3], st[n - 2], st[n - 1]))
 
-    @njit(inline="always")
+    @njit
     def view2(buffer, full, idx):
         a, st = base(buffer, full, idx)
         n = st.shape[0]
@@ -91,7 +147,7 @@ def _viewer(np_type):
     return _viewers[np_type]
 
 
-@njit(inline="always")
+@njit
 def _full(batch, a, b, c):
     """Dims ``(*batch, a, b, c)``; ``c < 0`` drops the last (``b < 0`` the last two)."""
     nb = batch.shape[0]
@@ -106,7 +162,7 @@ def _full(batch, a, b, c):
     return f
 
 
-@njit(inline="always")
+@njit
 def _outer(batch, o):
     """The indices of outer launch ``o`` over all batch dims but the last."""
     n = batch.shape[0] - 1
@@ -117,9 +173,28 @@ def _outer(batch, o):
     return idx
 
 
-@njit(inline="always")
+@njit
 def _absent(frame, n, full, idx):
     return None
+
+
+def _small_views(ct):
+    """Jitted functions giving ALiBi slopes ``(B, Hq)`` and sinks ``(Hq,)`` of one launch as
+    C-contiguous arrays (their operands come broadcast to the full batch: the last batch dim
+    is never a stride-0 one)."""
+    view2 = _viewer(ct)[2]
+
+    @njit
+    def alibi(frame, n, full, idx):
+        a = view2(argument(frame, n), full, idx)
+        return carray(as_pointer(a.ctypes.data), a.shape, ct)
+
+    @njit
+    def sinks(frame, n, full, idx):
+        a = view2(argument(frame, n), full, idx)
+        return carray(as_pointer(a.ctypes.data), (a.shape[1],), ct)
+
+    return alibi, sinks
 
 
 def _optional(present, make):
@@ -144,6 +219,7 @@ def _indices(mask_kind, alibi, sinks, tail):
 def _make_forward(dtype, mask_kind, alibi, sinks):
     """The forward's cfunc for one specialization (see the module's docstring)."""
     from ..cpu.forward import forward
+    from ..cpu.launch import signature
     from ..problem.dtypes import compute_dtype
 
     st = _storage(dtype)
@@ -151,23 +227,23 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
     view4, view3, _ = _viewer(st)
     lse_view = _viewer(ct)[1]
     mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
-    small = _viewer(ct)[2]
+    alibi_view, sinks_view = _small_views(ct)
     at = _indices(mask_kind, alibi, sinks, ("ints", "floats"))
     i_mask, i_alibi, i_sinks, i_ints, i_floats = (at[n] for n in
                                                   ("mask", "alibi", "sinks", "ints", "floats"))
+    sig = signature(dtype, mask_kind, False, _recipe_type(ct, alibi, sinks))
+    kernel = _native_call(forward, sig)
 
-    @njit(inline="always")
+    @njit
     def _mask(frame, n, full, idx):
         return mask_view4(argument(frame, n), full, idx)
 
-    @njit(inline="always")
-    def _small(frame, n, full, idx):
-        return small(argument(frame, n), full, idx)
-
     get_mask = _optional(mask_kind != "none", _mask)
-    get_alibi = _optional(alibi, _small)
-    get_sinks = _optional(sinks, _small)
+    get_alibi = _optional(alibi, alibi_view)
+    get_sinks = _optional(sinks, sinks_view)
     failed = c_string("sdpa_numba.jax: the CPU attention forward failed (out of memory?)")
+
+    zero = np.int64(0)  # the launches' batch offset
 
     def handler(frame):
         if answer_metadata(frame):
@@ -196,12 +272,12 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
         try:
             for o in range(n_outer):
                 idx = _outer(batch, o)
-                r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
-                           alibi=get_alibi(frame, i_alibi, f_h, idx),
-                           sinks=get_sinks(frame, i_sinks, f_h, idx))
-                forward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
+                r = Recipe(ints[0], ints[1], ints[2], floats[1], zero,
+                           get_alibi(frame, i_alibi, f_h, idx),
+                           get_sinks(frame, i_sinks, f_h, idx), None, None, None, (), None)
+                kernel((view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
                         get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
-                        view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r)
+                        view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r))
         except Exception:  # (out of memory): the call fails with an XLA error
             return error(frame, failed)
         return 0
@@ -213,36 +289,40 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
     """The backward's cfunc for one specialization: results dq, dk, dv (and the mask's
     gradient with ``mask_grad``) in the compute dtype, of the full broadcast shapes."""
     from ..cpu.backward import backward
+    from ..cpu.launch_backward import signature
     from ..dropout import NO_DROPOUT
     from ..problem.dtypes import compute_dtype
 
     st = _storage(dtype)
     ct = compute_dtype(dtype).type
     view4 = _viewer(st)[0]
-    cview4, lse_view, small = _viewer(ct)
+    cview4, lse_view, _ = _viewer(ct)
     mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
+    alibi_view, sinks_view = _small_views(ct)
     at = _indices(mask_kind, alibi, sinks, ("dout", "out", "lse", "ints", "floats"))
     i_mask, i_alibi, i_sinks = at["mask"], at["alibi"], at["sinks"]
     i_dout, i_out, i_lse, i_ints, i_floats = (at[n] for n in
                                               ("dout", "out", "lse", "ints", "floats"))
+    sig = signature(dtype, "additive" if mask_kind == "additive" else "bool",
+                    _recipe_type(ct, alibi, sinks))
+    kernel = _native_call(backward, sig)
     no_drop = NO_DROPOUT
 
-    @njit(inline="always")
+    @njit
     def _mask(frame, n, full, idx):
         return mask_view4(argument(frame, n), full, idx)
 
-    @njit(inline="always")
-    def _small(frame, n, full, idx):
-        return small(argument(frame, n), full, idx)
-
-    @njit(inline="always")
+    @njit
     def _dmask(frame, n, full, idx):
         return cview4(result(frame, n), full, idx)
 
     get_mask = _optional(mask_kind != "none", _mask)
-    get_alibi = _optional(alibi, _small)
+    get_alibi = _optional(alibi, alibi_view)
+    get_sinks = _optional(sinks, sinks_view)
     get_dmask = _optional(mask_grad, _dmask)
     failed = c_string("sdpa_numba.jax: the CPU attention backward failed (out of memory?)")
+
+    zero = np.int64(0)  # the launches' batch offset
 
     def handler(frame):
         if answer_metadata(frame):
@@ -272,13 +352,16 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
         try:
             for o in range(n_outer):
                 idx = _outer(batch, o)
-                r = recipe(offset=ints[0], left=ints[1], right=ints[2], softcap=floats[1],
-                           alibi=get_alibi(frame, i_alibi, f_h, idx))
-                backward(view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
-                         get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
-                         view4(dout, f_o, idx), view4(out, f_o, idx),
-                         lse_view(lse, f_l, idx), cview4(dq, f_q, idx), cview4(dk, f_k, idx),
-                         cview4(dv, f_v, idx), no_drop, get_dmask(frame, 3, f_m, idx), r)
+                # sinks ride along as in the NumPy API's recipe (the backward reads none of
+                # them: lse includes them): one compiled kernel for both
+                r = Recipe(ints[0], ints[1], ints[2], floats[1], zero,
+                           get_alibi(frame, i_alibi, f_h, idx),
+                           get_sinks(frame, i_sinks, f_h, idx), None, None, None, (), None)
+                kernel((view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
+                        get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
+                        view4(dout, f_o, idx), view4(out, f_o, idx), lse_view(lse, f_l, idx),
+                        cview4(dq, f_q, idx), cview4(dk, f_k, idx), cview4(dv, f_v, idx),
+                        no_drop, get_dmask(frame, 3, f_m, idx), r))
         except Exception:  # (out of memory): the call fails with an XLA error
             return error(frame, failed)
         return 0
