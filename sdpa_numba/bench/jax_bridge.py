@@ -8,27 +8,11 @@ Needs JAX; a benchmark, not a test (the machine's load shows in its figures).
 """
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
+from .decode import median_after_idle
 from .timing import PAUSE, set_threads
-
-
-def _median_times(fns, rounds, pause=PAUSE):
-    """Median seconds of each callable over ``rounds`` interleaved rounds (after one warm-up
-    call each)."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            time.sleep(pause)
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run(B=1, H=8, L=2048, D=64, rounds=7, causal=False, threads=None):
@@ -72,7 +56,9 @@ def run(B=1, H=8, L=2048, D=64, rounds=7, causal=False, threads=None):
                                                          is_causal=causal)
 
     fns["forward+backward", "NumPy API"] = numpy_fwd_bwd
-    return _median_times(fns, rounds)
+    for fn in fns.values():  # warm-up: compiles
+        fn()
+    return median_after_idle(fns, rounds, PAUSE)
 
 
 def main(argv=None):

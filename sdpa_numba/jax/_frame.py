@@ -24,6 +24,8 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..cpu.options import CACHE
+
 #: The FFI version the handlers declare (the typed FFI's first: every jaxlib with
 #: ``jax.ffi`` accepts it).
 API_MAJOR, API_MINOR = 0, 1
@@ -42,19 +44,19 @@ def as_pointer(typingctx, addr):
     return types.voidptr(types.intp), codegen
 
 
-@njit
+@njit(cache=CACHE)
 def load_i64(addr):
     """The int64 at ``addr``."""
     return carray(as_pointer(addr), (1,), np.int64)[0]
 
 
-@njit
+@njit(cache=CACHE)
 def store_i32(addr, x):
     """Store int32 ``x`` at ``addr``."""
     carray(as_pointer(addr), (1,), np.int32)[0] = x
 
 
-@njit
+@njit(cache=CACHE)
 def answer_metadata(frame):
     """Whether ``frame`` is XLA's metadata query (then the version is written: the handler
     returns at once)."""
@@ -67,25 +69,25 @@ def answer_metadata(frame):
     return True
 
 
-@njit
+@njit(cache=CACHE)
 def argument(frame, n):
     """The address of operand ``n``'s ``XLA_FFI_Buffer``."""
     return load_i64(load_i64(frame + _ARGS) + 8 * n)
 
 
-@njit
+@njit(cache=CACHE)
 def result(frame, n):
     """The address of result ``n``'s ``XLA_FFI_Buffer``."""
     return load_i64(load_i64(frame + _RETS) + 8 * n)
 
 
-@njit
+@njit(cache=CACHE)
 def data(buffer):
     """A buffer's data address."""
     return load_i64(buffer + _DATA)
 
 
-@njit
+@njit(cache=CACHE)
 def dims(buffer):
     """A buffer's dims, an int64 array (a view of XLA's)."""
     return carray(as_pointer(load_i64(buffer + _DIMS)), (load_i64(buffer + _RANK),),
@@ -108,7 +110,7 @@ _ERROR_CREATE = 48  # XLA_FFI_Api.XLA_FFI_Error_Create (after struct_size, exten
 #                     the 24-byte api_version and internal_api)
 
 
-@njit
+@njit(cache=CACHE)
 def error(frame, message):
     """A new ``XLA_FFI_Error*`` carrying ``message`` (a NUL-terminated uint8 array; XLA copies
     it), made by the API's ``XLA_FFI_Error_Create``: what a handler returns to fail the call,

@@ -25,7 +25,8 @@ from numba.core import cgutils
 from numba.core.callconv import excinfo_t
 from numba.extending import intrinsic
 
-from .._runtime import kernel_launch, stamp_caches
+from .._runtime import kernel_launch, package_stamp, stamp_caches
+from ..cpu.options import CACHE
 from ..score.recipe import Recipe, recipe
 from ._frame import (answer_metadata, argument, as_pointer, c_string, data, dims, error,
                      result)
@@ -147,7 +148,7 @@ def _viewer(np_type):
     return _viewers[np_type]
 
 
-@njit
+@njit(cache=CACHE)
 def _full(batch, a, b, c):
     """Dims ``(*batch, a, b, c)``; ``c < 0`` drops the last (``b < 0`` the last two)."""
     nb = batch.shape[0]
@@ -162,7 +163,7 @@ def _full(batch, a, b, c):
     return f
 
 
-@njit
+@njit(cache=CACHE)
 def _outer(batch, o):
     """The indices of outer launch ``o`` over all batch dims but the last."""
     n = batch.shape[0] - 1
@@ -173,7 +174,47 @@ def _outer(batch, o):
     return idx
 
 
-@njit
+@njit(cache=CACHE)
+def _geometry(frame):
+    """The call's sizes: the batch dims and full dims of every operand, from result 0
+    (``out`` or ``dq``, ``(*batch, Hq, L, .)``), ``k`` (``(.., H, S, E)``) and ``v`` (``Ev``).
+    Returns ``(batch, n_outer, size, fulls)``: ``n_outer`` launches (the batch dims but the
+    last), ``size`` = batch x Hq x L (0: nothing to compute), ``fulls`` the full dims of q,
+    k, v, the mask, out, lse and the per-head operands (ALiBi slopes, sinks)."""
+    rd, kd, vd = dims(result(frame, 0)), dims(argument(frame, 1)), dims(argument(frame, 2))
+    nb = rd.shape[0] - 3
+    batch = rd[:nb].copy()
+    hq, L = rd[nb], rd[nb + 1]
+    h, s, e, ev = kd[nb], kd[nb + 1], kd[nb + 2], vd[nb + 2]
+    n_outer = 1
+    size = hq * L
+    for i in range(nb):
+        size *= batch[i]
+        if i < nb - 1:
+            n_outer *= batch[i]
+    fulls = (_full(batch, hq, L, e), _full(batch, h, s, e), _full(batch, h, s, ev),
+             _full(batch, hq, L, s), _full(batch, hq, L, ev), _full(batch, hq, L, -1),
+             _full(batch, hq, -1, -1))
+    return batch, n_outer, size, fulls
+
+
+@njit(cache=CACHE)
+def _empty(full):
+    """Whether dims ``full`` hold no element."""
+    n = 1
+    for d in full:
+        n *= d
+    return n == 0
+
+
+@njit(cache=CACHE)
+def _numbers(frame, i_ints, i_floats):
+    """The ``ints`` and ``floats`` operands (see the module's docstring)."""
+    return (carray(as_pointer(data(argument(frame, i_ints))), (4,), np.int64),
+            carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64))
+
+
+@njit(cache=CACHE)
 def _absent(frame, n, full, idx):
     return None
 
@@ -250,25 +291,11 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
             return 0
         q, k, v = argument(frame, 0), argument(frame, 1), argument(frame, 2)
         out, lse = result(frame, 0), result(frame, 1)
-        ints = carray(as_pointer(data(argument(frame, i_ints))), (4,), np.int64)
-        floats = carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64)
-        od = dims(out)
-        nb = od.shape[0] - 3
-        batch = od[:nb].copy()
-        hq, L, ev = od[nb], od[nb + 1], od[nb + 2]
-        kd = dims(k)
-        h, s, e = kd[nb], kd[nb + 1], kd[nb + 2]
-        n_out = 1
-        for i in range(nb + 3):
-            n_out *= od[i]
-        if n_out == 0:
+        ints, floats = _numbers(frame, i_ints, i_floats)
+        batch, n_outer, size, fulls = _geometry(frame)
+        f_q, f_k, f_v, f_m, f_o, f_l, f_h = fulls
+        if size == 0:  # no rows: nothing to write
             return 0
-        n_outer = 1
-        for i in range(nb - 1):
-            n_outer *= batch[i]
-        f_q, f_k, f_v = _full(batch, hq, L, e), _full(batch, h, s, e), _full(batch, h, s, ev)
-        f_m, f_o, f_l = _full(batch, hq, L, s), _full(batch, hq, L, ev), _full(batch, hq, L, -1)
-        f_h = _full(batch, hq, -1, -1)
         try:
             for o in range(n_outer):
                 idx = _outer(batch, o)
@@ -330,25 +357,11 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
         q, k, v = argument(frame, 0), argument(frame, 1), argument(frame, 2)
         dout, out, lse = argument(frame, i_dout), argument(frame, i_out), argument(frame, i_lse)
         dq, dk, dv = result(frame, 0), result(frame, 1), result(frame, 2)
-        ints = carray(as_pointer(data(argument(frame, i_ints))), (4,), np.int64)
-        floats = carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64)
-        qd = dims(dq)
-        nb = qd.shape[0] - 3
-        batch = qd[:nb].copy()
-        hq, L, e = qd[nb], qd[nb + 1], qd[nb + 2]
-        vd = dims(dv)
-        h, s, ev = vd[nb], vd[nb + 1], vd[nb + 2]
-        n_outer = 1
-        n_all = 1
-        for i in range(nb):
-            n_all *= batch[i]
-            if i < nb - 1:
-                n_outer *= batch[i]
-        if n_all * hq * h == 0:
+        ints, floats = _numbers(frame, i_ints, i_floats)
+        batch, n_outer, size, fulls = _geometry(frame)
+        f_q, f_k, f_v, f_m, f_o, f_l, f_h = fulls
+        if _empty(f_q) and _empty(f_k) and _empty(f_v):  # no gradient has an element
             return 0
-        f_q, f_k, f_v = _full(batch, hq, L, e), _full(batch, h, s, e), _full(batch, h, s, ev)
-        f_m, f_o, f_l = _full(batch, hq, L, s), _full(batch, hq, L, ev), _full(batch, hq, L, -1)
-        f_h = _full(batch, hq, -1, -1)
         try:
             for o in range(n_outer):
                 idx = _outer(batch, o)
@@ -369,6 +382,22 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
     return handler
 
 
+def _stamp_own_caches():
+    """Give the cached helpers here and in :mod:`._frame` the package's stamp, as the kernels'
+    (:func:`sdpa_numba._runtime.stamp_caches`): they inline each other's code, so a cache must
+    go stale when any file of the package changes, not only its own."""
+    from numba.core.registry import CPUDispatcher
+
+    from . import _frame
+
+    stamp = package_stamp()
+    for module in (_frame, globals()):
+        for obj in list((vars(module) if module is _frame else module).values()):
+            if isinstance(obj, CPUDispatcher) and hasattr(getattr(obj, "_cache", None),
+                                                          "_cache_file"):
+                obj._cache._cache_file._source_stamp = stamp
+
+
 def _target(kind, key, make):
     """The registered FFI target name of specialization ``key``, made on first use."""
     import jax
@@ -378,6 +407,7 @@ def _target(kind, key, make):
             with kernel_launch():  # refuses what would crash; starts the threading layer
                 pass
             stamp_caches()
+            _stamp_own_caches()
             fn = cfunc(types.intp(types.intp), nogil=True)(make(*key))
             name = f"sdpa_numba_{kind}_{len(_targets)}"
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn.address), platform="cpu")
