@@ -265,7 +265,7 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
 
     st = _storage(dtype)
     ct = compute_dtype(dtype).type
-    view4, view3, _ = _viewer(st)
+    view4 = _viewer(st)[0]
     lse_view = _viewer(ct)[1]
     mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
     alibi_view, sinks_view = _small_views(ct)

@@ -9,7 +9,6 @@ compiled, with the NumPy API's messages.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
