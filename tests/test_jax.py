@@ -308,3 +308,33 @@ def test_handler_error_reaches_the_caller():
                                            jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
     with pytest.raises(Exception, match="the test handler failed on purpose"):
         jax.block_until_ready(f(x))
+
+
+X32 = """
+import numpy as np, jax, jax.numpy as jnp
+import sdpa_numba
+from sdpa_numba.jax import scaled_dot_product_attention as attention
+assert not jax.config.jax_enable_x64
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((2, 3, 5, 8)).astype(np.float32) for _ in range(3))
+out = jax.jit(lambda q, k, v: attention(q, k, v, is_causal=True, window=(3, None)))(q, k, v)
+want = sdpa_numba.scaled_dot_product_attention(q, k, v, is_causal=True, window=(3, None))
+np.testing.assert_array_equal(out, want)
+# float64 NumPy input is float32 to JAX without x64: the result is float32's
+out = jax.jit(attention)(q.astype(np.float64), k, v)
+assert out.dtype == np.float32
+np.testing.assert_array_equal(out, sdpa_numba.scaled_dot_product_attention(q, k, v))
+print("ok")
+"""
+
+
+def test_without_x64():
+    # JAX's default: no 64-bit arrays (the kernels' numbers travel as bytes)
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    r = subprocess.run([sys.executable, "-c", X32], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -85,8 +85,11 @@ def _sum_to(g, shape):
 
 
 def _numbers(cfg):
+    """The ``ints`` (int64) and ``floats`` (float64) operands, their bytes carried as uint32:
+    JAX without ``jax_enable_x64`` has no 64-bit arrays (the handlers read the bytes)."""
     _, _, _, _, ints, floats, _, _ = cfg
-    return jnp.asarray(ints, jnp.int64), jnp.asarray(floats, jnp.float64)
+    return (jnp.asarray(np.array(ints, np.int64).view(np.uint32)),
+            jnp.asarray(np.array(floats, np.float64).view(np.uint32)))
 
 
 def _forward_call(cfg, q, k, v, mask, alibi, sinks):
@@ -208,14 +211,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     for name, x in named[:4]:
         if x is not None and not hasattr(x, "shape"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    # As JAX sees them (without jax_enable_x64, float64 NumPy input becomes float32): the
+    # checks and the handler read the arrays the kernels will get.
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    attn_mask, alibi_slopes, sinks = (None if x is None or not hasattr(x, "shape") else
+                                      jnp.asarray(x) for x in (attn_mask, alibi_slopes, sinks))
     p = plan(_spec(query), _spec(key), _spec(value), _spec(attn_mask), is_causal, scale,
              enable_gqa, window=window, alignment=alignment, softcap=softcap,
              alibi_slopes=_stand_in(alibi_slopes), sinks=_stand_in(sinks))
     r = p.recipe
     rank = max(len(p.batch), 1) + 3
     batch = (1,) * (rank - 3 - len(p.batch)) + tuple(p.batch)
-    q, k, v = (_lead(jnp.asarray(x), rank) for x in (query, key, value))
-    mask = None if attn_mask is None else _lead(jnp.asarray(attn_mask), rank)
+    q, k, v = (_lead(x, rank) for x in (query, key, value))
+    mask = None if attn_mask is None else _lead(attn_mask, rank)
     alibi = sinks_ = None
     ct = p.compute_dtype
     if r.alibi is not None:
