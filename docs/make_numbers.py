@@ -137,7 +137,7 @@ def variants():
 def layers():
     """Numba's threading layers side by side (scripts/threading_layers.py): large calls and the
     small ones whose time is mostly the layer's launch cost."""
-    args = ["scripts/threading_layers.py", "--rounds", "5"]
+    args = ["scripts/threading_layers.py", "--rounds", "3", "--reps", "5", "--small-reps", "200"]
     return _code(f"{PY} {' '.join(args)}", _run(args))
 
 

@@ -5,9 +5,9 @@ Each round starts one process per layer (``NUMBA_THREADING_LAYER``), in turn, th
 dense forward, the dense backward and the decode (``attention_with_kvcache``) through the
 public functions, all threads, and two small calls whose time is mostly the layer's launch
 cost (a one-row forward, B1 H1 L1 S512 D64, and one decode step, B1 H8 D128 over 512 cached
-keys, each timed over ``--small-reps`` calls), and prints each one's median; the driver reports, per kernel
-and layer, the median over the rounds of its time divided by TBB's time in the same round
-(alternating processes, so that a busy neighbour on a shared machine hits every layer alike).
+keys, each timed over ``--small-reps`` calls), and prints each one's median; the driver
+reports, per kernel and layer, the median over the rounds of its time divided by TBB's time in
+the same round (alternating processes, so that a busy neighbour on a shared machine hits every layer alike).
 A layer that does not load (``tbb`` without the wheel on the path) is reported as missing.
 
 Usage::
@@ -74,8 +74,8 @@ def run(layer, reps, small_reps):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
     env["NUMBA_THREADING_LAYER"] = layer
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", CHILD, str(reps), str(small_reps)], env=env, capture_output=True,
-                       text=True, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(reps), str(small_reps)], env=env,
+                       capture_output=True, text=True, cwd=ROOT)
     if p.returncode:
         return None
     return json.loads(p.stdout.strip().splitlines()[-1])
