@@ -40,17 +40,6 @@ SCRIPT = """
             raise IndexError("negative row")
         return j <= i
 
-    class _Uncompiled:
-        def __init__(self, f):
-            self.py_func = f
-
-    real_jit = cuda.jit
-
-    def uncompiled_jit(sig=None, **kw):  # the factories compile eagerly: keep py_func
-        if kw.get("device"):
-            return real_jit(sig, **kw)
-        return lambda f: _Uncompiled(f)
-
     blocks = Blocks(32, 16, 128, 4)
     st = np.dtype(np.float32)
     cases = {

@@ -24,8 +24,6 @@ _DEFINE = re.compile(r'^define [^@]*@"?([^"(]+)"?\(', re.M)
 _ERROR_STATUS = re.compile(r"\bret i32 (-1|[1-9][0-9]*)\b")
 _CALL = re.compile(r'\bcall i32 @"?([^"(]+)"?\(')
 
-_checked = {}
-
 
 def raising_functions(llvm_ir):
     """The names of the functions defined in ``llvm_ir`` (module text) that can return an
@@ -56,14 +54,14 @@ def refuse_raising(kernel, functions, args=None):
     if not functions or is_simulated_mode():
         return
     argtypes = None if args is None else tuple(kernel.typeof_pyval(a) for a in args)
-    key = (id(kernel), argtypes)
-    if key not in _checked:
+    checked = kernel.__dict__.setdefault("_sdpa_raising", {})  # per kernel and signature
+    if argtypes not in checked:
         if argtypes is not None:
             kernel.compile(argtypes)
         ir = kernel.inspect_llvm(argtypes) if argtypes is not None else \
             "\n".join(kernel.inspect_llvm().values())
-        _checked[key] = raising_functions(ir)
-    raising = _checked[key]
+        checked[argtypes] = raising_functions(ir)
+    raising = checked[argtypes]
     if raising:
         names = [getattr(f, "__name__", repr(f)) for f in functions]
         which = [n for n in names if any(n in r for r in raising)] or names
