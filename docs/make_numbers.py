@@ -134,6 +134,13 @@ def variants():
     return f"```bash\n{cmd}\n```\n\n{out}"
 
 
+def layers():
+    """Numba's threading layers side by side (scripts/threading_layers.py): large calls and the
+    small ones whose time is mostly the layer's launch cost."""
+    args = ["scripts/threading_layers.py", "--rounds", "3", "--reps", "5", "--small-reps", "200"]
+    return _code(f"{PY} {' '.join(args)}", _run(args))
+
+
 def check():
     return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
 
@@ -141,7 +148,7 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "varlen": varlen, "variants": variants}
+              "decode": decode, "varlen": varlen, "variants": variants, "layers": layers}
 
 
 def _stamp():

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Test and time sdpa_numba's CUDA path on a real NVIDIA GPU, in one go (under 5 minutes).
 
-1. Runs tests/cuda on the GPU (pytest with SDPA_NUMBA_REAL_GPU=1, not the simulator).
+1. Runs tests/cuda on the GPU (pytest with SDPA_NUMBA_REAL_GPU=1, not the simulator). Among
+   them, two things only a GPU shows: a score_mod / mask_mod that can raise is refused before
+   the launch (test_cuda_raising.py; the simulator runs it as Python), and the issue's
+   overflowing q · scale example gives 1.0 under the device's fastmath
+   (test_cuda_scale_overflow.py).
 2. Times the forward against torch's scaled_dot_product_attention on the same GPU: float32
    and float16, B=4 H=16 L=S=4096, head dim 64 and 128, causal and not. Each figure is the
    median of many runs after warm-up (the first call compiles), timed with CUDA events;

@@ -1,6 +1,8 @@
 """Run a script that lowers CUDA kernels for the real target (cc 9.0) on a machine without a
 GPU, CUDA driver or CUDA compiler: in a subprocess without the simulator, after
-:data:`PREAMBLE` (numba.cuda and its compiler imported, the current device faked)."""
+:data:`PREAMBLE` (numba.cuda and its compiler imported, the current device faked;
+``uncompiled_jit``: a ``cuda.jit`` to patch in while a kernel factory runs, which keeps the
+kernel's Python function instead of compiling it)."""
 
 import os
 import subprocess
@@ -18,6 +20,17 @@ PREAMBLE = textwrap.dedent("""
         compute_capability = (9, 0)
 
     dispatcher.get_current_device = lambda: _Device()
+
+    class _Uncompiled:
+        def __init__(self, f):
+            self.py_func = f
+
+    real_jit = cuda.jit
+
+    def uncompiled_jit(sig=None, **kw):  # the kernel factories compile eagerly: keep py_func
+        if kw.get("device"):
+            return real_jit(sig, **kw)
+        return lambda f: _Uncompiled(f)
 """)
 
 

@@ -21,17 +21,6 @@ SCRIPT = """
     bw = importlib.import_module("sdpa_numba.gpu.backward")
     from sdpa_numba.gpu.options import FASTMATH, Blocks
 
-    class _Uncompiled:
-        def __init__(self, f):
-            self.py_func = f
-
-    real_jit = cuda.jit
-
-    def uncompiled_jit(sig=None, **kw):  # the factories compile eagerly: keep py_func
-        if kw.get("device"):
-            return real_jit(sig, **kw)
-        return lambda f: _Uncompiled(f)
-
     blocks = Blocks(32, 16, 128, 4)
     st = np.dtype(np.int16)
     made = {

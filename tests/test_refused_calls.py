@@ -147,3 +147,33 @@ def test_distributed_in_one_process(rng):
                    [q, k, v, out, lse])
     assert_refused(lambda: distributed.shard(q, layout="striped"), [q])
     assert_refused(lambda: distributed.unshard(q, layout="striped"), [q])
+
+
+def test_cpu_kernel_entry_points_beyond_forward_and_backward(rng):
+    # The other jitted entry points that a float16 array from Python reaches (each refused
+    # before any kernel runs: from_python.explain_float16), with every buffer snapshotted.
+    h = np.float16
+    q = _rand(rng, 5, 8, dtype=h)
+    out = np.full((5, 8), 7.0, h)
+    lse = np.zeros(5, np.float32)
+    assert_refused(lambda: sdpa_numba.cpu.forward_head(q, q, q, None, False, 0.3, out, lse),
+                   [q, out, lse])
+    dq = _rand(rng, 1, 1, 2, 8, dtype=h)
+    kc = _rand(rng, 1, 6, 2, 8, dtype=h)
+    table = np.zeros((1, 1), np.int32)
+    lens = np.array([6], np.int32)
+    dout = np.full((1, 1, 2, 8), 7.0, h)
+    dlse = np.zeros((1, 2, 1), np.float32)
+    for decode in (sdpa_numba.cpu.decode, sdpa_numba.cpu.decode_serial):
+        assert_refused(lambda: decode(dq, kc, kc, table, lens, True, 0.3, dout, dlse),
+                       [dq, kc, table, lens, dout, dlse])
+    pq, pk, pv, cu = _packed(rng)
+    pq = pq.astype(h)
+    pout = np.full(pq.shape, 7.0, h)
+    plse = np.zeros((2, 9), np.float32)
+    assert_refused(lambda: sdpa_numba.cpu.varlen_forward(pq, pq, pq, cu, cu, False, 0.3, pout,
+                                                         plse), [pq, cu, pout, plse])
+    grads = [np.full(pq.shape, 7.0, np.float32) for _ in range(3)]
+    assert_refused(lambda: sdpa_numba.cpu.varlen_backward(pq, pq, pq, cu, cu, False, 0.3, pout,
+                                                          pout, plse, *grads),
+                   [pq, cu, pout, plse, *grads])

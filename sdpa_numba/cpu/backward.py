@@ -56,6 +56,7 @@ from .forward import _mods_scores, masked_score
 from .microkernel import MR, NR, tile_product
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
+from .scale_fold import split_power, times
 from .scratch import aligned_empty
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
@@ -178,6 +179,17 @@ def _tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
 
 
 @njit(**INLINE)
+def _pack_scaled(q, i0, nv, scale2, qt):
+    """``qt`` (E x BQ, pointer) = scale2 · Qᵀ of query rows ``[i0, i0 + nv)``, zero padded."""
+    zero = cast(0.0, scale2)
+    for e in range(q.shape[1]):
+        for c in range(nv):
+            qt[e * BQ + c] = load(q[i0 + c, e]) * scale2
+        for c in range(nv, BQ):
+            qt[e * BQ + c] = zero
+
+
+@njit(**INLINE)
 def prepare_block(q, dout, out, lse, i0, nv, scale2, e_pad, ev_pad, qt, qr, dot, dor, l2, dd):
     """Pack query rows ``[i0, i0 + nv)`` of one head for the key loop (pointers, see module doc).
 
@@ -188,11 +200,7 @@ def prepare_block(q, dout, out, lse, i0, nv, scale2, e_pad, ev_pad, qt, qr, dot,
     e_len = q.shape[1]
     ev = dout.shape[1]
     zero = cast(0.0, lse)
-    for e in range(e_len):
-        for c in range(nv):
-            qt[e * BQ + c] = load(q[i0 + c, e]) * scale2
-        for c in range(nv, BQ):
-            qt[e * BQ + c] = zero
+    _pack_scaled(q, i0, nv, scale2, qt)
     for d in range(ev):
         for c in range(nv):
             dot[d * BQ + c] = load(dout[i0 + c, d])
@@ -513,6 +521,11 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
                 prepare_block(q[b, h], dout[b, h], out[b, h], lse[b, h], i0, nv, scale2,
                               e_pad, ev_pad, queries[0], queries[1], queries[2], queries[3],
                               queries[4], queries[5])
+                # Queries that overflowed with scale: packed with scale / w, scores times w.
+                w = split_power(queries[0], e_len * BQ, scale)
+                if w != 1:
+                    _pack_scaled(q[b, h], i0, nv, cast(scale / w, lse), queries[0])
+                score_w = cast(w, lse)
                 dqt[:] = 0
                 if drop_on:
                     for c in range(nv):
@@ -530,6 +543,8 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
                             ptr_add(p_dka, t * BK * e_pad), ptr_add(p_dva, t * BK * ev_pad),
                             p_ones)
                     pair_scores(keys, e_len, ev, nk, queries)
+                    if w != 1:
+                        times(p_st, nk * BQ, score_w)
                     if cap_only:
                         _cap_tile(p_st, p_gt, nk * BQ, cap)
                     if (use_mask or elem_mods or elem

@@ -58,6 +58,7 @@ from ..problem.kvcache import key_bounds_loop
 from .merge import part_weights
 from .online_softmax import finalize_row, softmax_row
 from .options import CALLED, FASTMATH, INLINE, KERNEL
+from .scale_fold import split_power, times
 from .scratch import aligned_empty
 from ..score.numbers import cast
 from .storage import load, store
@@ -314,6 +315,18 @@ def _registers_pv(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff
             khs, e_len, ahead: False)
 
 
+@njit(**INLINE)
+def _pack_queries(q, b, scale, qs, zero):
+    """``qs`` (Hq * Lq rows of E, row ``h * Lq + t``) = ``scale`` · ``q[b, t, h]``, in the
+    compute dtype of ``zero``."""
+    lq, hq, e_len = q.shape[1], q.shape[2], q.shape[3]
+    for h in range(hq):
+        for t in range(lq):
+            x = h * lq + t
+            for e in range(e_len):
+                qs[x * e_len + e] = cast(load(q[b, t, h, e]) * scale, zero)
+
+
 @njit(**CALLED)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
            part_lse):
@@ -346,13 +359,14 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     # (B, H, S, E) 15.5 -> 9.0 GB/s).
     h_step = h_len if khs < kss else 1
     zero = cast(0.0, part_lse)
-    # Queries of all rows, scaled, in the compute dtype, E contiguous.
+    # Queries of all rows, scaled, in the compute dtype, E contiguous; those that overflowed
+    # with scale are packed with scale / w, and the scores are then multiplied by w.
     qs = aligned_empty(hq * lq * e_len, part_lse.dtype)
-    for h in range(hq):
-        for t in range(lq):
-            x = h * lq + t
-            for e in range(e_len):
-                qs[x * e_len + e] = cast(load(q[b, t, h, e]) * scale, zero)
+    _pack_queries(q, b, scale, qs, zero)
+    w = split_power(qs, hq * lq * e_len, scale)
+    if w != 1:
+        _pack_queries(q, b, scale / w, qs, zero)
+    score_w = cast(w, zero)
     acc = aligned_empty(hq * lq * max(ev, 1), part_lse.dtype)
     acc[:] = 0
     m = np.full(hq * lq, -np.inf, part_lse.dtype)
@@ -382,6 +396,9 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                 for h in range(h_lo, h_hi):
                     kp = ptr_add(kbase, koff[j] + h * khs)
                     _key_scores(qp, kp, s, h * rows, 0, rows, e_len, j, zero)
+            if w != 1:
+                for i in range(h_lo * rows, h_hi * rows):
+                    times(ptr_add(sp, i * BN), n, score_w)
             for h in range(h_lo, h_hi):
                 if cut or modifies_scores(r) or has_element_mask(r):
                     _recipe_block(s[h * rows * BN:(h + 1) * rows * BN], r, b, h, g, lq, kv_len,

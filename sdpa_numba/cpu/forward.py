@@ -35,6 +35,7 @@ from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
+from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty, aligned_full
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
@@ -482,9 +483,15 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     l_o = aligned_full(n_pad, 0, ct)
     # A soft cap c takes the scores as s / c: its 1 / c is folded into the queries' scale
     # (one multiply per query element instead of one per score).
-    qscale = cast(scale, lse) if r.softcap <= 0 else cast(scale / r.softcap, lse)
+    c = scale if r.softcap <= 0 else scale / r.softcap
+    qscale = cast(c, lse)
     _pack_queries(q, i0, n, n_pad, qscale, qt)
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
+    # Queries that overflowed with c are packed with c / w, the scores then times w.
+    w = split_power(p_qt, n_pad * e_len, c)
+    if w != 1:
+        _pack_queries(q, i0, n, n_pad, cast(c / w, lse), qt)
+    score_w = cast(w, lse)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
     # Full blocks of K and V are read in place when they are already rows of the compute
@@ -526,6 +533,8 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
                 continue
             n_real = min(BM, n - r0)
             _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
+            if w != 1:
+                times(p_st, n_keys * BM, score_w)
             in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)
             per_element = element and (not blocked or state == BLOCK_PARTIAL)
             # A tile that only the window masks is masked in the softmax's first pass.

@@ -48,6 +48,8 @@ from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from .forward import DROPOUT_ARGS, WORK, arr, jit_options, launch_blocks, mask_kind_of, \
     operand_types, resolve_recipe
 from .options import FASTMATH
+from .raising import refuse_raising
+from .scale_fold import refold_tile
 from .storage import load, storage_view
 from .tiles import clear, load_tile, tile_product, tile_thread, u
 from .variants import NO_MASK, arg_type, compile_key, kernel_args, masked, modifies, \
@@ -132,7 +134,7 @@ def _pair_grads(blocks, mask_kind, ct):
 
     @cuda.jit(device=True, inline="always")
     def pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, bs, q0, k0, h,
-                   drop_on, rk, threshold, inv, dmask_t):
+                   drop_on, rk, threshold, inv, dmask_t, score_w):
         """``at`` = (Q row length, dO row length, then the dO, lse, D, Kᵀ, Vᵀ, P Z and dS
         offsets; Q is at 0); a negative P Z offset: not wanted. Rows past ``L`` and keys past
         ``nj`` get zeros. ``rc``: the recipe; ``test``: whether the tile needs the
@@ -150,6 +152,9 @@ def _pair_grads(blocks, mask_kind, ct):
         kreg = cuda.local.array(SC, CT)
         clear(sreg, NS)
         tile_product(sm, 0, qp, kt_at, SP, E, r0, tc, TC, RM, SC, kreg, sreg)  # scaled S
+        if score_w != 1:  # the Q tile was staged with scale / score_w (.scale_fold)
+            for t in range(NS):
+                sreg[t] *= score_w
         clear(dpreg, NS)
         tile_product(sm, do_at, dp, vt_at, SP, Ev, r0, tc, TC, RM, SC, kreg, dpreg)  # dO Vᵀ
         mod_on = modifies(rc)
@@ -220,6 +225,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
         one = CT(1)
 
         load_tile(q, b, h, q0 + i0, nv, BM, E, E, CT(scale), sm, 0, QP, 1, tid, NT)
+        score_w = refold_tile(q, b, h, q0 + i0, nv, BM, E, scale, sm, 0, QP, tid, NT)
         load_tile(dout, b, h, q0 + i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
         for e in range(tc, E, TC):
             for a in range(RM):
@@ -266,7 +272,7 @@ def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_gra
             load_tile(v, b, kh, k0 + j0, nj, BN, Ev, Ev, one, sm, vt_at, 1, SP, tid, NT)
             cuda.syncthreads()
             pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, bs, q0, k0, h,
-                       drop_on, rk, threshold, inv, dmask_t)
+                       drop_on, rk, threshold, inv, dmask_t, score_w)
             cuda.syncthreads()  # the dS tile is complete
             # dQ += dS K for this thread's rows and columns e = tc, tc + TC, ...
             for e in range(tc, E, TC):
@@ -354,6 +360,7 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
                     continue
                 cuda.syncthreads()  # the previous pair's tiles are consumed (K, V staged)
                 load_tile(q, b, h, q0 + i0, nv, BM, E, E, qscale, sm, 0, QP, 1, tid, NT)
+                score_w = refold_tile(q, b, h, q0 + i0, nv, BM, E, scale, sm, 0, QP, tid, NT)
                 load_tile(dout, b, h, q0 + i0, nv, BM, Ev, Ev, one, sm, do_at, DP, 1, tid, NT)
                 for r in range(tid, BM, NT):
                     x = zero
@@ -369,7 +376,7 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
                     row_keys(rk, RM, seed, b_off + bs, h, i0 + r0)
                 cuda.syncthreads()
                 pair_grads(sm, at, r0, tc, i0, j0, nj, L, E, Ev, rc, test, mask, b, bs, q0, k0,
-                           h, drop_on, rk, threshold, inv, NO_MASK)  # no mask gradient here
+                           h, drop_on, rk, threshold, inv, NO_MASK, score_w)  # no dmask
                 cuda.syncthreads()  # the P Z and dS tiles are complete
                 # dV += (P Z)ᵀ dO and dK += dSᵀ (scale Q), this thread's keys and columns,
                 # summed over the block's rows in order
@@ -387,6 +394,9 @@ def _make_dkv_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE)):
                         x = sm[u(r * QP + e)]
                         for c in range(SC):
                             acc[c] += sm[u(ds_at + r * SP + tc + TC * c)] * x
+                    if score_w != one:  # Q staged times scale / score_w (.scale_fold)
+                        for c in range(SC):
+                            acc[c] *= score_w
                     for c in range(SC):
                         sm[dk_at + e * BN + tc + TC * c] += acc[c]
 
@@ -410,6 +420,7 @@ def _kernel(which, dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_grad
     key = (which, np.dtype(dtype), mask_kind, blocks, parts, mask_grad)
     if key not in _kernels:
         _kernels[key] = _FACTORIES[which](*key[1:5], *((mask_grad,) if which == "dq" else ()))
+    refuse_raising(_kernels[key], parts[3:6])  # the user's functions: see .raising
     return _kernels[key]
 
 

@@ -33,6 +33,8 @@ from ..score.recipe import DENSE, keeps, modified_score, window_covers
 from .arrays import device_array, is_simulated_mode
 from .merge import merge_rows
 from .options import FASTMATH
+from .raising import refuse_raising
+from .scale_fold import split_power
 from .storage import load, store, storage_view
 from .variants import compile_key, kernel_args, modifies, sink_of, unpack
 
@@ -94,6 +96,14 @@ def _make_kernels(ct, rows, bn, parts):
             r, e = x // e_len, x % e_len
             rr = r0 + r
             sm[q_at + r * e_len + e] = CT(load(q[b, rr % lq, h * g + rr // lq, e])) * CT(scale)
+        # Queries that overflowed times scale: restaged times scale / w, scores times w.
+        w = split_power(sm, q_at, nr, e_len, e_len, scale, tid, NT)
+        if w != 1.0:
+            for x in range(tid, nr * e_len, NT):
+                r, e = x // e_len, x % e_len
+                rr = r0 + r
+                sm[q_at + x] = CT(load(q[b, rr % lq, h * g + rr // lq, e])) * CT(scale / w)
+        score_w = CT(w)
         for x in range(tid, nr * ev, NT):
             sm[a_at + x] = zero
         for r in range(tid, nr, NT):
@@ -116,6 +126,8 @@ def _make_kernels(ct, rows, bn, parts):
                     s = zero
                     for e in range(e_len):
                         s += sm[q_at + r * e_len + e] * CT(load(k_cache[page[j], slot[j], h, e]))
+                    if score_w != 1:
+                        s *= score_w
                     rr = r0 + r
                     hq_r = h * g + rr // lq
                     i = kv_len - lq + rr % lq
@@ -271,9 +283,10 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     kv, d_lo, d_hi = (cuda.to_device(x, stream=stream) for x in (kv_lens, lo, hi))
     tb = cuda.to_device(task_b.astype(np.int64), stream=stream)
     tc = cuda.to_device(task_c.astype(np.int64), stream=stream)
-    chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](
-        q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk), float(scale),
-        part_out, part_lse, *r_args)
+    args = (q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk),
+            float(scale), part_out, part_lse, *r_args)
+    refuse_raising(chunk_kernel, compile_key(rc)[3:6], args)  # user functions: see .raising
+    chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](*args)
     n = B * hq * lq
     mt = 32 if is_simulated_mode() else 128
     merge_kernel[-(-n // mt), mt, stream](

@@ -41,6 +41,8 @@ from .arrays import is_simulated_mode
 from .dropout import NO_DROPOUT, dropout_factor, row_keys
 from ..score.recipe import BLOCK_EMPTY, CAUSAL, DENSE, fold_sink, keeps, modified_score
 from .online_softmax import online_softmax_lse, online_softmax_update
+from .raising import refuse_raising
+from .scale_fold import refold_tile
 from .options import CANDIDATES, FASTMATH, Blocks
 from .storage import storage_view, store
 from .tiles import clear, load_tile, tile_product, tile_thread
@@ -135,6 +137,8 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
         neg_inf = CT(-math.inf)
 
         load_tile(q, b, h, q0 + i0, L - i0, BM, E, E, CT(scale), sm, 0, QP, 1, tid, NT)
+        # 1, or the power of two taken out of an overflowing fold (the scores' factor)
+        score_w = refold_tile(q, b, h, q0 + i0, L - i0, BM, E, scale, sm, 0, QP, tid, NT)
         for r in range(tid, BM, NT):
             sm[m_at + r] = neg_inf
             sm[l_at + r] = zero
@@ -170,6 +174,9 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
 
             clear(sreg, NS)
             tile_product(sm, 0, QP, kt_at, SP, E, r0, tc, TC, RM, SC, kreg, sreg)
+            if score_w != one:
+                for t in range(NS):
+                    sreg[t] *= score_w
             for a in range(RM):
                 i = i0 + r0 + a
                 for c in range(SC):
@@ -251,6 +258,7 @@ def _kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
     key = (np.dtype(dtype), mask_kind, blocks, dc, parts)
     if key not in _kernels:
         _kernels[key] = _make_kernel(*key)
+    refuse_raising(_kernels[key], parts[3:6])  # the user's functions: see .raising
     return _kernels[key]
 
 
