@@ -191,7 +191,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
                                     ("attn_mask", attn_mask)], out)
     query, key, value, attn_mask = arrays[:4]
     out = arrays[4] if out is not None else None
-    check_names("scaled_dot_product_attention", variants)
+    check_names("scaled_dot_product_attention", variants, target=target)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, **variants)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)

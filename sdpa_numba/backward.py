@@ -129,7 +129,7 @@ def scaled_dot_product_attention_backward(
     target = target_of(named, ("query", "grad_out", "key", "value", "out", "lse"))
     # As in the forward: the arrays the back end reads (no copy), results as the caller's kind.
     (query, grad_out, key, value, out, lse, attn_mask), restore = target.adopt(named)
-    check_names("scaled_dot_product_attention_backward", variants)
+    check_names("scaled_dot_product_attention_backward", variants, target=target)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward=True,
              **variants)
     dropout_p = check_dropout(dropout_p)

@@ -80,10 +80,11 @@ _NOT_TAKEN = tuple(v.name for v in VARIANTS if not v.kvcache)
 _DEFAULTS = {"alignment": "bottom_right"}
 
 
-def _check_variants(func, variants):
+def _check_variants(func, variants, target):
     """TypeError for a keyword that is not a variant the KV-cache functions take;
-    NotImplementedError for a ``block_mask`` (taken out of ``variants``)."""
-    check_names(func, variants, exclude=_NOT_TAKEN)
+    NotImplementedError for one ``target`` does not run, and for a ``block_mask`` (taken out
+    of ``variants``)."""
+    check_names(func, variants, exclude=_NOT_TAKEN, target=target)
     if variants.pop("block_mask", None) is not None:
         raise NotImplementedError(
             "attention_with_kvcache does not take a block_mask: a block mask is made for one "
@@ -239,8 +240,8 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
     >>> plan = sdpa_numba.kvcache_plan(q[0], k_caches[0], v_caches[0], lens)  # doctest: +SKIP
     >>> outs = [plan.run(q[i], k_caches[i], v_caches[i]) for i in range(n_layers)]  # doctest: +SKIP
     """
-    _check_variants("kvcache_plan", variants)
     target, (q, k_cache, v_cache, k, v, _), _ = _adopt(q, k_cache, v_cache, k, v, None)
+    _check_variants("kvcache_plan", variants, target)
     return _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                  is_causal, scale, variants)
 
@@ -344,8 +345,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     by lse (split-KV); the result is bitwise the same for any thread count. A sequence with no
     keys (or a token that sees none) gives zeros and ``lse = -inf``.
     """
-    _check_variants("attention_with_kvcache", variants)
     target, (q, k_cache, v_cache, k, v, out), restore = _adopt(q, k_cache, v_cache, k, v, out)
+    _check_variants("attention_with_kvcache", variants, target)
     return_lse = check_flag("return_lse", return_lse)
     plan = _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                  is_causal, scale, variants)

@@ -133,7 +133,7 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     arrays, restore = target.adopt(named[:3], out)
     q, k, v = arrays[:3]
     out = arrays[3] if out is not None else None
-    check_names("varlen_attention", variants)
+    check_names("varlen_attention", variants, target=target)
     p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, **variants)
     dropout_p = check_dropout(dropout_p)
@@ -211,7 +211,7 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
     target = target_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
     (q, grad_out, k, v, out, lse), restore = target.adopt(named)
-    check_names("varlen_attention_backward", variants)
+    check_names("varlen_attention_backward", variants, target=target)
     p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale,
                     backward=True, **variants)

@@ -52,6 +52,9 @@ class Variant:
     ring: bool = False
     #: The KV-cache functions take it.
     kvcache: bool = True
+    #: The targets whose kernels run it (:mod:`sdpa_numba.targets` names); on another, a call
+    #: that gives it raises NotImplementedError.
+    targets: tuple = ("host", "cuda")
     #: How the torch operators carry it: "window", "str", "float", "tensor" or None.
     torch: str | None = None
     #: A "tensor"'s vmap rule: "batch" or "loop".
@@ -206,12 +209,18 @@ def is_default(name, x):
     return isinstance(x, (tuple, list)) and len(x) == 0
 
 
-def check_names(func, variants, exclude=()):
+def check_names(func, variants, exclude=(), target=None):
     """TypeError naming the keyword when ``variants`` (a dict) holds one that ``func`` (its
-    public name) does not take: not a variant, or one of ``exclude``."""
-    for name in variants:
-        if name not in BY_NAME or name in exclude:
+    public name) does not take: not a variant, or one of ``exclude``; NotImplementedError
+    when one is given (not at its default) that the kernels of ``target`` (a
+    :mod:`sdpa_numba.targets` target, or None: not checked) do not run."""
+    for name, x in variants.items():
+        v = BY_NAME.get(name)
+        if v is None or name in exclude:
             raise TypeError(f"{func}() got an unexpected keyword argument {name!r}")
+        if target is not None and target.name not in v.targets and not is_default(name, x):
+            raise NotImplementedError(f"{func}: {name} is not built for {target.name} arrays "
+                                      f"yet (it runs on {', '.join(v.targets)} arrays)")
 
 
 def keyword_signature(func, exclude=(), defaults=None):
