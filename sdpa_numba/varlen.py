@@ -161,9 +161,12 @@ def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT,
 
 
 @overload
-def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                              cu_seqlens_q: Any, cu_seqlens_k: Any,
-                              **keywords: Any) -> tuple[Any, ...]: ...
+def varlen_attention_backward(
+        grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT, lse: Any,
+        cu_seqlens_q: Any, cu_seqlens_k: Any, *, sinks: Any = ...,
+        max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., is_causal: bool = ...,
+        scale: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+        **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
 
 
 @takes_variants()
