@@ -9,7 +9,8 @@ Each :class:`Variant` says what a keyword of the public functions is and how it 
   rest, where variants depend on each other: the window and causality, a block mask and its
   ``mask_mod``);
 * whether it may hold arrays the call reads (``out`` must not overlap them), whether ring
-  attention shards it, whether the KV-cache functions take it;
+  attention shards it, whether the KV-cache functions take it, which targets' kernels run it
+  (elsewhere a call that gives it raises NotImplementedError);
 * how the torch operators carry it (``torch``: two ``int?`` sides for the window, a ``str``, a
   ``float?``, a ``Tensor?``, or nothing: Numba functions cannot cross an operator's schema),
   how their vmap rule folds a batched tensor (``vmap``: ``"batch"``, its leading dims
@@ -23,6 +24,12 @@ The public functions (:mod:`sdpa_numba.api`, :mod:`~sdpa_numba.backward`,
 :mod:`~sdpa_numba.varlen`, :mod:`~sdpa_numba.kvcache`) take the variants as ``**variants``
 with the signature :func:`keyword_signature` gives them; the distributed call, the torch
 operators' schemas, fake kernels, autograd and vmap rules read the table.
+
+A new per-head array variant is an entry here (with its check), its recipe field and its
+place in the score (:mod:`sdpa_numba.score.recipe`), its line in the float64 reference
+(:mod:`sdpa_numba.reference`) and in :class:`sdpa_numba._typing.Variants`, a test and a line
+of the documentation; the CPU kernels' fast paths that skip the score seam when nothing
+modifies scores must learn of it too, until they read the seam's own test.
 """
 
 import inspect
