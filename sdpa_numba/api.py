@@ -17,6 +17,7 @@ from .dropout import new_seed
 from .dropout import params as dropout_params
 from .problem import (Plan, check_dropout, check_flag, check_out, check_seed, may_self_overlap,
                       plan)
+from .problem.variant_table import check_names, takes_variants
 from .targets import target_of
 
 if TYPE_CHECKING:
@@ -74,17 +75,12 @@ def scaled_dot_product_attention(
 ) -> ArrayT | tuple[ArrayT, Any]: ...
 
 
+@takes_variants()
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Mask = None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None, enable_gqa: bool = False, *,
                                  return_lse: bool = False, out: Any = None,
-                                 seed: int | None = None,
-                                 window: tuple[int | None, int | None] | None = None,
-                                 alignment: Literal["top_left", "bottom_right"] = "top_left",
-                                 softcap: float | None = None, alibi_slopes: Any = None,
-                                 sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
-                                 mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
-                                 block_mask: Any = None) -> Any:
+                                 seed: int | None = None, **variants: Any) -> Any:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V, with torch's semantics.
 
     Parameters
@@ -195,10 +191,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
                                     ("attn_mask", attn_mask)], out)
     query, key, value, attn_mask = arrays[:4]
     out = arrays[4] if out is not None else None
-    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=window,
-             alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-             score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
-             score_mod_grad=score_mod_grad, block_mask=block_mask)
+    check_names("scaled_dot_product_attention", variants, target=target)
+    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, **variants)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     return_lse = check_flag("return_lse", return_lse)

@@ -8,8 +8,7 @@ import numpy as np
 from ._typing import ArrayT, Mask
 from .dropout import params as dropout_params
 from .problem import check_dropout, check_flag, check_seed, plan, shape_str
-from .problem.variants import host_array
-from .problem.variants import sinks_grad
+from .problem.variant_table import check_names, takes_variants, variant_grads
 from .targets import target_of
 
 if TYPE_CHECKING:
@@ -51,16 +50,12 @@ def scaled_dot_product_attention_backward(
         **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
 
 
+@takes_variants()
 def scaled_dot_product_attention_backward(
         grad_out: Any, query: Any, key: Any, value: Any, out: Any, lse: Any,
         attn_mask: Mask = None, dropout_p: float = 0.0, is_causal: bool = False,
         scale: float | None = None, enable_gqa: bool = False, *, seed: int | None = None,
-        mask_grad: bool = False, sinks: Any = None,
-        window: tuple[int | None, int | None] | None = None,
-        alignment: Literal["top_left", "bottom_right"] = "top_left",
-        softcap: float | None = None, alibi_slopes: Any = None, score_mod: Any = None,
-        mask_mod: Any = None, mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
-        block_mask: Any = None) -> tuple[Any, ...]:
+        mask_grad: bool = False, **variants: Any) -> tuple[Any, ...]:
     """Gradients of :func:`~sdpa_numba.scaled_dot_product_attention` (FlashAttention-2's
     backward: the probabilities are recomputed from ``lse``, never stored).
 
@@ -134,10 +129,9 @@ def scaled_dot_product_attention_backward(
     target = target_of(named, ("query", "grad_out", "key", "value", "out", "lse"))
     # As in the forward: the arrays the back end reads (no copy), results as the caller's kind.
     (query, grad_out, key, value, out, lse, attn_mask), restore = target.adopt(named)
+    check_names("scaled_dot_product_attention_backward", variants, target=target)
     p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward=True,
-             window=window, alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
-             sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
-             score_mod_grad=score_mod_grad, block_mask=block_mask)
+             **variants)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     mask_grad = check_flag("mask_grad", mask_grad)
@@ -159,9 +153,6 @@ def scaled_dot_product_attention_backward(
                             mask_grad)
     grads = [None if g is None else restore(g) for g in grads]
     result = tuple(grads) if mask_grad else tuple(grads[:3])
-    if p.recipe.sinks is None:
-        return result
     host = target.to_host
-    dsinks = sinks_grad(p.recipe, host(grad_out), host(out), host(lse))
-    # In the dtype the caller gave the sinks in (float32 or float64, checked by the plan).
-    return (*result, dsinks.astype(host_array("sinks", sinks).dtype))
+    return result + variant_grads(p.recipe, variants,
+                                  lambda: (host(grad_out), host(out), host(lse)))

@@ -21,6 +21,7 @@ from .host_arrays import as_numpy
 from .problem.arguments import check_flag
 from .problem.kvcache import check_arrays, key_bounds, kvcache_problem
 from .problem.out import check_out
+from .problem.variant_table import VARIANTS, check_names, takes_variants
 from .targets import CUDA, HOST, is_device_array, target_of
 
 __all__ = ["attention_with_kvcache", "kvcache_plan", "KVCachePlan", "key_bounds"]
@@ -74,8 +75,17 @@ def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_l
     return KVCachePlan(p, target, target.prepare_decode(p))
 
 
-def _refuse_block_mask(block_mask):
-    if block_mask is not None:
+#: The variants the KV-cache functions do not take (TypeError), and their own defaults.
+_NOT_TAKEN = tuple(v.name for v in VARIANTS if not v.kvcache)
+_DEFAULTS = {"alignment": "bottom_right"}
+
+
+def _check_variants(func, variants, target):
+    """TypeError for a keyword that is not a variant the KV-cache functions take;
+    NotImplementedError for one ``target`` does not run, and for a ``block_mask`` (taken out
+    of ``variants``)."""
+    check_names(func, variants, exclude=_NOT_TAKEN, target=target)
+    if variants.pop("block_mask", None) is not None:
         raise NotImplementedError(
             "attention_with_kvcache does not take a block_mask: a block mask is made for one "
             "(L, S), while each sequence of the cache has its own length, growing at every "
@@ -137,8 +147,9 @@ class KVCachePlan:
 
         Returns
         -------
-        out : array of q's dtype, shape (B, Lq, Hq, Ev)
-        lse : array, shape (B, Hq, Lq), only with ``return_lse=True``
+        out, lse : arrays
+            What :func:`attention_with_kvcache` returns for these arrays (``lse`` only with
+            ``return_lse=True``).
 
         Raises
         ------
@@ -180,13 +191,11 @@ class KVCachePlan:
         return (result, lse) if return_lse else result
 
 
+@takes_variants(exclude=_NOT_TAKEN, defaults=_DEFAULTS)
 def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: Any = None,
                  v: Any = None, block_table: Any = None, cache_leftpad: Any = None,
-                 is_causal: bool = True, scale: float | None = None, window: Any = None,
-                 alignment: str = "bottom_right", softcap: float | None = None,
-                 alibi_slopes: Any = None, sinks: Any = None, score_mod: Any = None,
-                 mask_mod: Any = None, mod_args: Any = (),
-                 block_mask: Any = None) -> KVCachePlan:
+                 is_causal: bool = True, scale: float | None = None,
+                 **variants: Any) -> KVCachePlan:
     """Plan one decode step once, for every layer of a model: the checks and the work of
     :func:`attention_with_kvcache` that depend only on shapes, dtype, layout, cache lengths,
     left padding, variants and scale, done now; each layer then calls
@@ -231,23 +240,18 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
     >>> plan = sdpa_numba.kvcache_plan(q[0], k_caches[0], v_caches[0], lens)  # doctest: +SKIP
     >>> outs = [plan.run(q[i], k_caches[i], v_caches[i]) for i in range(n_layers)]  # doctest: +SKIP
     """
-    _refuse_block_mask(block_mask)
     target, (q, k_cache, v_cache, k, v, _), _ = _adopt(q, k_cache, v_cache, k, v, None)
+    _check_variants("kvcache_plan", variants, target)
     return _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                 is_causal, scale, dict(window=window, alignment=alignment, softcap=softcap,
-                                        alibi_slopes=alibi_slopes, sinks=sinks,
-                                        score_mod=score_mod, mask_mod=mask_mod,
-                                        mod_args=mod_args))
+                 is_causal, scale, variants)
 
 
+@takes_variants(exclude=_NOT_TAKEN, defaults=_DEFAULTS)
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *,
                            k: Any = None, v: Any = None, block_table: Any = None,
                            cache_leftpad: Any = None, is_causal: bool = True,
                            scale: float | None = None, return_lse: bool = False, out: Any = None,
-                           window: Any = None, alignment: str = "bottom_right",
-                           softcap: float | None = None, alibi_slopes: Any = None,
-                           sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
-                           mod_args: Any = (), block_mask: Any = None) -> Any:
+                           **variants: Any) -> Any:
     """Attention of new query tokens against a key/value cache (decode, chunked prefill,
     speculative decoding), with FlashAttention's ``flash_attn_with_kvcache`` layouts.
 
@@ -341,14 +345,11 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     by lse (split-KV); the result is bitwise the same for any thread count. A sequence with no
     keys (or a token that sees none) gives zeros and ``lse = -inf``.
     """
-    _refuse_block_mask(block_mask)
     target, (q, k_cache, v_cache, k, v, out), restore = _adopt(q, k_cache, v_cache, k, v, out)
+    _check_variants("attention_with_kvcache", variants, target)
     return_lse = check_flag("return_lse", return_lse)
     plan = _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                 is_causal, scale, dict(window=window, alignment=alignment, softcap=softcap,
-                                        alibi_slopes=alibi_slopes, sinks=sinks,
-                                        score_mod=score_mod, mask_mod=mask_mod,
-                                        mod_args=mod_args))
+                 is_causal, scale, variants)
     result, lse = plan._run(q, k_cache, v_cache, k, v, out, True)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

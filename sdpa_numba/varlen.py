@@ -13,8 +13,7 @@ from .backward import _check_like
 from .dropout import new_seed
 from .dropout import params as dropout_params
 from .problem import check_dropout, check_flag, check_out, check_seed
-from .problem.variants import host_array as _host_array
-from .problem.variants import sinks_grad
+from .problem.variant_table import check_names, takes_variants, variant_grads
 from .problem.varlen import varlen_plan
 from .targets import target_of
 
@@ -52,17 +51,12 @@ def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seql
                      **variants: "Unpack[ForwardVariants]") -> ArrayT | tuple[ArrayT, Any]: ...
 
 
+@takes_variants()
 def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                      is_causal: bool = False, scale: float | None = None,
                      dropout_p: float = 0.0, seed: int | None = None,
-                     return_lse: bool = False, out: Any = None,
-                     window: tuple[int | None, int | None] | None = None,
-                     alignment: Literal["top_left", "bottom_right"] = "top_left",
-                     softcap: float | None = None, alibi_slopes: Any = None,
-                     sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
-                     mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
-                     block_mask: Any = None) -> Any:
+                     return_lse: bool = False, out: Any = None, **variants: Any) -> Any:
     """Attention over a ragged batch of sequences packed back to back.
 
     Sequence ``b`` is query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of ``q`` and keys
@@ -139,11 +133,9 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     arrays, restore = target.adopt(named[:3], out)
     q, k, v = arrays[:3]
     out = arrays[3] if out is not None else None
+    check_names("varlen_attention", variants, target=target)
     p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, window=window,
-                    alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
-                    sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
-                    score_mod_grad=score_mod_grad, block_mask=block_mask)
+                    max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, **variants)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     return_lse = check_flag("return_lse", return_lse)
@@ -169,26 +161,21 @@ def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT,
 
 
 @overload
-def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT,
-                              lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
-                              max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
-                              is_causal: bool = ..., scale: float | None = ...,
-                              dropout_p: float = ..., seed: int | None = ..., sinks: Any = ...,
-                              **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
+def varlen_attention_backward(
+        grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT, lse: Any,
+        cu_seqlens_q: Any, cu_seqlens_k: Any, *, sinks: Any = ...,
+        max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., is_causal: bool = ...,
+        scale: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+        **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
 
 
+@takes_variants()
 def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                               cu_seqlens_q: Any, cu_seqlens_k: Any, *,
                               max_seqlen_q: int | None = None,
                               max_seqlen_k: int | None = None, is_causal: bool = False,
                               scale: float | None = None, dropout_p: float = 0.0,
-                              seed: int | None = None,
-                              window: tuple[int | None, int | None] | None = None,
-                              alignment: Literal["top_left", "bottom_right"] = "top_left",
-                              softcap: float | None = None, alibi_slopes: Any = None,
-                              sinks: Any = None, score_mod: Any = None, mask_mod: Any = None,
-                              mod_args: tuple[Any, ...] = (), score_mod_grad: Any = None,
-                              block_mask: Any = None) -> tuple[Any, ...]:
+                              seed: int | None = None, **variants: Any) -> tuple[Any, ...]:
     """Gradients of :func:`varlen_attention` (FlashAttention-2's backward, per sequence).
 
     Parameters
@@ -227,12 +214,10 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
     target = target_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
     (q, grad_out, k, v, out, lse), restore = target.adopt(named)
+    check_names("varlen_attention_backward", variants, target=target)
     p = varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale,
-                    backward=True, window=window, alignment=alignment, softcap=softcap,
-                    alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
-                    mask_mod=mask_mod, mod_args=mod_args, score_mod_grad=score_mod_grad,
-                    block_mask=block_mask)
+                    backward=True, **variants)
     dropout_p = check_dropout(dropout_p)
     seed = check_seed(seed)
     _check_like("grad_out", grad_out, p.out_shape, p.dtype, "the output")
@@ -246,10 +231,8 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     dropout = dropout_params(dropout_p, seed) if dropout_p > 0 and seed is not None else None
     grads = target.varlen_backward(p, grad_out, q, k, v, out, lse, dropout)
     grads = tuple(restore(g) for g in grads)
-    if p.recipe.sinks is None:
-        return grads
     host = target.to_host
-    # sinks_grad reads (..., Hq, L) rows: the packed rows as one batch entry
-    dsinks = sinks_grad(p.recipe, host(grad_out).transpose(1, 0, 2),
-                        host(out).transpose(1, 0, 2), host(lse))
-    return (*grads, dsinks.astype(_host_array("sinks", sinks).dtype))
+    # the gradients read (..., Hq, L) rows: the packed rows as one batch entry
+    return grads + variant_grads(p.recipe, variants,
+                                 lambda: (host(grad_out).transpose(1, 0, 2),
+                                          host(out).transpose(1, 0, 2), host(lse)))

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..problem.arguments import check_flag
+from ..problem.variant_table import PER_HEAD, RING_REFUSED, RING_SHARDED, is_default
 from ..targets import HOST, target_of
 from .agreement import compare, digest, signature
 from .layouts import check_layout
@@ -15,12 +16,11 @@ from .mpi import mpi_cuda_aware
 from .steps import step_work
 
 #: The attention variants of the dense API that ring attention shards (validated as the
-#: dense functions do, with the same keywords and defaults).
-_SHARDED = ("window", "alignment", "softcap", "alibi_slopes", "sinks")
-
-#: The variants it refuses unless off: the user's functions see the positions of one dense
-#: call, and a block mask is laid out for the whole (L, S) problem.
-_REFUSED = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "block_mask")
+#: dense functions do, with the same keywords and defaults), and those it refuses unless off
+#: (the user's functions see the positions of one dense call, and a block mask is laid out for
+#: the whole (L, S) problem): :mod:`sdpa_numba.problem.variant_table` says which.
+_SHARDED = RING_SHARDED
+_REFUSED = RING_REFUSED
 
 
 def _check_variants(attn_mask, dropout_p, variants):
@@ -35,9 +35,7 @@ def _check_variants(attn_mask, dropout_p, variants):
             or dropout_p != 0:
         raise NotImplementedError(f"ring attention has no dropout yet (dropout_p={dropout_p!r}):"
                                   f" pass dropout_p=0")
-    used = [name for name in _REFUSED if variants.get(name) is not None
-            and not (name == "mod_args" and isinstance(variants[name], (tuple, list))
-                     and len(variants[name]) == 0)]
+    used = [name for name in _REFUSED if not is_default(name, variants.get(name))]
     if used:
         raise NotImplementedError(
             f"ring attention does not shard {', '.join(used)}: a score_mod or mask_mod is "
@@ -157,7 +155,7 @@ def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask
     coll.agree(error, "before the first step (bad input)")
     sig = signature(arrays, is_causal=is_causal, scale=ring.scale, enable_gqa=enable_gqa,
                     device=target.name, layout=layout, window=(ring.left, ring.right),
-                    offset=ring.goff, softcap=float(r.softcap), alibi_slopes=digest(r.alibi),
-                    sinks=digest(r.sinks))
+                    offset=ring.goff, softcap=float(r.softcap),
+                    **{v.name: digest(getattr(r, v.field)) for v in PER_HEAD if v.ring})
     compare(coll, sig, names)
     return ring, arrays, (restore or (lambda x: x))

@@ -36,7 +36,7 @@ from .options import FASTMATH
 from .raising import refuse_raising
 from .scale_fold import split_power
 from .storage import load, store, storage_view
-from .variants import compile_key, kernel_args, modifies, sink_of, unpack
+from .variants import compile_key, kernel_args, modifies, recipe_of, sink_of
 
 #: Query rows per thread block, at most; keys per key block; threads per block.
 ROWS = 8
@@ -56,8 +56,7 @@ def _make_kernels(ct, rows, bn, parts):
 
     @cuda.jit(fastmath=FASTMATH)
     def chunk_kernel(q, k_cache, v_cache, block_table, kv_lens, kv_lo, kv_hi, task_b, task_c,
-                     chunk, scale, part_out, part_lse, offset, left, right, softcap, r_boff,
-                     alibi_t, sinks_t, bm_t, bq, bk, mod_args):
+                     chunk, scale, part_out, part_lse, ra):
         task = cuda.blockIdx.x
         b = task_b[task]
         c = task_c[task]
@@ -76,8 +75,7 @@ def _make_kernels(ct, rows, bn, parts):
         kv_len = kv_lens[b]
         j0 = kv_lo[b] + c * chunk
         j1 = min(kv_hi[b], j0 + chunk)
-        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
-                    MASK_MOD, None, mod_args)
+        rc = recipe_of(ra, ra.offset, SCORE_MOD, MASK_MOD, None)
         mod_on = modifies(rc)
 
         sm = cuda.shared.array(0, CT)
@@ -174,8 +172,7 @@ def _make_kernels(ct, rows, bn, parts):
             part_lse[task, i] = sm[m_at + r] + math.log(l) if l != zero else neg_inf
 
     @cuda.jit(fastmath=FASTMATH)
-    def merge_kernel(first, part_out, part_lse, out, lse, offset, left, right, softcap, r_boff,
-                     alibi_t, sinks_t, bm_t, bq, bk, mod_args):
+    def merge_kernel(first, part_out, part_lse, out, lse, ra):
         x = cuda.grid(1)
         lq, hq, ev = out.shape[1], out.shape[2], out.shape[3]
         rows = hq * lq
@@ -186,8 +183,7 @@ def _make_kernels(ct, rows, bn, parts):
         # Merged in place into the first chunk's row (merge_rows allows that), then stored.
         x_lse = merge_rows(part_out[c0:c1, i], part_lse[c0:c1, i], part_out[c0, i])
         h, t = i // lq, i % lq
-        rc = unpack(offset, left, right, softcap, r_boff, alibi_t, sinks_t, bm_t, SCORE_MOD,
-                    MASK_MOD, None, mod_args)
+        rc = recipe_of(ra, ra.offset, SCORE_MOD, MASK_MOD, None)
         sink = sink_of(rc, h)
         w = 1.0
         if sink != -math.inf:  # one more part, of output 0: it weighs in the lse only
@@ -277,20 +273,20 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     rc = DENSE if recipe is None else recipe
     if is_causal and rc.right > 0:
         rc = rc._replace(right=np.int64(0))
-    r_args = kernel_args(rc, to_device=lambda x: cuda.to_device(x, stream=stream))
+    r_arg = kernel_args(rc, to_device=lambda x: cuda.to_device(x, stream=stream))
     chunk_kernel, merge_kernel = _kernels_for(ct, compile_key(rc))
     shared = ROWS * (e + ev + BN + 3) * ct.itemsize
     kv, d_lo, d_hi = (cuda.to_device(x, stream=stream) for x in (kv_lens, lo, hi))
     tb = cuda.to_device(task_b.astype(np.int64), stream=stream)
     tc = cuda.to_device(task_c.astype(np.int64), stream=stream)
     args = (q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk),
-            float(scale), part_out, part_lse, *r_args)
+            float(scale), part_out, part_lse, r_arg)
     refuse_raising(chunk_kernel, compile_key(rc)[3:6], args)  # user functions: see .raising
     chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](*args)
     n = B * hq * lq
     mt = 32 if is_simulated_mode() else 128
     merge_kernel[-(-n // mt), mt, stream](
-        cuda.to_device(first, stream=stream), part_out, part_lse, out, lse, *r_args)
+        cuda.to_device(first, stream=stream), part_out, part_lse, out, lse, r_arg)
 
 
 @cuda.jit

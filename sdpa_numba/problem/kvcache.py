@@ -152,14 +152,13 @@ def check_writeable(named):
 
 
 def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                    is_causal, scale, *, window=None, alignment="bottom_right", softcap=None,
-                    alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
-                    mod_args=()):
+                    is_causal, scale, *, alignment="bottom_right", **variants):
     """Validate one decode step's operands and return its :class:`KVCacheProblem`.
 
     ``q``, the caches, ``k`` and ``v`` (None: no append): the target's arrays (anything with
     ``shape``, ``strides``, ``ndim`` and a NumPy ``dtype``); ``cache_seqlens`` (B,),
-    ``block_table`` and ``cache_leftpad`` (None or arrays): NumPy arrays. Raises TypeError /
+    ``block_table`` and ``cache_leftpad`` (None or arrays): NumPy arrays; ``variants``: the
+    variants the KV-cache functions take (:mod:`.variant_table`). Raises TypeError /
     ValueError naming the argument, as documented by
     :func:`sdpa_numba.attention_with_kvcache`.
     """
@@ -275,10 +274,8 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
 
     scale = check_scale(scale, E)
     # Positions go to the kernels in the cache's frame (offset 0): top-left is that frame.
-    r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal, window=window,
-                        alignment="top_left", softcap=softcap, alibi_slopes=alibi_slopes,
-                        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
-                        mod_args=mod_args)
+    r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal,
+                        alignment="top_left", **variants)
 
     pages = slots = None
     if appending and lq_new and B:
@@ -298,8 +295,7 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         kv_lens=kv_lens, leftpad=leftpad, lo=lo, hi=hi, pages=pages, slots=slots,
         is_causal=is_causal, scale=scale, recipe=r, out_shape=(B, Lq, Hq, Ev),
         lse_shape=(B, Hq, Lq),
-        given=given_arrays(dict(alibi_slopes=alibi_slopes, sinks=sinks, mod_args=mod_args),
-                           cache_seqlens=cache_seqlens, block_table=block_table,
+        given=given_arrays(variants, cache_seqlens=cache_seqlens, block_table=block_table,
                            cache_leftpad=cache_leftpad))
 
 

@@ -10,6 +10,7 @@ arrays may touch then say whether they may overlap (a bounds test, as
 import numpy as np
 
 from .arguments import shape_str
+from .variant_table import ARRAYS
 from ..host_arrays import is_device_array
 
 
@@ -58,7 +59,7 @@ def may_overlap(a, b, address):
 
 
 #: The variants' arguments that may hold arrays (besides the operands).
-VARIANT_ARRAYS = ("alibi_slopes", "sinks", "mod_args", "block_mask")
+VARIANT_ARRAYS = ARRAYS
 
 
 def given_arrays(variants, **named):

@@ -1,13 +1,14 @@
 """The attention variants' arguments, validated into the kernels' :class:`~sdpa_numba.score.recipe.Recipe`.
 
 One function, :func:`variants_recipe`, called by :func:`~sdpa_numba.problem.plan`: it checks
-``window``, ``alignment``, ``softcap``, ``alibi_slopes``, ``sinks``, ``score_mod``,
-``mask_mod``, ``mod_args``, ``score_mod_grad`` and ``block_mask`` (TypeError / ValueError naming
-the argument, before any kernel runs) and encodes them once, as the recipe both targets and both
-directions read (:mod:`sdpa_numba.score.recipe`). Plain calls get the shared
-:data:`~sdpa_numba.score.recipe.DENSE` / :data:`~sdpa_numba.score.recipe.CAUSAL` recipes.
+the variants of :data:`~.variant_table.VARIANTS` (TypeError / ValueError naming the argument,
+before any kernel runs) and encodes them once, as the recipe both targets and both directions
+read (:mod:`sdpa_numba.score.recipe`): the per-head arrays through the table's checks, the
+window, alignment, soft cap, the user's functions and the block mask here (they depend on each
+other and on causality). Plain calls get the shared :data:`~sdpa_numba.score.recipe.DENSE` /
+:data:`~sdpa_numba.score.recipe.CAUSAL` recipes.
 
-Small arrays (ALiBi slopes, sinks) become host NumPy arrays in the compute dtype here; a GPU
+Small arrays (ALiBi slopes, sinks) become host NumPy arrays in the compute dtype; a GPU
 launcher copies them to the device.
 """
 
@@ -19,7 +20,8 @@ import numpy as np
 
 from ..score import recipe as R
 from ..score.blocks import K_BLOCK, Q_BLOCK, BlockMask, block_counts
-from .arguments import shape_str
+from .variant_table import (BY_NAME, PER_HEAD, check_alibi, check_sinks, host_array,  # noqa: F401
+                            is_default, sinks_grad)
 
 _ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -74,68 +76,6 @@ def check_softcap(softcap, cdt=np.float64):
                          f"{np.dtype(cdt)}: 1 / softcap overflows it (softcap must be at "
                          f"least {1 / float(np.finfo(cdt).max):.3g})")
     return c
-
-
-def host_array(name, x):
-    """A small operand as a host NumPy array (a CUDA array is copied to the host)."""
-    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "copy_to_host"):
-        if hasattr(x, "copy_to_host"):
-            return x.copy_to_host()
-        from numba import cuda
-
-        return cuda.as_cuda_array(x).copy_to_host()
-    if isinstance(x, (numbers.Number, str, bytes)) or x is None:
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    try:
-        a = np.asarray(x)
-    except Exception as e:  # noqa: BLE001 - any conversion failure is the caller's type
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}: {e}") from None
-    if a.dtype == object:
-        raise TypeError(f"{name} must be a numeric array, got {type(x).__name__}")
-    return a
-
-
-def _float_array(name, x):
-    a = host_array(name, x)
-    if a.dtype not in (np.float32, np.float64):
-        raise TypeError(f"{name} must be float32 or float64, got dtype {a.dtype}")
-    return a
-
-
-def check_alibi(alibi_slopes, batch, hq, cdt):
-    """ALiBi slopes as the kernels' (B_flat or 1, Hq) array of the compute dtype, or None."""
-    if alibi_slopes is None:
-        return None
-    a = _float_array("alibi_slopes", alibi_slopes)
-    want = (*batch, hq)
-    ok = a.ndim >= 1 and a.ndim <= len(want) and a.shape[-1] == hq
-    if ok:
-        try:
-            ok = np.broadcast_shapes(a.shape, want) == want
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ValueError(f"alibi_slopes of shape {shape_str(a)} must have shape (Hq,) = "
-                         f"({hq},) or batch dims broadcastable to the scores' {want}")
-    if not np.all(np.isfinite(a)):
-        raise ValueError("alibi_slopes must be finite")
-    if all(n == 1 for n in a.shape[:-1]):
-        flat = a.reshape(1, hq)
-    else:
-        flat = np.broadcast_to(a, want).reshape(-1, hq)
-    return np.ascontiguousarray(flat, dtype=cdt)
-
-
-def check_sinks(sinks, hq, cdt):
-    """Sink logits as the kernels' (Hq,) array of the compute dtype, or None."""
-    if sinks is None:
-        return None
-    a = _float_array("sinks", sinks)
-    if a.shape != (hq,):
-        raise ValueError(f"sinks of shape {shape_str(a)} must have shape (Hq,) = ({hq},)")
-    if np.any(np.isnan(a)) or np.any(a == np.inf):
-        raise ValueError("sinks must be finite or -inf (no sink for that head)")
-    return np.ascontiguousarray(a, dtype=cdt)
 
 
 def check_mod_args(mod_args):
@@ -239,35 +179,35 @@ def is_plain(r):
             and (r.right == R.NO_LIMIT or (r.right == 0 and r.offset == 0)))
 
 
-def variants_recipe(batch, hq, L, S, cdt, is_causal, *, window=None, alignment="top_left",
-                    softcap=None, alibi_slopes=None, sinks=None, score_mod=None,
-                    mask_mod=None, mod_args=(), score_mod_grad=None, block_mask=None,
-                    backward=False):
+def variants_recipe(batch, hq, L, S, cdt, is_causal, *, backward=False, **variants):
     """Validate the variants of a call and return its host :class:`Recipe`.
 
     ``batch``, ``hq``, ``L``, ``S``: the plan's batch shape, query heads and lengths; ``cdt``
-    the compute dtype; ``backward``: the call is the backward (a score_mod needs its
-    score_mod_grad; the forward's recipe leaves score_mod_grad out, so that it does not make
-    another compiled specialization).
+    the compute dtype; ``variants``: keywords of :data:`~.variant_table.VARIANTS` (those
+    left out take the table's defaults); ``backward``: the call is the backward (a score_mod
+    needs its score_mod_grad; the forward's recipe leaves score_mod_grad out, so that it does
+    not make another compiled specialization).
     """
-    if (window is None and alignment == "top_left" and softcap is None
-            and alibi_slopes is None and sinks is None and score_mod is None
-            and mask_mod is None and not mod_args and score_mod_grad is None
-            and block_mask is None):  # the common case, cheaply
+    for name, x in variants.items():
+        if name not in BY_NAME:
+            raise TypeError(f"unexpected keyword argument {name!r} (not an attention variant)")
+    if all(is_default(name, x) for name, x in variants.items()):  # the common case, cheaply
         return R.CAUSAL if is_causal else R.DENSE
-    left, right = check_window(window)
-    alignment = check_alignment(alignment)
+    get = variants.get
+    left, right = check_window(get("window"))
+    alignment = check_alignment(get("alignment", "top_left"))
     if is_causal:
         right = min(right, 0)
     offset = S - L if alignment == "bottom_right" else 0
-    cap = check_softcap(softcap, cdt)
-    alibi = check_alibi(alibi_slopes, batch, hq, cdt)
-    sink = check_sinks(sinks, hq, cdt)
-    mod_args = check_mod_args(mod_args)
-    states, mask_mod = _block_mask(block_mask, mask_mod, batch, hq, L, S)
-    score_mod = check_function("score_mod", score_mod, "score", mod_args, cdt)
+    cap = check_softcap(get("softcap"), cdt)
+    arrays = {v.field: v.check(get(v.name), batch, hq, cdt) for v in PER_HEAD
+              if get(v.name) is not None}
+    mod_args = check_mod_args(get("mod_args", ()))
+    states, mask_mod = _block_mask(get("block_mask"), get("mask_mod"), batch, hq, L, S)
+    score_mod = check_function("score_mod", get("score_mod"), "score", mod_args, cdt)
     mask_mod = check_function("mask_mod", mask_mod, "mask", mod_args, cdt)
-    score_mod_grad = check_function("score_mod_grad", score_mod_grad, "score", mod_args, cdt)
+    score_mod_grad = check_function("score_mod_grad", get("score_mod_grad"), "score", mod_args,
+                                    cdt)
     if score_mod_grad is not None and score_mod is None:
         raise ValueError("score_mod_grad is given without a score_mod")
     if mod_args and score_mod is None and mask_mod is None:
@@ -277,24 +217,6 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, window=None, alignment="
                          "*mod_args): d score_mod / d score")
     if not backward:
         score_mod_grad = None
-    return R.recipe(offset=offset, left=left, right=right, softcap=cap, alibi=alibi,
-                    sinks=sink, score_mod=score_mod, mask_mod=mask_mod,
-                    score_mod_grad=score_mod_grad, mod_args=mod_args, block_mask=states)
-
-
-def sinks_grad(r, grad_out, out, lse):
-    """d loss / d sinks, ``(Hq,)`` float64, from NumPy arrays of the plan's shapes.
-
-    ``d sink_h = -Σ_{b,i} exp(sink_h - lse_{b,h,i}) · D_{b,h,i}``, ``D = rowsum(dO ∘ O)``
-    (the sink's probability in each row times the row's ``-D``: the sink has no value row),
-    accumulated in float64. A head without a sink (``-inf``) gets 0.
-    """
-    hq = r.sinks.shape[0]
-    do = np.asarray(grad_out, np.float64)
-    o = np.asarray(out, np.float64)
-    d = np.einsum("...e,...e->...", do, o).reshape(-1, hq, np.shape(lse)[-1])
-    lse64 = np.asarray(lse, np.float64).reshape(d.shape)
-    sink = r.sinks.astype(np.float64)[None, :, None]
-    with np.errstate(invalid="ignore", over="ignore"):
-        w = np.where(np.isneginf(sink), 0.0, np.exp(sink - lse64))
-    return -(w * d).sum(axis=(0, 2))
+    return R.recipe(offset=offset, left=left, right=right, softcap=cap, score_mod=score_mod,
+                    mask_mod=mask_mod, score_mod_grad=score_mod_grad, mod_args=mod_args,
+                    block_mask=states, **arrays)

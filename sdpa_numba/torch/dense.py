@@ -1,114 +1,131 @@
 """The dense operators ``torch.ops.sdpa_numba.attention_forward`` and ``attention_backward``
 on :func:`sdpa_numba.scaled_dot_product_attention` and its backward, with their fake (meta)
-kernels."""
+kernels.
 
-from typing import Optional, Tuple
+Their schemas end with the variants' arguments (:func:`.tensors.op_schema`, from
+:mod:`sdpa_numba.problem.variant_table`): the window's sides, ``alignment``, ``softcap``, and
+one ``Tensor?`` per array-valued variant (ALiBi slopes, sinks)."""
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from ..api import scaled_dot_product_attention as _forward
 from ..backward import scaled_dot_product_attention_backward as _backward
-from .tensors import (as_tensor, check_devices, kernel_seed, lse_dtype, operand, out_shape,
-                      variant_keywords)
+from ..problem.variant_table import WITH_GRAD
+from .tensors import (as_tensor, check_devices, define_op, host_tensors, kernel_seed,
+                      lse_dtype, op_variants, operand, out_shape, variant_keywords)
+
+#: The forward's own arguments (before the variants').
+FORWARD_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                "enable_gqa", "seed")
+#: The backward's own arguments.
+BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "lse", "attn_mask", "dropout_p",
+                 "is_causal", "scale", "enable_gqa", "seed", "mask_grad")
+#: The gradients of the variants that have one, after (dq, dk, dv, dmask) in the backward's
+#: results: one tensor each (empty when the variant is not given).
+GRAD_NAMES = tuple(v.name for v in WITH_GRAD)
 
 
-def _check_devices(op, tensors, seed, alibi_slopes, sinks):
-    check_devices(op, tensors, [("seed", seed), ("alibi_slopes", alibi_slopes),
-                                ("sinks", sinks)])
+def _check_devices(op, tensors, seed, variants):
+    check_devices(op, tensors, [("seed", seed), *host_tensors(variants)])
 
 
-@torch.library.custom_op("sdpa_numba::attention_forward", mutates_args=())
-def attention_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
-                      dropout_p: float, is_causal: bool, scale: Optional[float],
-                      enable_gqa: bool, seed: Optional[Tensor],
-                      window_left: Optional[int] = None, window_right: Optional[int] = None,
-                      alignment: str = "top_left", softcap: Optional[float] = None,
-                      alibi_slopes: Optional[Tensor] = None,
-                      sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def _check_forward_devices(query, key, value, attn_mask, seed, variants):
+    _check_devices("attention_forward", [("query", query), ("key", key), ("value", value),
+                                         ("attn_mask", attn_mask)], seed, variants)
+
+
+def _attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       seed, *variants):
     """``(out, lse)`` of :func:`sdpa_numba.scaled_dot_product_attention` (``lse`` in the
     compute dtype: float32 for float16/float32, float64 for float64). The window's sides are
     ``window_left`` and ``window_right`` (both None: no window)."""
-    _check_forward_devices(query, key, value, attn_mask, seed, alibi_slopes, sinks)
+    variants = op_variants(variants)
+    _check_forward_devices(query, key, value, attn_mask, seed, variants)
     out, lse = _forward(operand(query, "query"), operand(key, "key"),
                         operand(value, "value"), operand(attn_mask, "attn_mask", True),
                         dropout_p, is_causal, scale, enable_gqa, return_lse=True,
-                        seed=kernel_seed(seed),
-                        **variant_keywords(window_left, window_right, alignment, softcap,
-                                           alibi_slopes, sinks))
+                        seed=kernel_seed(seed), **variant_keywords(variants))
     return as_tensor(out), as_tensor(lse)
 
 
-def _check_forward_devices(query, key, value, attn_mask, seed, alibi_slopes, sinks):
-    _check_devices("attention_forward", [("query", query), ("key", key), ("value", value),
-                                         ("attn_mask", attn_mask)], seed, alibi_slopes, sinks)
+attention_forward = define_op(
+    "attention_forward", _attention_forward,
+    "Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
+    "bool is_causal, float? scale, bool enable_gqa, Tensor? seed")
 
 
 @attention_forward.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-      window_left=None, window_right=None, alignment="top_left", softcap=None,
-      alibi_slopes=None, sinks=None):
-    _check_forward_devices(query, key, value, attn_mask, seed, alibi_slopes, sinks)
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, *variants):
+    _check_forward_devices(query, key, value, attn_mask, seed, op_variants(variants))
     shape = out_shape(query, key, value, enable_gqa)
     return (query.new_empty(shape),
             query.new_empty(shape[:-1], dtype=lse_dtype(query.dtype)))
 
 
-@torch.library.custom_op("sdpa_numba::attention_backward", mutates_args=())
-def attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
-                       lse: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
-                       is_causal: bool, scale: Optional[float], enable_gqa: bool,
-                       seed: Optional[Tensor], mask_grad: bool,
-                       window_left: Optional[int] = None, window_right: Optional[int] = None,
-                       alignment: str = "top_left", softcap: Optional[float] = None,
-                       alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None
-                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmask, dsinks)`` of
+def _check_backward_devices(grad_out, query, key, value, out, lse, attn_mask, seed, variants):
+    _check_devices("attention_backward",
+                   [("grad_out", grad_out), ("query", query), ("key", key), ("value", value),
+                    ("out", out), ("lse", lse), ("attn_mask", attn_mask)], seed, variants)
+
+
+def _attention_backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
+                        scale, enable_gqa, seed, mask_grad, *variants):
+    """``(dq, dk, dv, dmask, *dvariants)`` of
     :func:`sdpa_numba.scaled_dot_product_attention_backward`; ``dmask`` is an empty tensor
-    unless ``mask_grad``, ``dsinks`` one unless ``sinks`` is given (then the sinks' shape,
-    dtype and device). ALiBi slopes get no gradient."""
-    _check_backward_devices(grad_out, query, key, value, out, lse, attn_mask, seed,
-                            alibi_slopes, sinks)
+    unless ``mask_grad``; one gradient per variant that has one (:data:`GRAD_NAMES`: the
+    sinks), an empty tensor unless it is given (then its shape, dtype and device). ALiBi
+    slopes get no gradient."""
+    variants = op_variants(variants)
+    _check_backward_devices(grad_out, query, key, value, out, lse, attn_mask, seed, variants)
     grads = _backward(operand(grad_out, "grad_out"), operand(query, "query"),
                       operand(key, "key"), operand(value, "value"), operand(out, "out"),
                       operand(lse, "lse"), operand(attn_mask, "attn_mask", True), dropout_p,
                       is_causal, scale, enable_gqa, seed=kernel_seed(seed),
-                      mask_grad=mask_grad,
-                      **variant_keywords(window_left, window_right, alignment, softcap,
-                                         alibi_slopes, sinks))
+                      mask_grad=mask_grad, **variant_keywords(variants))
     dq, dk, dv = (as_tensor(g) for g in grads[:3])
     dm = as_tensor(grads[3]) if mask_grad else query.new_empty(0)
-    return dq, dk, dv, dm, sinks_grad(grads, sinks, query)
+    return (dq, dk, dv, dm, *variant_grads(grads[3 + mask_grad:], variants, query))
 
 
-def _check_backward_devices(grad_out, query, key, value, out, lse, attn_mask, seed,
-                            alibi_slopes, sinks):
-    _check_devices("attention_backward",
-                   [("grad_out", grad_out), ("query", query), ("key", key), ("value", value),
-                    ("out", out), ("lse", lse), ("attn_mask", attn_mask)],
-                   seed, alibi_slopes, sinks)
+attention_backward = define_op(
+    "attention_backward", _attention_backward,
+    "Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+    "Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
+    "bool enable_gqa, Tensor? seed, bool mask_grad", 4 + len(GRAD_NAMES))
 
 
-def sinks_grad(grads, sinks, like):
-    """The sinks' gradient as a tensor of the sinks' dtype and device (the API returns it
-    last, a host array in the float dtype it was given), or an empty tensor without sinks."""
-    if sinks is None:
-        return like.new_empty(0)
-    ds = torch.from_numpy(np.ascontiguousarray(grads[-1]))
-    return ds.to(device=sinks.device, dtype=sinks.dtype)
+def variant_grads(grads, variants, like):
+    """The variants' gradients as tensors of their dtype and device (the API returns them
+    last, host arrays in the float dtype each was given in, only for those given), or empty
+    tensors for those not given: one per :data:`GRAD_NAMES`."""
+    grads = iter(grads)
+    result = []
+    for name in GRAD_NAMES:
+        t = variants[name]
+        if t is None:
+            result.append(like.new_empty(0))
+        else:
+            g = torch.from_numpy(np.ascontiguousarray(next(grads)))
+            result.append(g.to(device=t.device, dtype=t.dtype))
+    return tuple(result)
+
+
+def fake_variant_grads(variants, like):
+    """What :func:`variant_grads` gives, as new (fake) tensors."""
+    return tuple(like.new_empty(0) if variants[name] is None
+                 else variants[name].new_empty(variants[name].shape) for name in GRAD_NAMES)
 
 
 @attention_backward.register_fake
 def _(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale,
-      enable_gqa, seed, mask_grad, window_left=None, window_right=None, alignment="top_left",
-      softcap=None, alibi_slopes=None, sinks=None):
-    _check_backward_devices(grad_out, query, key, value, out, lse, attn_mask, seed,
-                            alibi_slopes, sinks)
+      enable_gqa, seed, mask_grad, *variants):
+    variants = op_variants(variants)
+    _check_backward_devices(grad_out, query, key, value, out, lse, attn_mask, seed, variants)
 
     def like(t):
         return t.new_empty(t.shape)  # contiguous, as the real kernel's results
 
     return (like(query), like(key), like(value),
             like(attn_mask) if mask_grad else query.new_empty(0),
-            like(sinks) if sinks is not None else query.new_empty(0))
+            *fake_variant_grads(variants, query))

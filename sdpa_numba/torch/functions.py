@@ -8,10 +8,12 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..problem.variant_table import NUMBA_LEVEL, check_names, is_default, takes_variants
 from .dense import attention_forward
 from .serving import (attention_with_kvcache_op, attention_with_kvcache_read_op,
                       kvcache_forward, merge_attention_states_op)
-from .tensors import check_index, check_tensor, seed_tensor
+from .tensors import (OP_TENSORS, check_index, check_tensor, op_values, public_variants,
+                      seed_tensor)
 from .varlen import varlen_attention_forward
 
 FUNC_GRAD = (
@@ -28,53 +30,41 @@ def _check_no_func_grad(*tensors):
         raise NotImplementedError(FUNC_GRAD)
 
 
-NUMBA_LEVEL = (
+NUMBA_LEVEL_MESSAGE = (
     "sdpa_numba.torch.{func}: {names} cannot cross a PyTorch operator's schema (they are Numba "
     "functions and objects, not tensors or numbers): use the NumPy-level sdpa_numba.{func} / "
     "{func}_backward (which take them with NumPy arrays, and CUDA arrays: torch CUDA tensors "
     "included)")
 
 
-def _check_schema_arguments(func, tensors, optional, window, score_mod, mask_mod, mod_args,
-                            score_mod_grad, block_mask):
-    """The public wrappers' checks, before the operator is called (and traced): the
-    Numba-level variants refused (NotImplementedError naming them and ``func``'s NumPy-level
-    twin), ``tensors`` (name, tensor) required, ``optional`` ones tensors or None (a bool
-    ``attn_mask`` allowed), the window's sides returned. Outside torch.compile, torch.func's
-    autodiff transforms are refused."""
-    numba_level = [name for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
-                                        ("score_mod_grad", score_mod_grad),
-                                        ("block_mask", block_mask)) if x is not None]
-    if mod_args != () and mod_args is not None:
-        numba_level.append("mod_args")
+def _check_schema_arguments(func, tensors, optional, variants):
+    """The public wrappers' checks, before the operator is called (and traced): keywords that
+    are not variants refused (TypeError), the Numba-level variants refused (NotImplementedError
+    naming them and ``func``'s NumPy-level twin), ``tensors`` (name, tensor) required,
+    ``optional`` ones and the variants' tensors tensors or None (a bool ``attn_mask``
+    allowed). Outside torch.compile, torch.func's autodiff transforms are refused. Returns the
+    op's variant arguments (a dict: the window as its two sides)."""
+    check_names(func, variants)
+    numba_level = [name for name in NUMBA_LEVEL if not is_default(name, variants.get(name))]
     if numba_level:
-        raise NotImplementedError(NUMBA_LEVEL.format(func=func, names=", ".join(numba_level)))
+        raise NotImplementedError(NUMBA_LEVEL_MESSAGE.format(func=func,
+                                                             names=", ".join(numba_level)))
     for name, t in tensors:
         if t is None:
             raise TypeError(f"{name} must be a torch.Tensor, got None")
         check_tensor(t, name)
+    optional = optional + [(name, variants.get(name)) for name in OP_TENSORS]
     for name, t in optional:
         check_tensor(t, name, mask=name == "attn_mask")
     if not torch.compiler.is_compiling():
         _check_no_func_grad(*(t for _, t in tensors + optional))
-    return _check_window(window)
+    return public_variants(**variants)
 
 
-def _check_window(window):
-    """``window`` as the op's two sides, with the NumPy-level API's errors."""
-    from ..problem.variants import check_window
-
-    check_window(window)  # TypeError / ValueError naming the argument
-    if window is None:
-        return None, None
-    return tuple(None if x is None else int(x) for x in window)
-
-
+@takes_variants()
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, seed=None,
-                                 window=None, alignment="top_left", softcap=None,
-                                 alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
-                                 mod_args=(), score_mod_grad=None, block_mask=None):
+                                 **variants):
     """``torch.nn.functional.scaled_dot_product_attention`` on sdpa_numba's CPU or CUDA
     kernels, as a PyTorch operator: autograd (gradients for query, key, value and a float
     ``attn_mask``), ``torch.compile`` (no graph break), ``vmap``, meta tensors.
@@ -104,21 +94,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``score_mod_grad`` and ``block_mask`` raise NotImplementedError: Numba functions cannot
     cross an operator's schema; the NumPy-level API takes them.
     """
-    window_left, window_right = _check_schema_arguments(
+    values = _check_schema_arguments(
         "scaled_dot_product_attention", [("query", query), ("key", key), ("value", value)],
-        [("attn_mask", attn_mask), ("alibi_slopes", alibi_slopes), ("sinks", sinks)], window,
-        score_mod, mask_mod, mod_args, score_mod_grad, block_mask)
+        [("attn_mask", attn_mask)], variants)
     out, _ = attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                               enable_gqa, seed_tensor(seed, dropout_p), window_left,
-                               window_right, alignment, softcap, alibi_slopes, sinks)
+                               enable_gqa, seed_tensor(seed, dropout_p), *op_values(values))
     return out
 
 
+@takes_variants()
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, dropout_p=0.0, is_causal=False, scale=None, seed=None,
-                     return_lse=False, window=None, alignment="top_left", softcap=None,
-                     alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
-                     mod_args=(), score_mod_grad=None, block_mask=None):
+                     return_lse=False, **variants):
     """:func:`sdpa_numba.varlen_attention` on torch tensors (FlashAttention's
     ``flash_attn_varlen_func`` layout), as the PyTorch operator
     ``torch.ops.sdpa_numba.varlen_attention_forward``: autograd (gradients for q, k, v and
@@ -159,16 +146,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         Bad input, naming the argument (cu_seqlens' values are checked by the NumPy-level
         API when the operator runs).
     """
-    window_left, window_right = _check_schema_arguments(
-        "varlen_attention", [("q", q), ("k", k), ("v", v)],
-        [("alibi_slopes", alibi_slopes), ("sinks", sinks)], window, score_mod, mask_mod,
-        mod_args, score_mod_grad, block_mask)
+    values = _check_schema_arguments("varlen_attention", [("q", q), ("k", k), ("v", v)], [],
+                                     variants)
     check_index(cu_seqlens_q, "cu_seqlens_q")
     check_index(cu_seqlens_k, "cu_seqlens_k")
     out, lse = varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, dropout_p, is_causal, scale,
-                                        seed_tensor(seed, dropout_p), window_left,
-                                        window_right, alignment, softcap, alibi_slopes, sinks)
+                                        seed_tensor(seed, dropout_p), *op_values(values))
     return (out, lse) if return_lse else out
 
 
@@ -198,10 +182,10 @@ def _dispatch_mode():
     return _get_current_dispatch_mode()
 
 
+@takes_variants(exclude=NUMBA_LEVEL, defaults={"alignment": None})
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None,
                            block_table=None, cache_leftpad=None, is_causal=True, scale=None,
-                           return_lse=False, window=None, alignment=None, softcap=None,
-                           alibi_slopes=None, sinks=None):
+                           return_lse=False, **variants):
     """:func:`sdpa_numba.attention_with_kvcache` on torch tensors, as the PyTorch operator
     ``torch.ops.sdpa_numba.attention_with_kvcache`` (``torch.compile`` traces it with no graph
     break; meta tensors get shapes), or without ``k`` and ``v`` as
@@ -262,12 +246,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         if t is None:
             raise TypeError(f"{name} must be a torch.Tensor, got None")
         check_tensor(t, name)
-    for name, t in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+    check_names("attention_with_kvcache", variants, exclude=NUMBA_LEVEL)
+    tensors = [(name, variants.get(name)) for name in OP_TENSORS]
+    for name, t in [("k", k), ("v", v), *tensors]:
         check_tensor(t, name)
     if torch.is_grad_enabled():
-        wanting = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                                        ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-                                        ("sinks", sinks))
+        wanting = [name for name, t in [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                        ("k", k), ("v", v), *tensors]
                    if t is not None and t.requires_grad]
         if wanting:
             raise NotImplementedError(NO_BACKWARD.format(names=", ".join(wanting)))
@@ -275,10 +260,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         if q.dim() < 1:
             raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {tuple(q.shape)}")
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int64)
-    window_left, window_right = _check_window(window)
-    variants = (window_left, window_right, alignment, softcap, alibi_slopes, sinks)
+    variants = op_values(public_variants(**{"alignment": None, **variants}))
     if _eager_cpu(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                  alibi_slopes, sinks):
+                  *(t for _, t in tensors)):
         # No tracing, no fake tensors, no dispatch mode: the operator's body itself. Through
         # torch's dispatcher a call costs ~0.1 ms more, as much as a decode step of a small
         # model's layer.

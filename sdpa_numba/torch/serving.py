@@ -11,91 +11,71 @@ from torch import Tensor
 
 from ..kvcache import attention_with_kvcache as _kvcache
 from ..merge import merge_attention_states as _merge
-from .tensors import (as_tensor, check_devices, index_operand, lse_dtype, operand,
-                      variant_keywords)
-
-
-def _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes, sinks):
-    """The NumPy-level keywords of the variants the serving op was given (those left at None
-    are not passed, so the API's defaults and its errors for what it lacks apply)."""
-    return {k: x for k, x in variant_keywords(window_left, window_right, alignment, softcap,
-                                              alibi_slopes, sinks).items() if x is not None}
+from .tensors import (as_tensor, check_devices, define_op, host_tensors, index_operand,
+                      lse_dtype, op_variants, operand, variant_keywords)
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                    is_causal, scale, window_left, window_right, alignment, softcap,
-                    alibi_slopes, sinks):
-    """The body of both KV-cache operators: :func:`sdpa_numba.attention_with_kvcache` on
-    NumPy views (or CUDA tensors), ``(out, lse)`` as tensors. Variants left at None are not
-    passed (the API's defaults apply)."""
+                    is_causal, scale, *variants):
+    """The body of both KV-cache operators, and the appending one's kernel:
+    :func:`sdpa_numba.attention_with_kvcache` on NumPy views (or CUDA tensors), ``(out,
+    lse)`` as tensors (``out`` ``(B, Lq, Hq, Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute
+    dtype). Writes ``k`` and ``v`` into the caches when given (the caches are the appending
+    op's mutated arguments). No autograd: an inference operator. ``variants``: the op's
+    variant arguments (:func:`.tensors.op_variants`); those left at None are not passed (the
+    API's defaults apply).
+
+    The appending op has no vmap (NotImplementedError): the append writes the caches in
+    place, and under vmap a batched cache folded into the batch dim is in general a copy (the
+    write would be lost), while an unbatched cache would take every index's write at the same
+    place. Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`."""
+    variants = op_variants(variants, optional_strings=True)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                           cache_leftpad, alibi_slopes, sinks)
-    variants = _kvcache_variants(window_left, window_right, alignment, softcap, alibi_slopes,
-                                 sinks)
+                           cache_leftpad, variants)
+    keywords = variant_keywords(variants, given_only=True)
     if cache_leftpad is not None:
-        variants["cache_leftpad"] = index_operand(cache_leftpad, "cache_leftpad")
+        keywords["cache_leftpad"] = index_operand(cache_leftpad, "cache_leftpad")
     out, lse = _kvcache(operand(q, "q"), operand(k_cache, "k_cache"),
                         operand(v_cache, "v_cache"),
                         index_operand(cache_seqlens, "cache_seqlens"),
                         k=operand(k, "k"), v=operand(v, "v"),
                         block_table=index_operand(block_table, "block_table"),
-                        is_causal=is_causal, scale=scale, return_lse=True, **variants)
+                        is_causal=is_causal, scale=scale, return_lse=True, **keywords)
     return as_tensor(out), as_tensor(lse)
 
 
 def _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                           cache_leftpad, alibi_slopes, sinks):
+                           cache_leftpad, variants):
     check_devices("attention_with_kvcache",
                   [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
                   [("cache_seqlens", cache_seqlens), ("block_table", block_table),
-                   ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes),
-                   ("sinks", sinks)])
+                   ("cache_leftpad", cache_leftpad), *host_tensors(variants)])
 
 
-@torch.library.custom_op("sdpa_numba::attention_with_kvcache",
-                         mutates_args=("k_cache", "v_cache"))
-def attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                              cache_seqlens: Tensor, k: Optional[Tensor] = None,
-                              v: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
-                              cache_leftpad: Optional[Tensor] = None, is_causal: bool = True,
-                              scale: Optional[float] = None, window_left: Optional[int] = None,
-                              window_right: Optional[int] = None,
-                              alignment: Optional[str] = None, softcap: Optional[float] = None,
-                              alibi_slopes: Optional[Tensor] = None,
-                              sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)`` of :func:`sdpa_numba.attention_with_kvcache` (``out`` ``(B, Lq, Hq,
-    Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute dtype). Writes ``k`` and ``v`` into the
-    caches when given (the caches are the op's mutated arguments). No autograd: an inference
-    operator. Variants left at None are not passed (the API's defaults apply).
-
-    No vmap (NotImplementedError): the append writes the caches in place, and under vmap
-    a batched cache folded into the batch dim is in general a copy (the write would be
-    lost), while an unbatched cache would take every index's write at the same place.
-    Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`."""
-    return kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                            cache_leftpad, is_causal, scale, window_left, window_right,
-                            alignment, softcap, alibi_slopes, sinks)
+attention_with_kvcache_op = define_op(
+    "attention_with_kvcache", kvcache_forward,
+    "Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, "
+    "Tensor? k=None, Tensor? v=None, Tensor? block_table=None, "
+    "Tensor? cache_leftpad=None, bool is_causal=True, float? scale=None",
+    mutates_args=("k_cache", "v_cache"), optional_strings=True)
 
 
-@torch.library.custom_op("sdpa_numba::attention_with_kvcache_read", mutates_args=())
-def attention_with_kvcache_read_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                                   cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
-                                   cache_leftpad: Optional[Tensor] = None,
-                                   is_causal: bool = True, scale: Optional[float] = None,
-                                   window_left: Optional[int] = None,
-                                   window_right: Optional[int] = None,
-                                   alignment: Optional[str] = None,
-                                   softcap: Optional[float] = None,
-                                   alibi_slopes: Optional[Tensor] = None,
-                                   sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def _kvcache_read_op(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_leftpad=None,
+                     is_causal=True, scale=None, *variants):
     """:func:`attention_with_kvcache_op` without the append (no ``k``, ``v``): it only reads
     the caches, so it declares no mutation. (A decode step that attends to a cache filled
     elsewhere, as transformers' are, takes this one: torch 2.13 dispatches a custom operator
     that declares mutated arguments through a Python kernel that costs ~0.1-0.2 ms a call
     with this many arguments, as much as the decode kernel itself on a short cache.)"""
     return kvcache_forward(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
-                            cache_leftpad, is_causal, scale, window_left, window_right,
-                            alignment, softcap, alibi_slopes, sinks)
+                           cache_leftpad, is_causal, scale, *variants)
+
+
+attention_with_kvcache_read_op = define_op(
+    "attention_with_kvcache_read", _kvcache_read_op,
+    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
+    "Tensor? block_table=None, Tensor? cache_leftpad=None, bool is_causal=True, "
+    "float? scale=None", optional_strings=True)
 
 
 def _kvcache_shapes(q, v_cache):
@@ -106,19 +86,17 @@ def _kvcache_shapes(q, v_cache):
 
 @attention_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
-      cache_leftpad=None, is_causal=True, scale=None, window_left=None, window_right=None,
-      alignment=None, softcap=None, alibi_slopes=None, sinks=None):
+      cache_leftpad=None, is_causal=True, scale=None, *variants):
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                           cache_leftpad, alibi_slopes, sinks)
+                           cache_leftpad, op_variants(variants, optional_strings=True))
     return _kvcache_shapes(q, v_cache)
 
 
 @attention_with_kvcache_read_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_leftpad=None,
-      is_causal=True, scale=None, window_left=None, window_right=None, alignment=None,
-      softcap=None, alibi_slopes=None, sinks=None):
+      is_causal=True, scale=None, *variants):
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
-                           cache_leftpad, alibi_slopes, sinks)
+                           cache_leftpad, op_variants(variants, optional_strings=True))
     return _kvcache_shapes(q, v_cache)
 
 

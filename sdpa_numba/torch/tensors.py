@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .._bf16 import is_bfloat16
 from ..problem import compute_dtype
+from ..problem.variant_table import TORCH_TENSORS, VARIANTS
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _U64 = 1 << 64
@@ -69,13 +70,110 @@ def small_operand(t, name):
     return t.numpy() if t.device.type == "cpu" else t
 
 
-def variant_keywords(window_left, window_right, alignment, softcap, alibi_slopes, sinks):
-    """The keywords of the NumPy-level API for the op's variant arguments."""
-    window = None if window_left is None and window_right is None else (window_left,
-                                                                         window_right)
-    return dict(window=window, alignment=alignment, softcap=softcap,
-                alibi_slopes=small_operand(alibi_slopes, "alibi_slopes"),
-                sinks=small_operand(sinks, "sinks"))
+# --- the variants across the operators' schemas (sdpa_numba.problem.variant_table) ----------
+
+def _op_arguments():
+    """``(name, schema type, default)`` of the operators' variant arguments, from the table:
+    the window as two sides, strings, floats and tensors as themselves (the Numba-level
+    variants cross no schema)."""
+    args = []
+    for v in VARIANTS:
+        if v.torch == "window":
+            args += [("window_left", "SymInt?", None), ("window_right", "SymInt?", None)]
+        elif v.torch == "str":
+            args.append((v.name, "str", v.default))
+        elif v.torch == "float":
+            args.append((v.name, "float?", None))
+        elif v.torch == "tensor":
+            args.append((v.name, "Tensor?", None))
+    return tuple(args)
+
+
+#: The operators' variant arguments, last in every schema: ``(name, schema type, default)``.
+OP_VARIANTS = _op_arguments()
+#: Their names, and the tensors among them (read on the host by the NumPy-level API).
+OP_NAMES = tuple(name for name, _, _ in OP_VARIANTS)
+OP_TENSORS = tuple(v.name for v in TORCH_TENSORS)
+
+
+def variants_schema(optional_strings=False):
+    """The schema text of the variant arguments (after an operator's own); with
+    ``optional_strings`` the strings default to None (the KV-cache operators: the API's
+    defaults apply)."""
+    def one(name, typ, default):
+        if typ == "str" and optional_strings:
+            return f"str? {name}=None"
+        return f'{typ} {name}={"None" if default is None else chr(34) + default + chr(34)}'
+    return ", ".join(one(*a) for a in OP_VARIANTS)
+
+
+def op_schema(head, results, optional_strings=False):
+    """An operator's schema: its own arguments ``head`` (text), the variants', ``results``."""
+    return f"({head}, {variants_schema(optional_strings)}) -> {results}"
+
+
+def define_op(name, body, head, n_results=2, mutates_args=(), optional_strings=False):
+    """The operator ``torch.ops.sdpa_numba.<name>`` on Python function ``body``, its schema
+    the op's own arguments ``head``, the variants' (:func:`op_schema`) and ``n_results``
+    tensors."""
+    results = "(" + ", ".join(["Tensor"] * n_results) + ")"
+    return torch.library.custom_op(f"sdpa_numba::{name}", body, mutates_args=mutates_args,
+                                   schema=op_schema(head, results, optional_strings))
+
+
+def op_variants(values, optional_strings=False):
+    """The op's variant arguments as a dict (name: value), from the trailing arguments
+    ``values`` (the dispatcher may leave out those at their defaults)."""
+    values = tuple(values)
+    out = {}
+    for n, (name, typ, default) in enumerate(OP_VARIANTS):
+        if n < len(values):
+            out[name] = values[n]
+        else:
+            out[name] = None if optional_strings and typ == "str" else default
+    return out
+
+
+def op_values(variants):
+    """The op's variant arguments in order (a tuple) from a dict of them."""
+    return tuple(variants[name] for name in OP_NAMES)
+
+
+def host_tensors(variants):
+    """``(name, tensor or None)`` of the op's tensor variants, for :func:`check_devices`."""
+    return [(name, variants[name]) for name in OP_TENSORS]
+
+
+def variant_keywords(variants, given_only=False):
+    """The keywords of the NumPy-level API for the op's variant arguments (a dict, see
+    :func:`op_variants`); ``given_only``: those left at None are not passed."""
+    kw = {}
+    for v in VARIANTS:
+        if v.torch == "window":
+            left, right = variants["window_left"], variants["window_right"]
+            kw[v.name] = None if left is None and right is None else (left, right)
+        elif v.torch == "tensor":
+            kw[v.name] = small_operand(variants[v.name], v.name)
+        elif v.torch is not None:
+            kw[v.name] = variants[v.name]
+    if given_only:
+        kw = {k: x for k, x in kw.items() if x is not None}
+    return kw
+
+
+def public_variants(window=None, **given):
+    """The op's variant arguments (a dict) from the public wrappers' keywords: the window's
+    sides (with the NumPy-level API's errors for a bad window), the rest as given."""
+    from ..problem.variants import check_window
+
+    check_window(window)  # TypeError / ValueError naming the argument
+    left, right = (None, None) if window is None else (
+        tuple(None if x is None else int(x) for x in window))
+    values = {"window_left": left, "window_right": right}
+    for name, _, default in OP_VARIANTS:
+        if name not in values:
+            values[name] = given.get(name, default)
+    return values
 
 
 def kernel_seed(seed):

@@ -1,102 +1,99 @@
 """The varlen operators ``torch.ops.sdpa_numba.varlen_attention_forward`` and
 ``varlen_attention_backward`` on :func:`sdpa_numba.varlen_attention` and its backward
-(ragged batches packed back to back), with their fake (meta) kernels."""
-
-from typing import Optional, Tuple
+(ragged batches packed back to back), with their fake (meta) kernels. Their schemas end with
+the variants' arguments, as the dense operators' (:mod:`.dense`)."""
 
 import torch
-from torch import Tensor
 
 from ..varlen import varlen_attention as _varlen
 from ..varlen import varlen_attention_backward as _varlen_backward
-from .dense import sinks_grad
-from .tensors import (as_tensor, check_devices, index_operand, kernel_seed, lse_dtype, operand,
-                      variant_keywords)
+from .dense import GRAD_NAMES, fake_variant_grads, variant_grads
+from .tensors import (as_tensor, check_devices, define_op, host_tensors, index_operand,
+                      kernel_seed, lse_dtype, op_variants, operand, variant_keywords)
+
+#: The forward's own arguments (before the variants').
+FORWARD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                "dropout_p", "is_causal", "scale", "seed")
 
 
-def _check_devices(op, tensors, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks):
+def _check_devices(op, tensors, cu_seqlens_q, cu_seqlens_k, seed, variants):
     check_devices(op, tensors, [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                                ("seed", seed), ("alibi_slopes", alibi_slopes),
-                                ("sinks", sinks)])
+                                ("seed", seed), *host_tensors(variants)])
 
 
-@torch.library.custom_op("sdpa_numba::varlen_attention_forward", mutates_args=())
-def varlen_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                             cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
-                             max_seqlen_k: Optional[int], dropout_p: float, is_causal: bool,
-                             scale: Optional[float], seed: Optional[Tensor],
-                             window_left: Optional[int] = None,
-                             window_right: Optional[int] = None, alignment: str = "top_left",
-                             softcap: Optional[float] = None,
-                             alibi_slopes: Optional[Tensor] = None,
-                             sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    is_causal, scale, seed, *variants):
     """``(out, lse)`` of :func:`sdpa_numba.varlen_attention` on packed ``q`` ``(total_q, Hq,
     E)``, ``k`` / ``v`` ``(total_k, H, ·)``: ``out`` ``(total_q, Hq, Ev)``, ``lse`` ``(Hq,
     total_q)`` in the compute dtype. ``cu_seqlens_*``: int32/int64 tensors ``(B + 1,)``, read
-    on the host. ``seed`` and the variants as in :func:`attention_forward`."""
+    on the host. ``seed`` and the variants as in :func:`.dense.attention_forward`."""
+    variants = op_variants(variants)
     _check_devices("varlen_attention_forward", [("q", q), ("k", k), ("v", v)], cu_seqlens_q,
-                   cu_seqlens_k, seed, alibi_slopes, sinks)
+                   cu_seqlens_k, seed, variants)
     out, lse = _varlen(operand(q, "q"), operand(k, "k"), operand(v, "v"),
                        index_operand(cu_seqlens_q, "cu_seqlens_q"),
                        index_operand(cu_seqlens_k, "cu_seqlens_k"),
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                        is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                       seed=kernel_seed(seed), return_lse=True,
-                       **variant_keywords(window_left, window_right, alignment, softcap,
-                                          alibi_slopes, sinks))
+                       seed=kernel_seed(seed), return_lse=True, **variant_keywords(variants))
     return as_tensor(out), as_tensor(lse)
+
+
+varlen_attention_forward = define_op(
+    "varlen_attention_forward", _varlen_forward,
+    "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "SymInt? max_seqlen_q, SymInt? max_seqlen_k, float dropout_p, bool is_causal, "
+    "float? scale, Tensor? seed")
 
 
 @varlen_attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-      scale, seed, window_left=None, window_right=None, alignment="top_left", softcap=None,
-      alibi_slopes=None, sinks=None):
+      scale, seed, *variants):
     _check_devices("varlen_attention_forward", [("q", q), ("k", k), ("v", v)], cu_seqlens_q,
-                   cu_seqlens_k, seed, alibi_slopes, sinks)
+                   cu_seqlens_k, seed, op_variants(variants))
     # the shapes depend on the inputs' shapes only (symbolic under torch.compile)
     total_q, hq = q.shape[:2]
     return (q.new_empty((total_q, hq, v.shape[-1])),
             q.new_empty((hq, total_q), dtype=lse_dtype(q.dtype)))
 
 
-@torch.library.custom_op("sdpa_numba::varlen_attention_backward", mutates_args=())
-def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                              lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                              dropout_p: float, is_causal: bool, scale: Optional[float],
-                              seed: Optional[Tensor], window_left: Optional[int] = None,
-                              window_right: Optional[int] = None,
-                              alignment: str = "top_left", softcap: Optional[float] = None,
-                              alibi_slopes: Optional[Tensor] = None,
-                              sinks: Optional[Tensor] = None
-                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dsinks)`` of :func:`sdpa_numba.varlen_attention_backward`; ``dsinks``
-    an empty tensor unless ``sinks`` is given (then the sinks' shape, dtype and device).
-    ALiBi slopes get no gradient."""
+def _check_backward_devices(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed,
+                            variants):
+    _check_devices("varlen_attention_backward",
+                   [("grad_out", grad_out), ("q", q), ("k", k), ("v", v), ("out", out),
+                    ("lse", lse)], cu_seqlens_q, cu_seqlens_k, seed, variants)
+
+
+def _varlen_backward_op(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p,
+                        is_causal, scale, seed, *variants):
+    """``(dq, dk, dv, *dvariants)`` of :func:`sdpa_numba.varlen_attention_backward`; one
+    gradient per variant that has one (the sinks), an empty tensor unless it is given (then
+    its shape, dtype and device). ALiBi slopes get no gradient."""
+    variants = op_variants(variants)
     _check_backward_devices(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed,
-                            alibi_slopes, sinks)
+                            variants)
     grads = _varlen_backward(operand(grad_out, "grad_out"), operand(q, "q"),
                              operand(k, "k"), operand(v, "v"), operand(out, "out"),
                              operand(lse, "lse"), index_operand(cu_seqlens_q, "cu_seqlens_q"),
                              index_operand(cu_seqlens_k, "cu_seqlens_k"), is_causal=is_causal,
                              scale=scale, dropout_p=dropout_p, seed=kernel_seed(seed),
-                             **variant_keywords(window_left, window_right, alignment, softcap,
-                                                alibi_slopes, sinks))
+                             **variant_keywords(variants))
     dq, dk, dv = (as_tensor(g) for g in grads[:3])
-    return dq, dk, dv, sinks_grad(grads, sinks, q)
+    return (dq, dk, dv, *variant_grads(grads[3:], variants, q))
 
 
-def _check_backward_devices(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed,
-                            alibi_slopes, sinks):
-    _check_devices("varlen_attention_backward",
-                   [("grad_out", grad_out), ("q", q), ("k", k), ("v", v), ("out", out),
-                    ("lse", lse)], cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks)
+varlen_attention_backward = define_op(
+    "varlen_attention_backward", _varlen_backward_op,
+    "Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float dropout_p, bool is_causal, "
+    "float? scale, Tensor? seed", 3 + len(GRAD_NAMES))
 
 
 @varlen_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale,
-      seed, window_left=None, window_right=None, alignment="top_left", softcap=None,
-      alibi_slopes=None, sinks=None):
+      seed, *variants):
+    variants = op_variants(variants)
     _check_backward_devices(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed,
-                            alibi_slopes, sinks)
+                            variants)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0))
+            *fake_variant_grads(variants, q))

@@ -7,10 +7,12 @@ refuses vmap (an in-place write)."""
 import torch
 from torch import Tensor
 
-from .dense import attention_backward, attention_forward
+from ..problem.variant_table import TORCH_TENSORS
+from .dense import BACKWARD_ARGS, FORWARD_ARGS, attention_backward, attention_forward
 from .serving import (attention_with_kvcache_op, attention_with_kvcache_read_op,
                       merge_attention_states_op)
-from .tensors import out_shape
+from .tensors import OP_NAMES, op_values, op_variants, out_shape
+
 
 def _fold(batch_size, in_dims, tensors, ranks, R):
     """Each tensor with its vmapped dim first (unbatched ones expanded: a view) and ``R`` -
@@ -60,49 +62,69 @@ def _all_dims(in_dims, args):
     return tuple(in_dims) + (None,) * (len(args) - len(in_dims))
 
 
-def _fold_alibi(info, alibi_slopes, d, R):
-    """ALiBi slopes under vmap: unbatched ones as they are (they broadcast against the scores'
-    batch dims from the right); batched ones with the vmapped dim first and ones after it, as
-    the folded scores' batch dims (the slopes' rank is the scores' minus 2)."""
-    if alibi_slopes is None or d is None:
-        return alibi_slopes
-    r = alibi_slopes.dim() - 1
-    return _fold(info.batch_size, (d,), (alibi_slopes,), (r + 2,), R)[0]
+def _fold_batched(info, t, d, R):
+    """A per-batch variant tensor (ALiBi slopes: vmap "batch" in the table) under vmap:
+    unbatched ones as they are (they broadcast against the scores' batch dims from the
+    right); batched ones with the vmapped dim first and ones after it, as the folded scores'
+    batch dims (the tensor's rank is the scores' minus 2)."""
+    if t is None or d is None:
+        return t
+    r = t.dim() - 1
+    return _fold(info.batch_size, (d,), (t,), (r + 2,), R)[0]
+
+
+def _variant_dims(in_dims, n_own):
+    """The op's variant arguments' in_dims (a dict), after its ``n_own`` own arguments."""
+    return dict(zip(OP_NAMES, in_dims[n_own:]))
+
+
+def _loops(variants):
+    """Whether a vmapped call goes one index at a time for these variants (a dict): a tensor
+    whose vmap rule is "loop" (sinks: ``(Hq,)`` per call, and per-index gradients) is given."""
+    return any(variants[v.name] is not None for v in TORCH_TENSORS if v.vmap == "loop")
+
+
+def _fold_variants(info, variants, dims, R):
+    """The op's variant arguments in order, the per-batch tensors folded (:func:`_fold_batched`)."""
+    folded = dict(variants)
+    for v in TORCH_TENSORS:
+        if v.vmap == "batch":
+            folded[v.name] = _fold_batched(info, variants[v.name], dims[v.name], R)
+    return op_values(folded)
 
 
 def _forward_vmap(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                  enable_gqa, seed, window_left=None, window_right=None, alignment="top_left",
-                  softcap=None, alibi_slopes=None, sinks=None):
-    variants = (window_left, window_right, alignment, softcap)
+                  enable_gqa, seed, *variants):
+    n_own = len(FORWARD_ARGS)
+    variants = op_variants(variants)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-            *variants, alibi_slopes, sinks)
+            *op_values(variants))
     in_dims = _all_dims(in_dims, args)
     # sinks are (Hq,) per call: batched ones cannot fold into the batch dims, so one call per
     # index (unbatched ones too: simpler, and vmap's per-index sinks gradients need it)
-    if dropout_p > 0 or sinks is not None:
+    if dropout_p > 0 or _loops(variants):
         return _vmap_loop(attention_forward, info, in_dims, args)
     tensors, dims = (query, key, value, attn_mask), in_dims[:4]
     shapes = [_logical(t, d) for t, d in zip(tensors, dims)]
     ranks = [None if s is None else len(s) for s in shapes]
     R = max(max(r for r in ranks if r is not None), 3)
     q, k, v, m = _fold(info.batch_size, dims, tensors, ranks, R)
-    alibi = _fold_alibi(info, alibi_slopes, in_dims[13], R)
     out, lse = attention_forward(q, k, v, m, dropout_p, is_causal, scale, enable_gqa, None,
-                                 *variants, alibi, None)
+                                 *_fold_variants(info, variants,
+                                                 _variant_dims(in_dims, n_own), R))
     logical = out_shape(*(torch.empty(s, device="meta") for s in shapes[:3]), enable_gqa)
     B = info.batch_size
     return (out.reshape(B, *logical), lse.reshape(B, *logical[:-1])), (0, 0)
 
 
 def _backward_vmap(info, in_dims, grad_out, query, key, value, out, lse, attn_mask, dropout_p,
-                   is_causal, scale, enable_gqa, seed, mask_grad, window_left=None,
-                   window_right=None, alignment="top_left", softcap=None, alibi_slopes=None,
-                   sinks=None):
-    variants = (window_left, window_right, alignment, softcap)
+                   is_causal, scale, enable_gqa, seed, mask_grad, *variants):
+    n_own = len(BACKWARD_ARGS)
+    variants = op_variants(variants)
     args = (grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale,
-            enable_gqa, seed, mask_grad, *variants, alibi_slopes, sinks)
+            enable_gqa, seed, mask_grad, *op_values(variants))
     in_dims = _all_dims(in_dims, args)
-    if dropout_p > 0 or sinks is not None:  # sinks: per-index gradients, as in the forward
+    if dropout_p > 0 or _loops(variants):  # sinks: per-index gradients, as in the forward
         return _vmap_loop(attention_backward, info, in_dims, args)
     tensors = (grad_out, query, key, value, out, lse, attn_mask)
     dims = in_dims[:7]
@@ -112,14 +134,16 @@ def _backward_vmap(info, in_dims, grad_out, query, key, value, out, lse, attn_ma
     # lse has one dim less than out: pad it as out is padded (one more logical dim)
     ranks[5] += 1
     folded = _fold(info.batch_size, dims, tensors, ranks, R)
-    alibi = _fold_alibi(info, alibi_slopes, in_dims[17], R)
-    dq, dk, dv, dm, ds = attention_backward(*folded, dropout_p, is_causal, scale, enable_gqa,
-                                            None, mask_grad, *variants, alibi, None)
+    dq, dk, dv, dm, *dvariants = attention_backward(
+        *folded, dropout_p, is_causal, scale, enable_gqa, None, mask_grad,
+        *_fold_variants(info, variants, _variant_dims(in_dims, n_own), R))
     B = info.batch_size
     grads = [g.reshape(B, *s) for g, s in zip((dq, dk, dv), shapes[1:4])]
+    # the variants' gradients: empty here (those given loop above)
+    none = (None,) * len(dvariants)
     if mask_grad:
-        return (*grads, dm.reshape(B, *shapes[6]), ds), (0, 0, 0, 0, None)
-    return (*grads, dm, ds), (0, 0, 0, None, None)
+        return (*grads, dm.reshape(B, *shapes[6]), *dvariants), (0, 0, 0, 0, *none)
+    return (*grads, dm, *dvariants), (0, 0, 0, None, *none)
 
 
 def _flat(info, t, d):
@@ -128,17 +152,18 @@ def _flat(info, t, d):
 
 
 def _kvcache_read_vmap(info, in_dims, q, k_cache, v_cache, cache_seqlens, block_table=None,
-                       cache_leftpad=None, is_causal=True, scale=None, window_left=None,
-                       window_right=None, alignment=None, softcap=None, alibi_slopes=None,
-                       sinks=None):
+                       cache_leftpad=None, is_causal=True, scale=None, *variants):
     """The read-only KV-cache op under vmap: the vmapped dim folds into the batch dim (a
-    paged cache's pages too, the block table offset to each index's pages); batched sinks
-    ``(Hq,)`` cannot fold, so one call per index."""
-    variants = (window_left, window_right, alignment, softcap)
+    paged cache's pages too, the block table offset to each index's pages, per-batch variant
+    tensors such as ALiBi slopes expanded to ``(N * B, Hq)``); batched "loop" tensors (sinks
+    ``(Hq,)``) cannot fold, so one call per index."""
+    n_own = 8
+    variants = op_variants(variants, optional_strings=True)
     args = (q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, is_causal, scale,
-            *variants, alibi_slopes, sinks)
+            *op_values(variants))
     in_dims = _all_dims(in_dims, args)
-    if in_dims[13] is not None:
+    dims = _variant_dims(in_dims, n_own)
+    if any(dims[v.name] is not None for v in TORCH_TENSORS if v.vmap == "loop"):
         return _vmap_loop(attention_with_kvcache_read_op, info, in_dims, args)
     N = info.batch_size
     qf = _flat(info, q, in_dims[0])
@@ -154,13 +179,14 @@ def _kvcache_read_vmap(info, in_dims, q, k_cache, v_cache, cache_seqlens, block_
             first = torch.arange(N, device=table.device, dtype=table.dtype) * pages
             table = table + first[:, None, None]
         block_table = table.flatten(0, 1)
-    if alibi_slopes is not None and (in_dims[12] is not None or alibi_slopes.dim() == 2):
-        alibi_slopes = (_leading(N, alibi_slopes, in_dims[12]).reshape(N, -1, hq)
-                        .expand(N, B, hq).flatten(0, 1))
+    for v in TORCH_TENSORS:
+        t = variants[v.name]
+        if v.vmap == "batch" and t is not None and (dims[v.name] is not None or t.dim() == 2):
+            variants[v.name] = (_leading(N, t, dims[v.name]).reshape(N, -1, hq)
+                                .expand(N, B, hq).flatten(0, 1))
     out, lse = attention_with_kvcache_read_op(
         qf, kc, vc, _flat(info, cache_seqlens, in_dims[3]), block_table,
-        _flat(info, cache_leftpad, in_dims[5]), is_causal, scale, *variants, alibi_slopes,
-        sinks)
+        _flat(info, cache_leftpad, in_dims[5]), is_causal, scale, *op_values(variants))
     return (out.unflatten(0, (N, B)), lse.unflatten(0, (N, B))), (0, 0)
 
 
