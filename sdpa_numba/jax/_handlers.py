@@ -215,6 +215,16 @@ def _numbers(frame, i_ints, i_floats):
 
 
 @njit(cache=CACHE)
+def _call(frame, i_ints, i_floats):
+    """What every handler reads first: ``q``, ``k``, ``v``, the numbers and the geometry
+    (:func:`_numbers`, :func:`_geometry`)."""
+    ints, floats = _numbers(frame, i_ints, i_floats)
+    batch, n_outer, size, fulls = _geometry(frame)
+    return (argument(frame, 0), argument(frame, 1), argument(frame, 2), ints, floats, batch,
+            n_outer, size, fulls)
+
+
+@njit(cache=CACHE)
 def _absent(frame, n, full, idx):
     return None
 
@@ -257,54 +267,76 @@ def _indices(mask_kind, alibi, sinks, tail):
     return out
 
 
-def _make_forward(dtype, mask_kind, alibi, sinks):
-    """The forward's cfunc for one specialization (see the module's docstring)."""
-    from ..cpu.forward import forward
-    from ..cpu.launch import signature
+#: The launches' batch offset: each handler launches one batch index's views at a time.
+_BATCH0 = np.int64(0)
+
+
+def _operands(dtype, mask_kind, alibi, sinks):
+    """What both directions read the same way: the compute type, the 4-D view of a storage
+    operand, the kernels' leading arguments of one batch index (q, k, v, the optional
+    mask, is_causal, scale) and its recipe (ALiBi slopes and sinks, when it has them)."""
     from ..problem.dtypes import compute_dtype
 
     st = _storage(dtype)
     ct = compute_dtype(dtype).type
-    view4 = _viewer(st)[0]
-    lse_view = _viewer(ct)[1]
     mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
     alibi_view, sinks_view = _small_views(ct)
-    at = _indices(mask_kind, alibi, sinks, ("ints", "floats"))
-    i_mask, i_alibi, i_sinks, i_ints, i_floats = (at[n] for n in
-                                                  ("mask", "alibi", "sinks", "ints", "floats"))
-    sig = signature(dtype, mask_kind, False, _recipe_type(ct, alibi, sinks))
-    kernel = _native_call(forward, sig)
+    at = _indices(mask_kind, alibi, sinks, ())
+    i_mask, i_alibi, i_sinks = at["mask"], at["alibi"], at["sinks"]
 
     @njit
     def _mask(frame, n, full, idx):
         return mask_view4(argument(frame, n), full, idx)
 
-    get_mask = _optional(mask_kind != "none", _mask)
     get_alibi = _optional(alibi, alibi_view)
     get_sinks = _optional(sinks, sinks_view)
-    failed = c_string("sdpa_numba.jax: the CPU attention forward failed (out of memory?)")
 
-    zero = np.int64(0)  # the launches' batch offset
+    @njit
+    def recipe_at(frame, ints, floats, f_h, idx):
+        return Recipe(ints[0], ints[1], ints[2], floats[1], _BATCH0,
+                      get_alibi(frame, i_alibi, f_h, idx), get_sinks(frame, i_sinks, f_h, idx),
+                      None, None, None, (), None)
+
+    view4 = _viewer(st)[0]
+    get_mask = _optional(mask_kind != "none", _mask)
+
+    @njit
+    def leading(frame, q, k, v, ints, floats, fulls, idx):
+        """The kernels' first arguments, alike in both directions: q, k, v, the mask,
+        is_causal and scale."""
+        return (view4(q, fulls[0], idx), view4(k, fulls[1], idx), view4(v, fulls[2], idx),
+                get_mask(frame, i_mask, fulls[3], idx), ints[3] != 0, floats[0])
+
+    return ct, view4, leading, recipe_at
+
+
+def _make_forward(dtype, mask_kind, alibi, sinks):
+    """The forward's cfunc for one specialization (see the module's docstring)."""
+    from ..cpu.forward import forward
+    from ..cpu.launch import signature
+
+    ct, view4, leading, recipe_at = _operands(dtype, mask_kind, alibi, sinks)
+    lse_view = _viewer(ct)[1]
+    at = _indices(mask_kind, alibi, sinks, ("ints", "floats"))
+    i_ints, i_floats = at["ints"], at["floats"]
+    sig = signature(dtype, mask_kind, False, _recipe_type(ct, alibi, sinks))
+    kernel = _native_call(forward, sig)
+    failed = c_string("sdpa_numba.jax: the CPU attention forward failed (out of memory?)")
 
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        q, k, v = argument(frame, 0), argument(frame, 1), argument(frame, 2)
         out, lse = result(frame, 0), result(frame, 1)
-        ints, floats = _numbers(frame, i_ints, i_floats)
-        batch, n_outer, size, fulls = _geometry(frame)
+        q, k, v, ints, floats, batch, n_outer, size, fulls = _call(frame, i_ints, i_floats)
         f_q, f_k, f_v, f_m, f_o, f_l, f_h = fulls
         if size == 0:  # no rows: nothing to write
             return 0
         try:
             for o in range(n_outer):
                 idx = _outer(batch, o)
-                r = Recipe(ints[0], ints[1], ints[2], floats[1], zero,
-                           get_alibi(frame, i_alibi, f_h, idx),
-                           get_sinks(frame, i_sinks, f_h, idx), None, None, None, (), None)
-                kernel((view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
-                        get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
-                        view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r))
+                head = leading(frame, q, k, v, ints, floats, fulls, idx)
+                r = recipe_at(frame, ints, floats, f_h, idx)
+                kernel(head + (view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r))
         except Exception:  # (out of memory): the call fails with an XLA error
             return error(frame, failed)
         return 0
@@ -318,16 +350,10 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
     from ..cpu.backward import backward
     from ..cpu.launch_backward import signature
     from ..dropout import NO_DROPOUT
-    from ..problem.dtypes import compute_dtype
 
-    st = _storage(dtype)
-    ct = compute_dtype(dtype).type
-    view4 = _viewer(st)[0]
+    ct, view4, leading, recipe_at = _operands(dtype, mask_kind, alibi, sinks)
     cview4, lse_view, _ = _viewer(ct)
-    mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
-    alibi_view, sinks_view = _small_views(ct)
     at = _indices(mask_kind, alibi, sinks, ("dout", "out", "lse", "ints", "floats"))
-    i_mask, i_alibi, i_sinks = at["mask"], at["alibi"], at["sinks"]
     i_dout, i_out, i_lse, i_ints, i_floats = (at[n] for n in
                                               ("dout", "out", "lse", "ints", "floats"))
     sig = signature(dtype, "additive" if mask_kind == "additive" else "bool",
@@ -336,29 +362,18 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
     no_drop = NO_DROPOUT
 
     @njit
-    def _mask(frame, n, full, idx):
-        return mask_view4(argument(frame, n), full, idx)
-
-    @njit
     def _dmask(frame, n, full, idx):
         return cview4(result(frame, n), full, idx)
 
-    get_mask = _optional(mask_kind != "none", _mask)
-    get_alibi = _optional(alibi, alibi_view)
-    get_sinks = _optional(sinks, sinks_view)
     get_dmask = _optional(mask_grad, _dmask)
     failed = c_string("sdpa_numba.jax: the CPU attention backward failed (out of memory?)")
-
-    zero = np.int64(0)  # the launches' batch offset
 
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        q, k, v = argument(frame, 0), argument(frame, 1), argument(frame, 2)
         dout, out, lse = argument(frame, i_dout), argument(frame, i_out), argument(frame, i_lse)
         dq, dk, dv = result(frame, 0), result(frame, 1), result(frame, 2)
-        ints, floats = _numbers(frame, i_ints, i_floats)
-        batch, n_outer, size, fulls = _geometry(frame)
+        q, k, v, ints, floats, batch, n_outer, size, fulls = _call(frame, i_ints, i_floats)
         f_q, f_k, f_v, f_m, f_o, f_l, f_h = fulls
         if _empty(f_q) and _empty(f_k) and _empty(f_v):  # no gradient has an element
             return 0
@@ -367,11 +382,8 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
                 idx = _outer(batch, o)
                 # sinks ride along as in the NumPy API's recipe (the backward reads none of
                 # them: lse includes them): one compiled kernel for both
-                r = Recipe(ints[0], ints[1], ints[2], floats[1], zero,
-                           get_alibi(frame, i_alibi, f_h, idx),
-                           get_sinks(frame, i_sinks, f_h, idx), None, None, None, (), None)
-                kernel((view4(q, f_q, idx), view4(k, f_k, idx), view4(v, f_v, idx),
-                        get_mask(frame, i_mask, f_m, idx), ints[3] != 0, floats[0],
+                r = recipe_at(frame, ints, floats, f_h, idx)
+                kernel(leading(frame, q, k, v, ints, floats, fulls, idx) + (
                         view4(dout, f_o, idx), view4(out, f_o, idx), lse_view(lse, f_l, idx),
                         cview4(dq, f_q, idx), cview4(dk, f_k, idx), cview4(dv, f_v, idx),
                         no_drop, get_dmask(frame, 3, f_m, idx), r))
