@@ -24,7 +24,9 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..cpu.options import CACHE
+from ..targets import HOST
+
+CACHE = HOST.caching()  # cached beside the kernels when they are
 
 #: The FFI version the handlers declare (the typed FFI's first: every jaxlib with
 #: ``jax.ffi`` accepts it).

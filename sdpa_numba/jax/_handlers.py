@@ -26,9 +26,9 @@ from numba.core.callconv import excinfo_t
 from numba.extending import intrinsic
 
 from .._runtime import kernel_launch, package_stamp, stamp_caches
-from ..cpu.options import CACHE
 from ..score.recipe import Recipe, recipe
-from ._frame import (answer_metadata, argument, as_pointer, c_string, data, dims, error,
+from ..targets import HOST
+from ._frame import (CACHE, answer_metadata, argument, as_pointer, c_string, data, dims, error,
                      result)
 
 _lock = threading.Lock()
@@ -312,15 +312,12 @@ def _operands(dtype, mask_kind, alibi, sinks):
 
 def _make_forward(dtype, mask_kind, alibi, sinks):
     """The forward's cfunc for one specialization (see the module's docstring)."""
-    from ..cpu.forward import forward
-    from ..cpu.launch import signature
-
     ct, view4, leading, recipe_at = _operands(dtype, mask_kind, alibi, sinks)
     lse_view = _viewer(ct)[1]
     at = _indices(mask_kind, alibi, sinks, ("ints", "floats"))
     i_ints, i_floats = at["ints"], at["floats"]
-    sig = signature(dtype, mask_kind, False, _recipe_type(ct, alibi, sinks))
-    kernel = _native_call(forward, sig)
+    kernel = _native_call(*HOST.native_kernel("forward", dtype, mask_kind,
+                                              _recipe_type(ct, alibi, sinks)))
     failed = c_string("sdpa_numba.jax: the CPU attention forward failed (out of memory?)")
 
     def handler(frame):
@@ -347,8 +344,6 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
 def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
     """The backward's cfunc for one specialization: results dq, dk, dv (and the mask's
     gradient with ``mask_grad``) in the compute dtype, of the full broadcast shapes."""
-    from ..cpu.backward import backward
-    from ..cpu.launch_backward import signature
     from ..dropout import NO_DROPOUT
 
     ct, view4, leading, recipe_at = _operands(dtype, mask_kind, alibi, sinks)
@@ -356,9 +351,8 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
     at = _indices(mask_kind, alibi, sinks, ("dout", "out", "lse", "ints", "floats"))
     i_dout, i_out, i_lse, i_ints, i_floats = (at[n] for n in
                                               ("dout", "out", "lse", "ints", "floats"))
-    sig = signature(dtype, "additive" if mask_kind == "additive" else "bool",
-                    _recipe_type(ct, alibi, sinks))
-    kernel = _native_call(backward, sig)
+    kernel = _native_call(*HOST.native_kernel("backward", dtype, mask_kind,
+                                              _recipe_type(ct, alibi, sinks)))
     no_drop = NO_DROPOUT
 
     @njit

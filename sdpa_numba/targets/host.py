@@ -89,6 +89,29 @@ class Host(Target):
         """``x`` converted to ``dtype`` (a copy)."""
         return x.astype(dtype)
 
+    @staticmethod
+    def caching():
+        """Whether Numba caches the CPU kernels (then it can cache code built beside them)."""
+        from ..cpu.options import CACHE
+
+        return CACHE
+
+    @staticmethod
+    def native_kernel(direction, dtype, mask_kind, recipe_type):
+        """The jitted CPU kernel of ``direction`` ("forward", "backward") and the exact
+        signature the NumPy API's launchers compile it with, for a native caller that calls it
+        by address (:mod:`sdpa_numba.jax`'s XLA handlers): one compiled kernel for both."""
+        if direction == "forward":
+            from ..cpu.forward import forward
+            from ..cpu.launch import signature
+
+            return forward, signature(dtype, mask_kind, False, recipe_type)
+        from ..cpu.backward import backward
+        from ..cpu.launch_backward import signature
+
+        return backward, signature(dtype, "additive" if mask_kind == "additive" else "bool",
+                                   recipe_type)
+
 
 #: The host target.
 HOST = Host("host", "CPU", _cpu_launchers)
