@@ -135,6 +135,45 @@ def test_torch_operators(rng):
     assert_refused(lambda: st.merge_attention_states(oa, la, ob, lb), [oa, la, ob, lb])
 
 
+def test_torch_custom_ops(rng):
+    """The registered operators themselves (what torch.compile traces), forward and backward:
+    the outputs of an accepted call are the inputs of the refused backward."""
+    torch = pytest.importorskip("torch")
+    import sdpa_numba.torch as st
+
+    q, k, v, _ = (torch.from_numpy(x) for x in _dense(rng))
+    plain = (None, 0.0, False, None, False, None)  # mask, dropout, causal, scale, gqa, seed
+    assert_refused(lambda: st.attention_forward(q, k, v, *plain, softcap=TINY_CAP), [q, k, v])
+    out, lse = st.attention_forward(q, k, v, *plain)
+    g = torch.randn_like(out)
+    assert_refused(lambda: st.attention_backward(g, q, k, v, out, lse, *plain, False,
+                                                 softcap=TINY_CAP),
+                   [g, q, k, v, out, lse])
+    pq, pk, pv, cu = (torch.from_numpy(x) for x in _packed(rng))
+    vplain = (None, None, 0.0, False, None, None)  # max lengths, dropout, causal, scale, seed
+    assert_refused(lambda: st.varlen_attention_forward(pq, pk, pv, cu, cu, *vplain,
+                                                       softcap=TINY_CAP),
+                   [pq, pk, pv, cu])
+    vo, vl = st.varlen_attention_forward(pq, pk, pv, cu, cu, *vplain)
+    vg = torch.randn_like(vo)
+    assert_refused(lambda: st.varlen_attention_backward(vg, pq, pk, pv, vo, vl, cu, cu,
+                                                        *vplain[2:], softcap=TINY_CAP),
+                   [vg, pq, pk, pv, vo, vl, cu])
+    kq = torch.from_numpy(_rand(rng, 2, 1, 4, 8))
+    kc, vc = (torch.from_numpy(_rand(rng, 2, 16, 2, 8)) for _ in range(2))
+    kn, vn = (torch.from_numpy(_rand(rng, 2, 1, 2, 8)) for _ in range(2))
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    assert_refused(lambda: st.attention_with_kvcache_op(kq, kc, vc, seqlens, k=kn, v=vn,
+                                                        softcap=TINY_CAP),
+                   [kq, kc, vc, kn, vn, seqlens])
+    assert_refused(lambda: st.attention_with_kvcache_read_op(kq, kc, vc, seqlens,
+                                                             softcap=TINY_CAP),
+                   [kq, kc, vc, seqlens])
+    oa, ob = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    la, lb = torch.randn(2, 3, 5), torch.randn(2, 3, 4)
+    assert_refused(lambda: st.merge_attention_states_op(oa, la, ob, lb), [oa, la, ob, lb])
+
+
 def test_distributed_in_one_process(rng):
     pytest.importorskip("mpi4py")
     from sdpa_numba import distributed
