@@ -141,6 +141,13 @@ def layers():
     return _code(f"{PY} {' '.join(args)}", _run(args))
 
 
+def jax():
+    """sdpa_numba.jax under jax.jit against jax.nn.dot_product_attention and the NumPy API on
+    the same arrays (sdpa_numba.bench.jax_bridge)."""
+    args = ["-m", "sdpa_numba.bench.jax_bridge", "--threads", "2", "--rounds", "7"]
+    return _code(f"{PY} {' '.join(args)}", _run(args, env={"NUMBA_NUM_THREADS": "2"}))
+
+
 def check():
     return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
 
@@ -148,7 +155,8 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "varlen": varlen, "variants": variants, "layers": layers}
+              "decode": decode, "varlen": varlen, "variants": variants, "layers": layers,
+              "jax": jax}
 
 
 def _stamp():

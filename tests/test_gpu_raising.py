@@ -76,8 +76,13 @@ def test_raising_user_functions_show_in_the_kernels_ir():
                      "total_score_mod -", "raising_mask_mod raising_keep"], lines
 
 
-def test_refused_before_launch_with_the_functions_name():
+def test_refused_before_launch_with_the_functions_name(monkeypatch):
+    import sdpa_numba.gpu.arrays
     from sdpa_numba.gpu.raising import refuse_raising
+
+    # as on a GPU: a process that ran the simulator tests before (one pytest worker runs
+    # tests/cuda too) has NUMBA_ENABLE_CUDASIM set, and the simulator needs no refusal
+    monkeypatch.setattr(sdpa_numba.gpu.arrays, "is_simulated_mode", lambda: False)
 
     ir = ('define i32 @"_ZN8__main__3fooE"(i8** %".ret") {\n  ret i32 1\n}\n'
           'define void @"kernel"() {\n  %".1" = call i32 @"_ZN8__main__3fooE"(i8** null)\n'

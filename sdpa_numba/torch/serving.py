@@ -15,15 +15,16 @@ from .tensors import (as_tensor, check_devices, define_op, host_tensors, index_o
                       lse_dtype, op_variants, operand, variant_keywords)
 
 
-def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                    is_causal, scale, *variants):
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
+                    cache_leftpad=None, is_causal=True, scale=None, *variants):
     """The body of both KV-cache operators, and the appending one's kernel:
     :func:`sdpa_numba.attention_with_kvcache` on NumPy views (or CUDA tensors), ``(out,
     lse)`` as tensors (``out`` ``(B, Lq, Hq, Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute
     dtype). Writes ``k`` and ``v`` into the caches when given (the caches are the appending
     op's mutated arguments). No autograd: an inference operator. ``variants``: the op's
     variant arguments (:func:`.tensors.op_variants`); those left at None are not passed (the
-    API's defaults apply).
+    API's defaults apply). The defaults are the schema's: the dispatcher leaves out the
+    arguments at their defaults (torch.compile's calls do).
 
     The appending op has no vmap (NotImplementedError): the append writes the caches in
     place, and under vmap a batched cache folded into the batch dim is in general a copy (the
