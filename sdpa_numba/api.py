@@ -118,6 +118,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
         draws a fresh one, which the caller cannot know: pass a seed when the backward
         (:func:`~sdpa_numba.scaled_dot_product_attention_backward`) must replay the mask.
         Ignored when ``dropout_p == 0``.
+
+    Other Parameters
+    ----------------
     window : (int or None, int or None), keyword-only, optional
         Sliding window ``(left, right)``: query row ``i`` sees keys ``j`` with
         ``i' - left <= j <= i' + right`` (``i'`` is ``i`` in the aligned frame, see

@@ -213,7 +213,10 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
     k, v : arrays, keyword-only, optional
         One layer's new keys and values: given, every run appends (and must be given its own
         ``k`` and ``v`` of these shapes).
-    is_causal, scale, window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, block_mask
+
+    Other Parameters
+    ----------------
+    is_causal, scale, window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, block_mask : as for attention_with_kvcache
         As for :func:`attention_with_kvcache`.
 
     Returns
@@ -298,6 +301,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         layout), in the compute dtype (float64 for float64, else float32).
     out : ndarray, shape (B, Lq, Hq, Ev), keyword-only, optional
         A buffer of q's dtype, written in place and returned.
+
+    Other Parameters
+    ----------------
     window : (left, right), keyword-only, optional
         Sliding window in the cache's frame: query token ``t`` sits at position ``i = n - Lq +
         t`` (``n = cache_seqlens[b] + Lq_new``) and sees keys ``i - left <= j <= i + right``

@@ -96,7 +96,10 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         varlen layout), in the compute dtype.
     out : ndarray, optional
         Buffer of shape ``(total_q, Hq, Ev)`` and the inputs' dtype, written and returned.
-    window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args
+
+    Other Parameters
+    ----------------
+    window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args : as in the dense function
         The variants of the dense function, applied per sequence: rows ``i`` and keys ``j``
         count from the sequence's first, ``alignment="bottom_right"`` aligns each sequence's
         last query with its last key, ``alibi_slopes`` has shape ``(Hq,)`` or ``(B, Hq)``, and
@@ -190,6 +193,9 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
         ``lse`` ``(Hq, total_q)`` in the compute dtype.
     seed : int
         The forward's seed; required when ``dropout_p > 0``.
+
+    Other Parameters
+    ----------------
     score_mod_grad : Numba @njit function
         ``d score_mod / d score``; required with a ``score_mod``.
 

@@ -128,10 +128,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         generator; sequence ``b`` gets the dense stream of batch entry ``b``.
     return_lse : bool
         Also return the log-sum-exp ``(Hq, total_q)`` in the compute dtype (no gradient).
-    window, alignment, softcap, alibi_slopes, sinks
+
+    Other Parameters
+    ----------------
+    window, alignment, softcap, alibi_slopes, sinks : as in the dense function
         The variants, as in :func:`scaled_dot_product_attention`, per sequence (rows and keys
         counted from the sequence's first; ``alibi_slopes`` ``(Hq,)`` or ``(B, Hq)``).
-    score_mod, mask_mod, mod_args, score_mod_grad, block_mask
+    score_mod, mask_mod, mod_args, score_mod_grad, block_mask : refused
         Refused (NotImplementedError): Numba functions cannot cross an operator's schema;
         the NumPy-level :func:`sdpa_numba.varlen_attention` takes them.
 
@@ -220,7 +223,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         Default ``1 / sqrt(E)``.
     return_lse : bool
         Also return the log-sum-exp ``(B, Hq, Lq)`` in the compute dtype.
-    window, alignment, softcap, alibi_slopes, sinks
+
+    Other Parameters
+    ----------------
+    window, alignment, softcap, alibi_slopes, sinks : as in the dense function
         The variants, spelled as in :func:`scaled_dot_product_attention`; passed to the
         NumPy-level API only when given (None: its defaults), which raises
         NotImplementedError for those it does not take.
