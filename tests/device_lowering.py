@@ -2,7 +2,8 @@
 GPU, CUDA driver or CUDA compiler: in a subprocess without the simulator, after
 :data:`PREAMBLE` (numba.cuda and its compiler imported, the current device faked;
 ``uncompiled_jit``: a ``cuda.jit`` to patch in while a kernel factory runs, which keeps the
-kernel's Python function instead of compiling it)."""
+kernel's Python function instead of compiling it; ``lowered_ir(make, sig)``: the LLVM IR of
+the kernel that factory ``make`` builds, compiled for ``sig``'s argument types)."""
 
 import os
 import subprocess
@@ -31,6 +32,17 @@ PREAMBLE = textwrap.dedent("""
         if kw.get("device"):
             return real_jit(sig, **kw)
         return lambda f: _Uncompiled(f)
+
+    def lowered_ir(make, sig):
+        from sdpa_numba.gpu.options import FASTMATH
+        cuda.jit = uncompiled_jit
+        try:
+            kernel = make()
+        finally:
+            cuda.jit = real_jit
+        cres = compiler.compile_cuda(kernel.py_func, types.void, sig.args, cc=(9, 0),
+                                     fastmath=FASTMATH)
+        return cres.library.get_llvm_str()
 """)
 
 

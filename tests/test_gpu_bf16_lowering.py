@@ -19,7 +19,7 @@ SCRIPT = """
     import numpy as np
     fw = importlib.import_module("sdpa_numba.gpu.forward")
     bw = importlib.import_module("sdpa_numba.gpu.backward")
-    from sdpa_numba.gpu.options import FASTMATH, Blocks
+    from sdpa_numba.gpu.options import Blocks
 
     blocks = Blocks(32, 16, 128, 4)
     st = np.dtype(np.int16)
@@ -32,14 +32,7 @@ SCRIPT = """
                 bw.dkv_signature(st, "additive")[0]),
     }
     for name, (make, sig) in made.items():
-        cuda.jit = uncompiled_jit
-        try:
-            kernel = make()
-        finally:
-            cuda.jit = real_jit
-        cres = compiler.compile_cuda(kernel.py_func, types.void, sig.args, cc=(9, 0),
-                                     fastmath=FASTMATH)
-        ir = cres.library.get_llvm_str()
+        ir = lowered_ir(make, sig)
         print(name, "nv_int_as_float" in ir, "nv_float_as_int" in ir)
 """
 

@@ -19,7 +19,7 @@ SCRIPT = """
     import numpy as np
     fw = importlib.import_module("sdpa_numba.gpu.forward")
     bw = importlib.import_module("sdpa_numba.gpu.backward")
-    from sdpa_numba.gpu.options import FASTMATH, Blocks
+    from sdpa_numba.gpu.options import Blocks
     from sdpa_numba.gpu.raising import raising_functions
     from sdpa_numba.gpu.variants import compile_key
     from sdpa_numba.score.recipe import DENSE
@@ -56,14 +56,7 @@ SCRIPT = """
             made.append((lambda: bw._make_dkv_kernel(st, "none", blocks, parts),
                          bw.dkv_signature(st, "none", parts)[0]))
         for make, sig in made:
-            cuda.jit = uncompiled_jit
-            try:
-                kernel = make()
-            finally:
-                cuda.jit = real_jit
-            cres = compiler.compile_cuda(kernel.py_func, types.void, sig.args, cc=(9, 0),
-                                         fastmath=FASTMATH)
-            found = raising_functions(cres.library.get_llvm_str())
+            found = raising_functions(lowered_ir(make, sig))
             print(name, " ".join(sorted({u for u in ("raising_mod", "total_mod",
                   "raising_keep") for f in found if u in f})) or "-")
 """
