@@ -195,3 +195,23 @@ def test_refused_calls_name_the_argument_and_write_nothing(rng):
             k_cache=np.lib.stride_tricks.as_strided(kc, writeable=False))
     with pytest.raises(TypeError):
         cascade_attention(q, pk, pv, kc, vc, lens, window=(3, 0))  # no variants
+
+
+def test_bfloat16_within_its_rounding(rng):
+    # Each level is rounded to bfloat16 before the merge (a half unit, 2**-8 relative, of a
+    # part's output, whose elements are at most max|v|), then the merged row once more.
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    b, lq, hq, h, e, ev, p, s_max = 3, 1, 4, 2, 16, 16, 45, 30
+    q, pk, pv, kc, vc = _make(rng, b, lq, hq, h, e, ev, p, s_max, bf16)
+    lens = np.array([0, 29, 7])
+    out, lse = cascade_attention(q, pk, pv, kc, vc, lens, return_lse=True)
+    assert out.dtype == bf16 and lse.dtype == np.float32
+    ref, ref_lse = _reference(q, pk, pv, [kc[i, :lens[i]] for i in range(b)],
+                              [vc[i, :lens[i]] for i in range(b)], True)
+    err = np.abs(out.astype(np.float64) - ref)
+    max_v = max(np.abs(pv.astype(np.float32)).max(), np.abs(vc.astype(np.float32)).max())
+    assert (err <= 1.01 * 2.0 ** -8 * (np.abs(ref) + max_v)).all()
+    assert rel_err(out, ref) < 4e-3
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
