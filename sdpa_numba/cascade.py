@@ -93,9 +93,9 @@ def cascade_attention(q: Any, prefix_k: Any, prefix_v: Any, k_cache: Any, v_cach
     Notes
     -----
     The prefix is read by the dense forward's tasks (one per key/value head and chunk of up
-    to 512 query rows), not by each request: with ``B * Lq * Hq / H`` rows per head, it is
-    read about ``max(1, 16 / H)`` times per call (the forward splits rows until it has 16
-    tasks), against ``B`` times by per-request calls. The two levels' outputs are each
+    to 512 query rows), not by each request: with ``R = B * Lq * Hq / H`` rows per head, it
+    is read about ``max(R / 512, 16 / H)`` times per call (the forward splits the rows until
+    it has 16 tasks, down to chunks of 16 rows), against ``B`` times by per-request calls. The two levels' outputs are each
     rounded to q's dtype before the merge: float32 and float64 lose nothing to it, float16
     and bfloat16 up to about one unit in the last place more than one kernel over the whole
     cache. Where ``n < Lq`` (no append, fewer suffix keys than query tokens), a causal token
