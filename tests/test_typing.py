@@ -12,7 +12,7 @@ pytest.importorskip("mypy", reason="the type checks need mypy (the test extra)")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = ["api.py", "backward.py", "reference.py", "dropout.py", "_typing.py", "kvcache.py",
-          "merge.py", "varlen.py"]
+          "merge.py", "varlen.py", "cascade.py"]
 
 USER_CODE = """
 from typing import Any, assert_type
