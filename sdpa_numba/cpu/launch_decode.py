@@ -54,6 +54,8 @@ def entry(parallel, dtype, recipe_t, scale_dtype=None):
             sc_t = arr(types.uint16 if scale_dtype == np.float16 else types.float32, 4, True)
             d_t = arr(types.float32, 2, True)
             sig += (types.Tuple((sc_t, sc_t, d_t, d_t, types.int64)),)
+        else:
+            sig += (types.none,)
         _entries[key] = compile_entry(decode if parallel else decode_serial, sig)
     _entries[parallel, dtype, id(recipe_t), scale_dtype] = (recipe_t, _entries[key])
     return _entries[key]
@@ -162,10 +164,11 @@ def prepare(p):
                     scale, result if sd is None else result.view(sd), lse, r, lo,
                     _quant_args(p, k_scale, v_scale))
         elif sd is None:
-            args = (q, k_cache, v_cache, table, kv_lens, is_causal, scale, result, lse, r, lo)
+            args = (q, k_cache, v_cache, table, kv_lens, is_causal, scale, result, lse, r, lo,
+                    None)
         else:
             args = (q.view(sd), k_cache.view(sd), v_cache.view(sd), table, kv_lens, is_causal,
-                    scale, result.view(sd), lse, r, lo)
+                    scale, result.view(sd), lse, r, lo, None)
         if parallel:
             with kernel_launch():
                 fn(*args)

@@ -59,7 +59,7 @@ def float_to_fp8(x, fmt):
     m_bits = 3 if fmt == FMT_E4M3 else 2
     bias = 7 if fmt == FMT_E4M3 else 15
     top = E4M3_MAX if fmt == FMT_E4M3 else E5M2_MAX
-    sign = 0x80 if x < 0 else 0
+    sign = 0x80 if math.copysign(1.0, x) < 0 else 0
     a = min(abs(np.float64(x)), top)
     _, e = math.frexp(a)  # a = f * 2^e, f in [0.5, 1)
     ex = max(e - 1, 1 - bias)  # a's binade, the subnormals' below the smallest normal
