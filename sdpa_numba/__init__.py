@@ -24,6 +24,7 @@ from .block_mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BlockMask, creat
 from .kvcache import KVCachePlan, attention_with_kvcache, kvcache_plan
 from .merge import merge_attention_states
 from .precompile import warmup
+from .quant import dequantize_kv, quantize_kv
 from .varlen import varlen_attention, varlen_attention_backward
 
 _runtime.choose_threading_layer()  # before the first parallel launch
@@ -35,4 +36,4 @@ __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backwar
            "merge_attention_states",
            "varlen_attention", "varlen_attention_backward", "BlockMask", "create_block_mask",
            "BLOCK_EMPTY", "BLOCK_PARTIAL", "BLOCK_FULL", "dropout", "reference", "warmup",
-           "__version__"]
+           "quantize_kv", "dequantize_kv", "__version__"]

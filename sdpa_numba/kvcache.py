@@ -21,6 +21,7 @@ from .host_arrays import as_numpy
 from .problem.arguments import check_flag
 from .problem.kvcache import check_arrays, key_bounds, kvcache_problem
 from .problem.out import check_out
+from .problem.quant import quant_kind
 from .problem.variant_table import VARIANTS, check_names, takes_variants
 from .targets import CUDA, HOST, is_device_array, target_of
 
@@ -37,11 +38,26 @@ def _host(name, x):
     return as_numpy(name, x)
 
 
-def _adopt(q, k_cache, v_cache, k, v, out):
-    """``(target, [q, k_cache, v_cache, k, v, out], restore)``: the operands as the target's
-    arrays, without copies (the caches may be written, and must be read as they are)."""
+def _scale(name, x, writable):
+    """A quantized cache's scale as a NumPy array (a Python number: a float32 scalar)."""
+    if x is None:
+        return None
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return np.array(x, np.float32)
+    return as_numpy(name, x, writable=writable)
+
+
+def _adopt(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
+    """``(target, [q, k_cache, v_cache, k, v, out, k_scale, v_scale], restore)``: the operands
+    as the target's arrays, without copies (the caches and scales may be written, and must be
+    read as they are)."""
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)]
     target = target_of([*named, ("out", out)], required=_REQUIRED)
+    if target is CUDA and (k_scale is not None or v_scale is not None
+                           or quant_kind(getattr(k_cache, "dtype", np.float32))):
+        raise NotImplementedError(
+            "quantized KV caches (int8, q8_0, fp8 with k_scale / v_scale) run on the CPU only "
+            "for now: pass NumPy (host) arrays, or a float cache on CUDA")
     if target is CUDA:
         arrays, restore = CUDA.adopt(named, out)
         arrays = list(arrays)
@@ -56,11 +72,14 @@ def _adopt(q, k_cache, v_cache, k, v, out):
             arrays.append(adopted[3])
     if out is None:
         arrays.append(None)
+    # Written by an append into an int8 cache (its per-token or q8_0 scales), so never copies.
+    w = k is not None and quant_kind(arrays[1].dtype) == "int8"
+    arrays += [_scale("k_scale", k_scale, w), _scale("v_scale", v_scale, w)]
     return target, arrays, restore
 
 
 def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-          is_causal, scale, variants):
+          is_causal, scale, variants, k_scale=None, v_scale=None):
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full(q.shape[:1], int(cache_seqlens), np.int64)
     # cache_seqlens, cache_leftpad and block_table are read on the host (checks, and the split
@@ -71,7 +90,7 @@ def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_l
     if block_table is not None:
         block_table = _host("block_table", block_table)
     p = kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                        is_causal, scale, **variants)
+                        is_causal, scale, k_scale=k_scale, v_scale=v_scale, **variants)
     return KVCachePlan(p, target, target.prepare_decode(p))
 
 
@@ -127,7 +146,8 @@ class KVCachePlan:
                 f"on {self.target.name})")
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, *, k: Any = None, v: Any = None,
-            out: Any = None, return_lse: bool = False) -> Any:
+            out: Any = None, return_lse: bool = False, k_scale: Any = None,
+            v_scale: Any = None) -> Any:
         """Attention of one layer's new query tokens against its cache, as planned.
 
         Parameters
@@ -144,6 +164,9 @@ class KVCachePlan:
             A buffer of q's dtype, written in place and returned.
         return_lse : bool, keyword-only
             Also return the log-sum-exp, shape (B, Hq, Lq), in the compute dtype.
+        k_scale, v_scale : arrays, keyword-only
+            This layer's scales of a quantized cache (exactly when the plan's cache is one):
+            the plan's shapes and dtype (see :func:`attention_with_kvcache`).
 
         Returns
         -------
@@ -161,22 +184,24 @@ class KVCachePlan:
         if not (self.target is HOST and type(q) is np.ndarray and type(k_cache) is np.ndarray
                 and type(v_cache) is np.ndarray and (k is None or type(k) is np.ndarray)
                 and (v is None or type(v) is np.ndarray)
-                and (out is None or type(out) is np.ndarray)):
-            target, arrays, restore = _adopt(q, k_cache, v_cache, k, v, out)
+                and (out is None or type(out) is np.ndarray)
+                and (k_scale is None or type(k_scale) is np.ndarray)
+                and (v_scale is None or type(v_scale) is np.ndarray)):
+            target, arrays, restore = _adopt(q, k_cache, v_cache, k, v, out, k_scale, v_scale)
             if target is not self.target:
                 raise TypeError(f"this plan was made for {self.target.name} arrays, got "
                                 f"{target.name} arrays: make a plan with these")
-            q, k_cache, v_cache, k, v, out = arrays
-            result = self._run(q, k_cache, v_cache, k, v, out, return_lse)
+            q, k_cache, v_cache, k, v, out, k_scale, v_scale = arrays
+            result = self._run(q, k_cache, v_cache, k, v, out, return_lse, k_scale, v_scale)
             return (restore(result[0]), restore(result[1])) if return_lse \
                 else restore(result)
-        return self._run(q, k_cache, v_cache, k, v, out, return_lse)
+        return self._run(q, k_cache, v_cache, k, v, out, return_lse, k_scale, v_scale)
 
-    def _run(self, q, k_cache, v_cache, k, v, out, return_lse):
+    def _run(self, q, k_cache, v_cache, k, v, out, return_lse, k_scale=None, v_scale=None):
         """:meth:`run` on the target's arrays."""
         return_lse = check_flag("return_lse", return_lse)
         p = self.problem
-        check_arrays(p, q, k_cache, v_cache, k, v)
+        check_arrays(p, q, k_cache, v_cache, k, v, k_scale, v_scale)
         if out is not None:
             check_out(p, out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                                ("k", k), ("v", v)), self.target.address)
@@ -187,15 +212,18 @@ class KVCachePlan:
                                  "is for one step (the next one has Lq_new more keys per "
                                  "sequence); make a plan for the next step")
             self._appended.add(where)
-        result, lse = self._launch(q, k_cache, v_cache, k, v, out)
+        if p.quant is None:
+            result, lse = self._launch(q, k_cache, v_cache, k, v, out)
+        else:
+            result, lse = self._launch(q, k_cache, v_cache, k, v, out, k_scale, v_scale)
         return (result, lse) if return_lse else result
 
 
 @takes_variants(exclude=_NOT_TAKEN, defaults=_DEFAULTS)
 def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: Any = None,
                  v: Any = None, block_table: Any = None, cache_leftpad: Any = None,
-                 is_causal: bool = True, scale: float | None = None,
-                 **variants: Any) -> KVCachePlan:
+                 is_causal: bool = True, scale: float | None = None, k_scale: Any = None,
+                 v_scale: Any = None, **variants: Any) -> KVCachePlan:
     """Plan one decode step once, for every layer of a model: the checks and the work of
     :func:`attention_with_kvcache` that depend only on shapes, dtype, layout, cache lengths,
     left padding, variants and scale, done now; each layer then calls
@@ -216,8 +244,9 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
 
     Other Parameters
     ----------------
-    is_causal, scale, window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, block_mask : as for attention_with_kvcache
-        As for :func:`attention_with_kvcache`.
+    is_causal, scale, k_scale, v_scale, window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, block_mask : as for attention_with_kvcache
+        As for :func:`attention_with_kvcache` (``k_scale``, ``v_scale``: one layer's, for
+        their shapes and dtype; each run passes its own).
 
     Returns
     -------
@@ -243,10 +272,11 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
     >>> plan = sdpa_numba.kvcache_plan(q[0], k_caches[0], v_caches[0], lens)  # doctest: +SKIP
     >>> outs = [plan.run(q[i], k_caches[i], v_caches[i]) for i in range(n_layers)]  # doctest: +SKIP
     """
-    target, (q, k_cache, v_cache, k, v, _), _ = _adopt(q, k_cache, v_cache, k, v, None)
+    target, (q, k_cache, v_cache, k, v, _, k_scale, v_scale), _ = _adopt(
+        q, k_cache, v_cache, k, v, None, k_scale, v_scale)
     _check_variants("kvcache_plan", variants, target)
     return _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                 is_causal, scale, variants)
+                 is_causal, scale, variants, k_scale, v_scale)
 
 
 @takes_variants(exclude=_NOT_TAKEN, defaults=_DEFAULTS)
@@ -254,7 +284,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                            k: Any = None, v: Any = None, block_table: Any = None,
                            cache_leftpad: Any = None, is_causal: bool = True,
                            scale: float | None = None, return_lse: bool = False, out: Any = None,
-                           **variants: Any) -> Any:
+                           k_scale: Any = None, v_scale: Any = None, **variants: Any) -> Any:
     """Attention of new query tokens against a key/value cache (decode, chunked prefill,
     speculative decoding), with FlashAttention's ``flash_attn_with_kvcache`` layouts.
 
@@ -301,6 +331,18 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         layout), in the compute dtype (float64 for float64, else float32).
     out : ndarray, shape (B, Lq, Hq, Ev), keyword-only, optional
         A buffer of q's dtype, written in place and returned.
+    k_scale, v_scale : arrays or floats, keyword-only, optional
+        The scales of a quantized cache (:mod:`sdpa_numba.quant`), which the kernel reads
+        and dequantizes with (``k ~ k_cache * k_scale``); the format follows from the
+        caches' dtype and the scales' shape. int8 caches: float32 or float16 scales of
+        shape ``(N, S, H)`` (``"int8"``, one per token and head) or ``(N, S, H, E // 32)``
+        (``"q8_0"``, one per 32 values along the head dim; ``E`` and ``Ev`` multiples of
+        32), ``(N, S)`` the caches' first two dims. ``float8_e4m3fn`` / ``float8_e5m2``
+        caches (ml_dtypes): a descale, a float or a float32 array of shape () or ``(B,
+        H)`` (FlashAttention 3's ``k_descale``). Finite. An append quantizes ``k`` and
+        ``v`` into the cache (round to nearest even, saturating) and, for int8 caches,
+        writes their scales (:func:`sdpa_numba.quant.quantize_kv`'s rule); fp8 descales
+        are kept. q of any float dtype; CPU only (CUDA arrays: NotImplementedError).
 
     Other Parameters
     ----------------
@@ -351,11 +393,12 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     by lse (split-KV); the result is bitwise the same for any thread count. A sequence with no
     keys (or a token that sees none) gives zeros and ``lse = -inf``.
     """
-    target, (q, k_cache, v_cache, k, v, out), restore = _adopt(q, k_cache, v_cache, k, v, out)
+    target, (q, k_cache, v_cache, k, v, out, k_scale, v_scale), restore = _adopt(
+        q, k_cache, v_cache, k, v, out, k_scale, v_scale)
     _check_variants("attention_with_kvcache", variants, target)
     return_lse = check_flag("return_lse", return_lse)
     plan = _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                 is_causal, scale, variants)
-    result, lse = plan._run(q, k_cache, v_cache, k, v, out, True)
+                 is_causal, scale, variants, k_scale, v_scale)
+    result, lse = plan._run(q, k_cache, v_cache, k, v, out, True, k_scale, v_scale)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -51,3 +51,27 @@ def test_decode_preset_is_a_choice():
     assert cli._decode_cases(args) == bench_decode.DECODE_MORE
     assert [int(n) for n in DecodeCase(4, 1, 1, 8192, 8, ragged=True).lengths()] == [
         128, 2816, 5504, 8192]
+
+
+def test_decode_quant_preset_reports_the_float_caches_and_error(capsys, monkeypatch):
+    small = [DecodeCase(1, 4, 2, 40, 32, quant=f) for f in ("int8", "q8_0", "e4m3fn")]
+    monkeypatch.setitem(bench_decode.PRESETS, "decode-quant", small)
+    real_read = bench_decode.read_bandwidth
+    monkeypatch.setattr(bench_decode, "read_bandwidth", lambda: real_read(1 << 20, 2))
+    monkeypatch.setattr(bench_decode, "READ_BYTES", 1 << 20)
+    code = cli.main(["bench", "--preset", "decode-quant", "--repeats", "1", "--pause", "0",
+                     "--json"])
+    assert code == cli.EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    # bytes of 8-bit values and their scales: int8 one float32 scale a token and head, q8_0
+    # a float16 one per 32 values, fp8 none
+    assert [r["kv_bytes"] for r in doc["decode"]] == [40 * 2 * (64 + 8), 40 * 2 * (64 + 4),
+                                                       40 * 2 * 64]
+    for r in doc["decode"]:
+        t = r["time_s"]
+        assert r["speed_vs_float32_cache"] == t["float32 cache"] / t["sdpa_numba"]
+        assert r["speed_vs_float16_cache"] == t["float16 cache"] / t["sdpa_numba"]
+        assert 0 < r["rel_err_vs_float32_cache"] < 0.1
+    code = cli.main(["bench", "--preset", "decode-quant", "--repeats", "1", "--pause", "0"])
+    text = capsys.readouterr().out
+    assert code == cli.EXIT_OK and "vs float16 cache" in text and "q8_0 cache" in text

@@ -39,6 +39,9 @@ class DecodeCase:
     ragged: bool = False
     #: Also time sdpa_numba on one thread (the split-KV speedup).
     one_thread: bool = False
+    #: A quantized cache of this format (:mod:`sdpa_numba.quant`; q8_0 with float16 scales),
+    #: timed against our float32 and float16 caches of the same tokens; "": a float cache.
+    quant: str = ""
 
     def lengths(self):
         if self.ragged and self.batch > 1:
@@ -52,12 +55,18 @@ class DecodeCase:
         cache = f"S128..{self.cache}" if self.ragged else f"S{self.cache}"
         return (f"{'tiny' if self.tiny else 'decode'} B{self.batch} {heads} L1 {cache} "
                 f"D{self.dim} {self.dtype}"
-                + (f" paged {self.page_size}" if self.page_size else ""))
+                + (f" paged {self.page_size}" if self.page_size else "")
+                + (f" {self.quant} cache" if self.quant else ""))
 
     @property
     def kv_bytes(self):
-        itemsize = np.dtype(self.dtype).itemsize
-        return 2 * int(self.lengths().sum()) * self.heads_kv * self.dim * itemsize
+        """Bytes of keys and values read (a quantized cache's with its scales)."""
+        per_value = np.dtype(self.dtype).itemsize
+        keys = int(self.lengths().sum()) * self.heads_kv
+        if self.quant:
+            scales = {"int8": 4 * 2, "q8_0": 2 * 2 * self.dim // 32}.get(self.quant, 0)
+            return keys * (2 * self.dim + scales)
+        return 2 * keys * self.dim * per_value
 
 
 #: The decode cases of issue 16's targets.
@@ -67,7 +76,11 @@ DECODE = [DecodeCase(1, 32, 32, 8192, 128), DecodeCase(1, 32, 8, 16384, 128),
 DECODE_MORE = [DecodeCase(1, 32, 32, 8192, 128, page_size=16),
                DecodeCase(16, 8, 2, 8192, 128, ragged=True),
                DecodeCase(1, 1, 1, 1 << 20, 128, one_thread=True)]
-PRESETS = {"decode": DECODE, "decode-more": DECODE_MORE}
+#: Quantized caches (issue 29): every format on decode's MHA and GQA cases, float32 queries.
+DECODE_QUANT = [DecodeCase(1, hq, h, s, 128, quant=f) for hq, h, s in ((32, 32, 8192),
+                                                                       (32, 8, 16384))
+                for f in ("int8", "q8_0", "e4m3fn", "e5m2")]
+PRESETS = {"decode": DECODE, "decode-more": DECODE_MORE, "decode-quant": DECODE_QUANT}
 
 #: Idle pause before each call of a tiny case, and the number of calls (the median is kept).
 IDLE = 0.05
@@ -154,6 +167,8 @@ def prepare(case, seed=0):
         v_cache[order] = vp
     fns = {"sdpa_numba": lambda: attention_with_kvcache(q, k_cache, v_cache, seqlens,
                                                         block_table=table)[:, 0]}
+    if case.quant:
+        fns = _quantized(case, q, k, v, seqlens)
     if case.one_thread:
         import numba
 
@@ -185,6 +200,22 @@ def prepare(case, seed=0):
 
         fns["torch"] = run_torch
     return fns
+
+
+def _quantized(case, q, k, v, seqlens):
+    """A quantized case's callables: ``sdpa_numba`` on the quantized cache, and on float32
+    and float16 caches of the same tokens (float32 queries: the float16 cache's queries are
+    cast in the call, as a float16 model would hold them)."""
+    from .. import attention_with_kvcache, quantize_kv
+
+    sd = np.float16 if case.quant == "q8_0" else np.float32
+    kq, ks = quantize_kv(k, case.quant, scale_dtype=sd)
+    vq, vs = quantize_kv(v, case.quant, scale_dtype=sd)
+    k16, v16, q16 = k.astype(np.float16), v.astype(np.float16), q.astype(np.float16)
+    return {"sdpa_numba": lambda: attention_with_kvcache(q, kq, vq, seqlens, k_scale=ks,
+                                                         v_scale=vs)[:, 0],
+            "float32 cache": lambda: attention_with_kvcache(q, k, v, seqlens)[:, 0],
+            "float16 cache": lambda: attention_with_kvcache(q16, k16, v16, seqlens)[:, 0]}
 
 
 def median_after_idle(fns, calls=TINY_CALLS, idle=IDLE):
@@ -236,6 +267,13 @@ def _run_case(case, repeats, pause, read, bw):
                    else f"min of {repeats}"}
     if "sdpa_numba 1 thread" in best:
         r["speedup_vs_one_thread"] = best["sdpa_numba 1 thread"] / best["sdpa_numba"]
+    for name in ("float32 cache", "float16 cache"):
+        if name in best:
+            r["speed_vs_" + name.replace(" ", "_")] = best[name] / best["sdpa_numba"]
+    if "float32 cache" in outs:  # the quantized cache's output error against the float one
+        ref = outs["float32 cache"]
+        r["rel_err_vs_float32_cache"] = float(np.linalg.norm(outs["sdpa_numba"] - ref)
+                                              / max(np.linalg.norm(ref), 1e-300))
     if "torch" in best:
         r["speed_vs_torch"] = best["torch"] / best["sdpa_numba"]
         ref = outs["torch"]

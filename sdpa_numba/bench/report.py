@@ -149,7 +149,18 @@ def format_decode(results, bw, threads, read_label, markdown=False):
                      fmt(t.get("torch", math.nan) * 1e3, ".3f"), fmt(g.get("torch"), ".1f"),
                      fmt(r.get("rel_err_vs_torch"), ".1e"),
                      fmt(r.get("speedup_vs_one_thread"), ".2f")])
-    return title + "\n" + render(head, rows, markdown)
+    table = title + "\n" + render(head, rows, markdown)
+    quant = [r for r in results if "speed_vs_float32_cache" in r]
+    if not quant:
+        return table
+    # Quantized caches (decode-quant): against our float caches of the same tokens.
+    head = ["case", "vs float32 cache", "vs float16 cache", "err vs float32 cache"]
+    rows = [[r["case"], fmt(r["speed_vs_float32_cache"], ".2f") + "x",
+             fmt(r["speed_vs_float16_cache"], ".2f") + "x",
+             fmt(r["rel_err_vs_float32_cache"], ".1e")] for r in quant]
+    return (table + "\n\nquantized caches against sdpa_numba's float caches of the same tokens "
+            "(torch has no quantized cache: its column reads a float32 one)\n"
+            + render(head, rows, markdown))
 
 
 def format_dense(runs, shown, threads, info, load, repeats, torch_missing=False,

@@ -57,6 +57,7 @@ from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inl
 from ..problem.kvcache import key_bounds_loop
 from .merge import part_weights
 from .online_softmax import finalize_row, softmax_row
+from .quant import is_quantized, quant_block, quant_scratch
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
 from .scratch import aligned_empty
@@ -329,7 +330,7 @@ def _pack_queries(q, b, scale, qs, zero):
 
 @njit(**CALLED)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
-           part_lse):
+           part_lse, qz):
     """Attention of all query rows of sequence ``b`` over its keys ``[j0, j1)`` under recipe
     ``r`` (causality folded in): normalized partial output ``part_out (Hq * Lq, Ev)`` (row
     ``hq * Lq + t``) and ``part_lse``."""
@@ -379,22 +380,27 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     qp = data_ptr(qs)
     sp = data_ptr(s)
     ap = data_ptr(acc)
-    kofp = data_ptr(koff)
+    # None, or the float32 rows a quantized cache's blocks are dequantized into.
+    scr = quant_scratch(qz, h_len, e_len, ev, BN)
     # Block by block, the block's keys, then its values, in address order (see h_step).
     for h_lo in range(0, h_len, h_step):
         h_hi = h_lo + h_step
         for b0 in range(j0, j1, BN):
             n = min(BN, j1 - b0)
             block_offsets(block_table, b, b0, n, page_size, kps, kss, vps, vss, koff, voff)
+            # A quantized cache's block, dequantized into float32 rows (scr): read from there.
+            kb, vb, ko, vo, kh_s, vh_s = quant_block(qz, scr, k_cache, v_cache, block_table, b,
+                                                     b0, n, page_size, h_lo, h_hi, kbase, vbase,
+                                                     koff, voff, khs, vhs)
             # The window (and causality) per element only where it cuts the block.
             cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
             # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
-            j = lanewise_scores(qp, kbase, kofp, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n,
-                                zero, vbase, data_ptr(voff), vhs, ev)
+            j = lanewise_scores(qp, kb, data_ptr(ko), ko, s, sp, rows, h_lo, h_hi, kh_s, e_len, n,
+                                zero, vb, data_ptr(vo), vh_s, ev)
             for j in range(j, n):
                 for h in range(h_lo, h_hi):
-                    kp = ptr_add(kbase, koff[j] + h * khs)
+                    kp = ptr_add(kb, ko[j] + h * kh_s)
                     _key_scores(qp, kp, s, h * rows, 0, rows, e_len, j, zero)
             if w != 1:
                 for i in range(h_lo * rows, h_hi * rows):
@@ -423,27 +429,27 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # caches too, through registers_pv (B1 Hq32 H8 S16384 D128 on (B, H, S, E): 2.0x
             # with the P V change, CPU time of one thread).
             ahead = (rows >= 4 and b0 % page_size + 2 * BN <= page_size
-                     and b0 + 2 * BN <= j1)
+                     and b0 + 2 * BN <= j1 and not is_quantized(qz))
             # Head-major with fewer than four rows (no prefetch), only where one pass covers a
             # value row: the loops below read each row once, in address order, where rows_pv
             # reads a key group's rows once per PV_VEC * LANES elements (CPU time of one
             # thread, on (B, H, S, E) D128: B1 H32 S8192 0.83x, B1 Hq8 H4 S4096 0.80-0.89x;
             # D64: B1 Hq12 H4 S2080 1.24-1.28x).
             if (h_step > 1 or rows >= 4 or ev == PV_VEC * LANES) and registers_pv(
-                    ap, ev, sp, vbase, data_ptr(voff), vhs, rows, h_lo, h_hi, n, kbase, koff, kss,
-                    khs, e_len, ahead):
+                    ap, ev, sp, vb, data_ptr(vo), vh_s, rows, h_lo, h_hi, n, kb, ko, kss,
+                    kh_s, e_len, ahead):
                 j = n
             while j + 4 <= n and h_step > 1:
                 for h in range(h_lo, h_hi):
                     if ahead:
                         for jj in range(j, j + 4):
-                            kn = ptr_add(kbase, koff[jj] + BN * kss + h * khs)
+                            kn = ptr_add(kb, ko[jj] + BN * kss + h * kh_s)
                             for e in range(0, e_len, 64 // ksz):
                                 prefetch(ptr_add(kn, e))
-                    v0 = ptr_add(vbase, voff[j] + h * vhs)
-                    v1 = ptr_add(vbase, voff[j + 1] + h * vhs)
-                    v2 = ptr_add(vbase, voff[j + 2] + h * vhs)
-                    v3 = ptr_add(vbase, voff[j + 3] + h * vhs)
+                    v0 = ptr_add(vb, vo[j] + h * vh_s)
+                    v1 = ptr_add(vb, vo[j + 1] + h * vh_s)
+                    v2 = ptr_add(vb, vo[j + 2] + h * vh_s)
+                    v3 = ptr_add(vb, vo[j + 3] + h * vh_s)
                     for rr in range(rows):
                         i = h * rows + rr
                         p0 = s[i * BN + j]
@@ -461,7 +467,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                 j += 4
             for j in range(j, n):
                 for h in range(h_lo, h_hi):
-                    vp = ptr_add(vbase, voff[j] + h * vhs)
+                    vp = ptr_add(vb, vo[j] + h * vh_s)
                     for rr in range(rows):
                         i = h * rows + rr
                         p = s[i * BN + j]
@@ -469,13 +475,14 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                         for d in range(ev):
                             ar[d] += p * load(vp[d])
     keep_alive((k_cache, v_cache, qs, s, acc, koff))
+    keep_alive(scr)
     for i in range(hq * lq):
         part_lse[i] = finalize_row(m[i], l[i], acc[i * ev:(i + 1) * ev], part_out[i])
 
 
 @njit(**CALLED)  # not inline: called through a task runner (.tasks)
 def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t, part_out,
-          part_lse):
+          part_lse, qz):
     """Task ``t``: chunk ``t - first[b]`` of the keys ``[lo[b], hi[b])`` of the sequence ``b``
     it belongs to."""
     b = np.searchsorted(first, t, side="right") - 1
@@ -483,7 +490,7 @@ def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
     j0 = lo[b] + c * CHUNK
     j1 = min(hi[b], j0 + CHUNK)
     _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, max(j0, j1),
-           part_out[t], part_lse[t])
+           part_out[t], part_lse[t], qz)
 
 
 @njit(**CALLED)
@@ -550,7 +557,7 @@ _run_task = task_runner(_task)
 
 @njit(parallel=True, **KERNEL)
 def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, recipe=None,
-           kv_begin=None):
+           kv_begin=None, quant=None):
     """Attention of ``Lq`` new query tokens against a paged key/value cache, parallel over
     (sequence, chunk of keys) tasks.
 
@@ -582,6 +589,11 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     kv_begin : None or ndarray of int64, shape (B,), optional
         The first key of each sequence (left padding, ``<= kv_lens[b]``): keys before it are
         neither read nor attended. None: 0.
+    quant : None or tuple, optional
+        A quantized cache (:func:`.quant.quant_block`): the caches hold int8 values or fp8
+        bits (as int8), and ``quant = (k_scale, v_scale, k_descale, v_descale, fmt)``, the
+        scales ``(num_pages, page_size, H, n_blocks)`` (float32, or float16 as uint16), the
+        descales ``(B, H)`` float32, ``fmt`` the format's code. None: float caches.
 
     Notes
     -----
@@ -602,13 +614,13 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         t = next_task(queue, n_tasks)
         while t >= 0:
             if not _run_task(r, q, k_cache, v_cache, block_table, kv_lens, r, scale, first,
-                            lo, hi, t, part_out, part_lse):
+                            lo, hi, t, part_out, part_lse, quant):
                 record_failure(queue, t)
             t = next_task(queue, n_tasks)
     t = failed_task(queue)
     if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
         _task(q, k_cache, v_cache, block_table, kv_lens, rc, scale, first, lo, hi, t, part_out,
-              part_lse)
+              part_lse, quant)
         raise_lost()
     b_len = kv_lens.shape[0]
     rows = part_lse.shape[1]
@@ -620,14 +632,14 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
 
 @njit(**KERNEL)
 def decode_serial(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse,
-                  recipe=None, kv_begin=None):
+                  recipe=None, kv_begin=None, quant=None):
     """:func:`decode` on the calling thread (the same arguments; bitwise the same result)."""
     r = kernel_recipe(recipe, is_causal)
     first, lo, hi = _plan(kv_lens, kv_begin, r, q.shape[1])
     part_out, part_lse = _partials(first[-1], q, out, lse)
     for t in range(first[-1]):
         _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
-              part_out, part_lse)
+              part_out, part_lse, quant)
     for b in range(kv_lens.shape[0]):
         for i in range(part_lse.shape[1]):
             _merge(first, part_out, part_lse, out, lse, b, i, r)

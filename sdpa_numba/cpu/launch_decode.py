@@ -27,27 +27,37 @@ SERIAL_BYTES = 8 << 20
 _entries: dict = {}
 
 
-def entry(parallel, dtype, recipe_t):
+def entry(parallel, dtype, recipe_t, scale_dtype=None):
     """The compiled decode for a storage dtype and recipe type (plain, windowed and soft-capped
-    calls share the plain recipe's type: their numbers are run-time values)."""
+    calls share the plain recipe's type: their numbers are run-time values); with
+    ``scale_dtype`` (float32 or float16), for a quantized cache with such scales (every
+    format one specialization: the caches are read as int8, the format is a run-time
+    value)."""
     from numba import types
 
     from .decode import decode, decode_serial
 
     # Looked up by the type's identity first: hashing a recipe's Numba type walks all its
     # fields (~10 us a call); Numba interns types, so the same recipe gives the same object.
-    fast = _entries.get((parallel, dtype, id(recipe_t)))
+    fast = _entries.get((parallel, dtype, id(recipe_t), scale_dtype))
     if fast is not None and fast[0] is recipe_t:
         return fast[1]
-    key = (parallel, dtype, recipe_t)
+    key = (parallel, dtype, recipe_t, scale_dtype)
     if key not in _entries:
         st, ct, _ = kernel_types(dtype, "none")
-        sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True),
+        cache_t = st if scale_dtype is None else types.int8
+        sig = (arr(st, 4, True), arr(cache_t, 4, True), arr(cache_t, 4, True),
                arr(types.int32, 2, True), arr(types.int64, 1, True), types.boolean,
                types.float64, arr(st, 4, False), arr(ct, 3, False), recipe_t,
                arr(types.int64, 1, True))
+        if scale_dtype is not None:
+            sc_t = arr(types.uint16 if scale_dtype == np.float16 else types.float32, 4, True)
+            d_t = arr(types.float32, 2, True)
+            sig += (types.Tuple((sc_t, sc_t, d_t, d_t, types.int64)),)
+        else:
+            sig += (types.none,)
         _entries[key] = compile_entry(decode if parallel else decode_serial, sig)
-    _entries[parallel, dtype, id(recipe_t)] = (recipe_t, _entries[key])
+    _entries[parallel, dtype, id(recipe_t), scale_dtype] = (recipe_t, _entries[key])
     return _entries[key]
 
 
@@ -68,6 +78,59 @@ def append(p, k, v, k_cache, v_cache):
     v_cache[p.pages, p.slots] = v.reshape(n, h, ev)
 
 
+def _quant_args(p, k_scale, v_scale):
+    """The kernel's ``quant`` tuple of problem ``p``'s quantized cache: the scales as
+    ``(N, S, H, n_blocks)`` (ones for fp8), the descales as ``(B, H)`` (ones for int8), the
+    format's code; views, no copies."""
+    n, s, h = p.k_cache_shape[:3]
+    b = p.q_shape[0]
+    spec = p.quant
+    if spec.fp8:
+        ones = np.broadcast_to(np.ones((1, 1, 1, 1), np.float32), (n, s, h, 1))
+        kd = np.broadcast_to(k_scale, (b, h))
+        vd = np.broadcast_to(v_scale, (b, h))
+        return (ones, ones, kd, vd, spec.fmt)
+    one = np.broadcast_to(np.ones((1, 1), np.float32), (b, h))
+
+    def blocks(x):
+        x = x[..., None] if x.ndim == 3 else x
+        return x.view(np.uint16) if x.dtype == np.float16 else x
+    return (blocks(k_scale), blocks(v_scale), one, one, spec.fmt)
+
+
+def _quantized_rows(p, x, scale, name):
+    """The new rows ``x`` (B, Lq_new, H, D) of problem ``p``'s append, quantized: ``(values,
+    scales)`` of shapes (n, H, D) and (n, H, n_blocks) (None for fp8), ``n = B * Lq_new``."""
+    from .quant import quantize_blocks, quantize_fp8
+
+    n = len(p.pages)
+    h, d = x.shape[2:]
+    x = np.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
+    x = x.reshape(n, 1, h, d)
+    values = np.empty((n, 1, h, d), np.int8)
+    if p.quant.fp8:
+        b_of_row = np.repeat(np.arange(p.q_shape[0]), p.k_shape[1])
+        descale = np.broadcast_to(scale, (p.q_shape[0], h))[b_of_row]
+        quantize_fp8(x, values, np.ascontiguousarray(descale, np.float32), p.quant.fmt)
+        return values[:, 0], None
+    nb = 1 if scale.ndim == 3 else scale.shape[3]
+    scales = np.empty((n, 1, h, nb), np.float32)
+    quantize_blocks(x, values, scales, scale.dtype == np.float16)
+    return values[:, 0], scales[:, 0]
+
+
+def append_quantized(p, k, v, k_cache, v_cache, k_scale, v_scale):
+    """The append of problem ``p`` into a quantized cache: the new keys and values quantized
+    (:mod:`.quant`'s rule) into their slots, and for int8 caches their scales."""
+    if p.pages is None:
+        return
+    for x, cache, scale, name in ((k, k_cache, k_scale, "k"), (v, v_cache, v_scale, "v")):
+        values, scales = _quantized_rows(p, x, scale, name)
+        cache.view(np.int8)[p.pages, p.slots] = values
+        if scales is not None:
+            scale[p.pages, p.slots] = scales.reshape(scale[p.pages, p.slots].shape)
+
+
 def prepare(p):
     """The launch of problem ``p``: ``launch(q, k_cache, v_cache, k, v, out) -> (out, lse)``
     on NumPy arrays checked against ``p`` (``k``, ``v`` None: no append; ``out`` None: a new
@@ -77,24 +140,35 @@ def prepare(p):
     # The parallel kernel whatever the thread count: which kernel runs depends on the shape
     # only, so a result cannot change with the thread count (the serial and the parallel
     # kernel may round the last bit differently when loaded from the cache).
-    fn = None if empty else entry(parallel, p.dtype, recipe_type(p.recipe))
+    quant = p.quant
+    fn = None if empty else entry(parallel, p.dtype, recipe_type(p.recipe),
+                                  None if quant is None else quant.scale_dtype)
     sd = _storage_dtype(p.dtype)
     out_shape, lse_shape, dtype, ct = p.out_shape, p.lse_shape, p.dtype, p.compute_dtype
     table, kv_lens, is_causal, scale, r, lo = (p.table, p.kv_lens, p.is_causal, p.scale,
                                                p.recipe, p.lo)
 
-    def launch(q, k_cache, v_cache, k, v, out):
+    def launch(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
         if k is not None:
-            append(p, k, v, k_cache, v_cache)
+            if quant is None:
+                append(p, k, v, k_cache, v_cache)
+            else:
+                append_quantized(p, k, v, k_cache, v_cache, k_scale, v_scale)
         result = np.empty(out_shape, dtype) if out is None else out
         lse = np.empty(lse_shape, ct)
         if fn is None:
             return result, lse
-        if sd is None:
-            args = (q, k_cache, v_cache, table, kv_lens, is_causal, scale, result, lse, r, lo)
+        if quant is not None:
+            qv = q if sd is None else q.view(sd)
+            args = (qv, k_cache.view(np.int8), v_cache.view(np.int8), table, kv_lens, is_causal,
+                    scale, result if sd is None else result.view(sd), lse, r, lo,
+                    _quant_args(p, k_scale, v_scale))
+        elif sd is None:
+            args = (q, k_cache, v_cache, table, kv_lens, is_causal, scale, result, lse, r, lo,
+                    None)
         else:
             args = (q.view(sd), k_cache.view(sd), v_cache.view(sd), table, kv_lens, is_causal,
-                    scale, result.view(sd), lse, r, lo)
+                    scale, result.view(sd), lse, r, lo, None)
         if parallel:
             with kernel_launch():
                 fn(*args)

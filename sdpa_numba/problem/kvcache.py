@@ -23,6 +23,7 @@ from ..score.recipe import key_range
 from .arguments import check_flag, check_scale, shape_str
 from .dtypes import check_storage_dtype, compute_dtype
 from .out import given_arrays
+from .quant import check_scales, quant_spec
 from .variants import check_alignment, variants_recipe
 
 
@@ -110,6 +111,8 @@ class KVCacheProblem:
     #: lengths, block table, left padding), which ``out`` may not overlap
     #: (:func:`sdpa_numba.problem.out.given_arrays`).
     given: tuple = ()
+    #: A quantized cache's format (:class:`sdpa_numba.problem.quant.QuantSpec`), or None.
+    quant: object = None
 
     @property
     def appending(self):
@@ -120,8 +123,10 @@ class KVCacheProblem:
     def read_bytes(self):
         """Bytes of keys and values the kernels read."""
         h, e = self.k_cache_shape[2:]
-        return int((self.hi - self.lo).sum()) * h * (e + self.v_cache_shape[3]) \
-            * self.dtype.itemsize
+        ev = self.v_cache_shape[3]
+        per_key = ((e + ev) * self.dtype.itemsize if self.quant is None
+                   else e + ev + self.quant.scale_bytes(e, ev))
+        return int((self.hi - self.lo).sum()) * h * per_key
 
 
 def _check_ndim(name, x, nd, dims):
@@ -152,13 +157,15 @@ def check_writeable(named):
 
 
 def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                    is_causal, scale, *, alignment="bottom_right", **variants):
+                    is_causal, scale, *, alignment="bottom_right", k_scale=None, v_scale=None,
+                    **variants):
     """Validate one decode step's operands and return its :class:`KVCacheProblem`.
 
     ``q``, the caches, ``k`` and ``v`` (None: no append): the target's arrays (anything with
     ``shape``, ``strides``, ``ndim`` and a NumPy ``dtype``); ``cache_seqlens`` (B,),
     ``block_table`` and ``cache_leftpad`` (None or arrays): NumPy arrays; ``variants``: the
-    variants the KV-cache functions take (:mod:`.variant_table`). Raises TypeError /
+    variants the KV-cache functions take (:mod:`.variant_table`); ``k_scale``, ``v_scale``: a
+    quantized cache's scales (:mod:`.quant`), arrays of the caches' kind. Raises TypeError /
     ValueError naming the argument, as documented by
     :func:`sdpa_numba.attention_with_kvcache`.
     """
@@ -178,9 +185,11 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     dims = "(num_pages, page_size, H, E)" if paged else "(B, S_max, H, E)"
     _check_ndim("k_cache", k_cache, 4, dims)
     _check_ndim("v_cache", v_cache, 4, dims.replace("E)", "Ev)"))
-    check_storage_dtype("k_cache", k_cache, ("q's", dtype))
-    check_storage_dtype("v_cache", v_cache, ("q's", dtype))
     B, Lq, Hq, E = q.shape
+    quant = quant_spec(k_cache, v_cache, k_scale, v_scale, B)
+    if quant is None:
+        check_storage_dtype("k_cache", k_cache, ("q's", dtype))
+        check_storage_dtype("v_cache", v_cache, ("q's", dtype))
     n_pages, page_size, H, Ek = k_cache.shape
     Ev = v_cache.shape[3]
     if Ek != E:
@@ -294,7 +303,7 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         compute_dtype=compute_dtype(dtype), paged=paged, table=table, seqlens=seqlens,
         kv_lens=kv_lens, leftpad=leftpad, lo=lo, hi=hi, pages=pages, slots=slots,
         is_causal=is_causal, scale=scale, recipe=r, out_shape=(B, Lq, Hq, Ev),
-        lse_shape=(B, Hq, Lq),
+        lse_shape=(B, Hq, Lq), quant=quant,
         given=given_arrays(variants, cache_seqlens=cache_seqlens, block_table=block_table,
                            cache_leftpad=cache_leftpad))
 
@@ -305,20 +314,23 @@ def _mismatch(name, x, expect, dtype):
                       f"serves arrays of one shape and dtype; make one for these)")
 
 
-def check_arrays(p, q, k_cache, v_cache, k, v):
+def check_arrays(p, q, k_cache, v_cache, k, v, k_scale=None, v_scale=None):
     """The cheap test, before a run of problem ``p``, that these arrays are ones it was made
-    for: the shapes and dtype it was checked with, the caches' last dim contiguous, ``k`` and
-    ``v`` given exactly when it appends, and then the caches writeable. Shapes fix everything
-    else the problem checked (a cache's slots, its pages, the append's slots stay in it).
-    TypeError / ValueError naming the argument."""
+    for: the shapes and dtypes it was checked with, the caches' last dim contiguous, ``k`` and
+    ``v`` given exactly when it appends, a quantized cache's scales
+    (:func:`.quant.check_scales`), and then the caches (and per-token scales) writeable.
+    Shapes fix everything else the problem checked (a cache's slots, its pages, the append's
+    slots stay in it). TypeError / ValueError naming the argument."""
     dtype = p.dtype
+    cdt = dtype if p.quant is None else p.quant.cache_dtype
     if not (q.shape == p.q_shape and k_cache.shape == p.k_cache_shape
             and v_cache.shape == p.v_cache_shape and q.dtype == dtype
-            and k_cache.dtype == dtype and v_cache.dtype == dtype):
-        for name, x, expect in (("q", q, p.q_shape), ("k_cache", k_cache, p.k_cache_shape),
-                                ("v_cache", v_cache, p.v_cache_shape)):
-            if x.shape != expect or x.dtype != dtype:
-                raise _mismatch(name, x, expect, dtype)
+            and k_cache.dtype == cdt and v_cache.dtype == cdt):
+        for name, x, expect, dt in (("q", q, p.q_shape, dtype),
+                                    ("k_cache", k_cache, p.k_cache_shape, cdt),
+                                    ("v_cache", v_cache, p.v_cache_shape, cdt)):
+            if x.shape != expect or x.dtype != dt:
+                raise _mismatch(name, x, expect, dt)
     appending = p.k_shape is not None
     if (k is None) == appending or (v is None) == appending:
         raise ValueError("k and v must be given exactly when the plan was made with them (an "
@@ -330,9 +342,16 @@ def check_arrays(p, q, k_cache, v_cache, k, v):
         for name, x, expect in (("k", k, p.k_shape), ("v", v, p.v_shape)):
             if x.shape != expect or x.dtype != dtype:
                 raise _mismatch(name, x, expect, dtype)
-    itemsize = dtype.itemsize
+    if p.quant is not None:
+        check_scales(p.quant, k_scale, v_scale, k, v)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"{'k_scale' if k_scale is not None else 'v_scale'} is for a "
+                         f"quantized cache; this plan's cache is {dtype}")
+    itemsize = cdt.itemsize
     if k_cache.strides[3] != itemsize or v_cache.strides[3] != itemsize:
         _check_cache_strides("k_cache", k_cache)
         _check_cache_strides("v_cache", v_cache)
     if appending:
         check_writeable((("k_cache", k_cache), ("v_cache", v_cache)))
+        if p.quant is not None and not p.quant.fp8:
+            check_writeable((("k_scale", k_scale), ("v_scale", v_scale)))
