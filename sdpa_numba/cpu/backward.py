@@ -52,7 +52,7 @@ from numba.extending import overload
 from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stash, unstash
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
-from .forward import _mods_scores, masked_score
+from .forward import masked_score
 from .microkernel import MR, NR, tile_product
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
@@ -62,7 +62,7 @@ from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL,
                             covered_block_state, has_element_mask, kernel_recipe, key_range,
-                            modifies_scores,
+                            modifies_capped, modifies_scores,
                             query_range, score_and_slope, user_keeps, window_covers)
 from .storage import load
 from .tanh import tanh
@@ -492,7 +492,7 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
     mods = modifies_scores(r)
     # The soft cap alone (the common case, Gemma 2) goes lane-wise over whole tiles
     # (_cap_tile); with ALiBi or a score_mod every score takes the per-element path.
-    cap_only = r.softcap > 0 and not _mods_scores(r)
+    cap_only = r.softcap > 0 and not modifies_capped(r)
     cap = cast(r.softcap, lse)
     elem_mods = mods and not cap_only
     for c0 in range(kb0, kb1, CHUNK_BLOCKS):

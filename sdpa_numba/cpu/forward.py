@@ -39,10 +39,10 @@ from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty, aligned_full
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
-from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, _absent, alibi_bias,
-                            block_state, fold_sink, has_element_mask, kernel_recipe, key_range,
-                            modifies_scores, query_range, sink_logit, user_keeps, user_score,
-                            window_covers)
+from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
+                            fold_sink, has_element_mask, kernel_recipe, key_range,
+                            modifies_capped, modifies_scores, query_range, sink_logit,
+                            user_keeps, window_covers)
 from .storage import is_compute_dtype, load, store
 from .tanh import scaled_tanh
 from .tasks import (failed_task, next_task, raise_lost, record_failure, task_runner,
@@ -206,18 +206,6 @@ def _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, window, element):
                     row[i] = neg_inf
 
 
-def _mods_scores(r):
-    """Whether recipe ``r`` has ALiBi or a score_mod (a compile-time constant; jitted code
-    only)."""
-    raise NotImplementedError("_mods_scores is only callable from jitted code")
-
-
-@overload(_mods_scores)
-def _mods_scores_impl(r):
-    const = not (_absent(r, "alibi") and _absent(r, "score_mod"))
-    return lambda r: const
-
-
 @njit(**CALLED)
 def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
     """The recipe's modified scores (:func:`sdpa_numba.score.recipe.modified_score`: soft cap,
@@ -226,7 +214,8 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
     The soft cap is the seam's ``c · tanh(s / c)`` with the vectorizable
     :func:`.tanh.scaled_tanh` over the whole tile (``math.tanh`` is a scalar call here); the
     tile holds ``s / c`` then (:func:`attend_rows` folds ``1 / c`` into the packed queries).
-    ALiBi and score_mod are the seam's, element by element.
+    What follows the cap is the seam's :func:`~sdpa_numba.score.recipe.capped_score`,
+    element by element.
     """
     no_inline()
     prefer_512_bit()
@@ -234,12 +223,11 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
         c = cast(r.softcap, st[0])
         for t in range(n_keys * BM):
             st[t] = scaled_tanh(st[t], c)
-    if _mods_scores(r):
+    if modifies_capped(r):
         for j in range(n_keys):
             row = ptr_add(st, j * BM)
             for i in range(n_real):
-                s = alibi_bias(r, row[i], b, h, i_first + i, j0 + j)
-                row[i] = user_score(r, s, b, h, i_first + i, j0 + j)
+                row[i] = capped_score(r, row[i], b, h, i_first + i, j0 + j)
 
 
 @njit(**CALLED)
@@ -542,7 +530,7 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             masked = mask is not None or (not in_window and not band) or per_element
             # A soft cap alone on an unmasked tile is done by the softmax's first pass.
             cap = zero
-            if r.softcap > 0 and not masked and not _mods_scores(r):
+            if r.softcap > 0 and not masked and not modifies_capped(r):
                 cap = softcap
             elif modifies_scores(r):
                 _modify_tile(p_st, n_keys, n_real, r, b, h, i_first, j0)

@@ -28,8 +28,9 @@ operators' schemas, fake kernels, autograd and vmap rules read the table.
 A new per-head array variant is an entry here (with its check), its recipe field and its
 place in the score (:mod:`sdpa_numba.score.recipe`), its line in the float64 reference
 (:mod:`sdpa_numba.reference`) and in :class:`sdpa_numba._typing.Variants`, a test and a line
-of the documentation; the CPU kernels' fast paths that skip the score seam when nothing
-modifies scores must learn of it too, until they read the seam's own test.
+of the documentation. The kernels ask the seam whether a recipe changes scores
+(``modifies_scores``, ``modifies_capped``) and apply its functions, so none of them learns of
+a new variant.
 """
 
 import inspect

@@ -306,13 +306,22 @@ def _user_keeps(r, b, h, i, j):
 
 
 @njit(**INLINE)
-def modified_score(r, s, b, h, i, j):
-    """The score of (``b``, ``h``, ``i``, ``j``) from the scaled ``s = scale · q_i · k_j``:
-    soft cap, ALiBi, score_mod, in that order (no masks). ``b`` is the launch's batch index."""
-    if r.softcap > 0:
-        s = soft_cap(s, r.softcap)
+def capped_score(r, s, b, h, i, j):
+    """The score after the soft cap: from the (capped) ``s``, every change that follows it
+    (ALiBi, score_mod, in that order; no masks). Kernels that soft-cap whole tiles at once
+    apply it element by element after that, where :func:`modifies_capped` says it changes
+    anything."""
     s = alibi_bias(r, s, b, h, i, j)
     return user_score(r, s, b, h, i, j)
+
+
+@njit(**INLINE)
+def modified_score(r, s, b, h, i, j):
+    """The score of (``b``, ``h``, ``i``, ``j``) from the scaled ``s = scale · q_i · k_j``:
+    soft cap, then :func:`capped_score` (no masks). ``b`` is the launch's batch index."""
+    if r.softcap > 0:
+        s = soft_cap(s, r.softcap)
+    return capped_score(r, s, b, h, i, j)
 
 
 @njit(**INLINE)
@@ -371,8 +380,19 @@ def modifies_scores(r):
 
 @overload(modifies_scores, target="generic")
 def _modifies_scores(r):
+    return lambda r: modifies_capped(r) or r.softcap > 0
+
+
+def modifies_capped(r):
+    """Whether :func:`capped_score` changes scores (ALiBi, a score_mod): a compile-time
+    constant (jitted code only)."""
+    raise NotImplementedError("modifies_capped is only callable from jitted code")
+
+
+@overload(modifies_capped, target="generic")
+def _modifies_capped(r):
     const = not (_absent(r, "alibi") and _absent(r, "score_mod"))
-    return lambda r: const or r.softcap > 0
+    return lambda r: const
 
 
 # --- sinks ---------------------------------------------------------------------------------
