@@ -78,7 +78,8 @@ def scaled_dot_product_attention_backward(
         Also return the gradient of a float ``attn_mask`` (of the scores it is added to),
         summed over the dims along which the mask was broadcast. Needs a float mask; builds
         an array of the full scores' shape ``(..., Hq, L, S)`` before the reduction.
-    sinks, window, alignment, softcap, alibi_slopes, score_mod, mask_mod, mod_args, block_mask
+    sinks, window, chunk, alignment, softcap, alibi_slopes, score_mod, mask_mod, mod_args,
+    block_mask
         The variants, keyword-only, exactly as given to the forward (see
         :func:`~sdpa_numba.scaled_dot_product_attention`).
     score_mod_grad : Numba @njit function, keyword-only
