@@ -137,16 +137,20 @@ def test_backward_float64_across_blocks(rng):
 
 # --- whole blocks outside a chunk are not visited -------------------------------------------
 
-def test_keys_outside_every_chunk_are_not_read(rng):
-    # Queries at positions 0..63 with chunks of 128 see keys 0..127 only: keys from 128 on
-    # are NaN, and a kernel that visited their blocks (even masking every score) would
-    # multiply their NaN values by 0 into the rows' sums.
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_keys_outside_every_chunk_are_not_read(rng, alignment):
+    # Queries at positions 0..63 (top-left; bottom-right: 960..1023) with chunks of 128 see
+    # keys 0..127 (896..1023) only: the others are NaN, and a kernel that visited their
+    # blocks (even masking every score) would multiply their NaN values by 0 into the rows'
+    # sums.
     L, S, c = 64, 1024, 128
     q, k, v = qkv(rng, 1, 2, 2, L, S)
+    seen = slice(0, c) if alignment == "top_left" else slice(S - c, S)
+    unseen = slice(c, S) if alignment == "top_left" else slice(0, S - c)
     kp, vp = k.copy(), v.copy()
-    kp[:, :, c:] = np.nan
-    vp[:, :, c:] = np.nan
-    kw = dict(chunk=c, is_causal=True)
+    kp[:, :, unseen] = np.nan
+    vp[:, :, unseen] = np.nan
+    kw = dict(chunk=c, is_causal=True, alignment=alignment)
     out, lse = sdpa(q, kp, vp, return_lse=True, **kw)
     ref, _ = reference.attention(q, k, v, **kw)
     assert rel_err(out, ref) < 1e-14
@@ -154,9 +158,9 @@ def test_keys_outside_every_chunk_are_not_read(rng):
     dq, dk, dv = sdpa_backward(g, q, kp, vp, out, lse, **kw)
     rq, rk, rv = reference.attention_backward(g, q, k, v, **kw)[:3]
     assert rel_err(dq, rq) < GRAD_TOL
-    assert rel_err(dk[:, :, :c], rk[:, :, :c]) < GRAD_TOL
-    assert rel_err(dv[:, :, :c], rv[:, :, :c]) < GRAD_TOL
-    assert (dk[:, :, c:] == 0).all() and (dv[:, :, c:] == 0).all()
+    assert rel_err(dk[:, :, seen], rk[:, :, seen]) < GRAD_TOL
+    assert rel_err(dv[:, :, seen], rv[:, :, seen]) < GRAD_TOL
+    assert (dk[:, :, unseen] == 0).all() and (dv[:, :, unseen] == 0).all()
 
 
 def test_decode_reads_only_its_chunk(rng):
