@@ -169,12 +169,10 @@ def _alibi_score(s, slopes, rel):
     return s - slopes.to(s.dtype)[..., None, None] * rel.abs().to(s.dtype)
 
 
-#: Every variant, in the order of the score's formula (the public signatures' order).
+#: Every variant, in the order of the score's formula (the public signatures' order), then
+#: those added later (the operators' schemas take them positionally).
 VARIANTS = (
     Variant("window", None, "window", ring=True, torch="window"),
-    # Chunked local attention (a run-time number of the recipe: no compiled specialization).
-    # Ring attention's steps split the keys by the window alone: it refuses chunks.
-    Variant("chunk", None, "int", torch="int"),
     Variant("alignment", "top_left", "choice", ring=True, torch="str"),
     Variant("softcap", None, "number", ring=True, torch="float", torch_score=_softcap_score),
     Variant("alibi_slopes", None, "per_head", field="alibi",
@@ -188,6 +186,10 @@ VARIANTS = (
     Variant("mod_args", (), "args", array=True),
     Variant("score_mod_grad", None, "function", kvcache=False),
     Variant("block_mask", None, "block_mask", array=True),
+    # Chunked local attention (a run-time number of the recipe: no compiled specialization).
+    # Last, so that the torch operators' schemas keep their earlier arguments' positions.
+    # Ring attention's steps split the keys by the window alone: it refuses chunks.
+    Variant("chunk", None, "int", torch="int"),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}
