@@ -14,10 +14,14 @@ Usage::
 """
 
 import argparse
+import pathlib
+import sys
 import time
 
 import numba
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's package
 
 
 def main(argv=None):
