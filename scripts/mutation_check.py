@@ -60,6 +60,9 @@ VAR_WINDOW = ["tests/test_variants.py", "-k", "window"]
 VAR_FWD = ["tests/test_variants.py"]
 VAR_BWD = ["tests/test_variants_backward.py"]
 CUDA_VAR = ["tests/cuda/test_cuda_variants.py"]
+CHUNKS = ["tests/test_chunk.py", "-k", "forward_against or keys_outside or decode_reads"]
+#: The element test (in_window) runs in the decode kernel's cut blocks (and on the GPU).
+CHUNK_ELEMENTS = ["tests/test_kvcache.py", "-k", "variants and chunk"]
 KV = ["tests/test_kvcache.py"]
 MERGE = ["tests/test_merge.py"]
 
@@ -233,6 +236,15 @@ MUTANTS = [
       "j_begin = max(i_first + r.offset - r.left, 0)",
       "j_begin = max(i_first + r.offset - r.left + 1, 0)",
       VAR_WINDOW, "window work list: the first visible key block starts one key late"),
+    M("chunk_rule_off_by_one", R,
+      "if r.chunk > 0 and ii // r.chunk != j // r.chunk:",
+      "if r.chunk > 0 and (ii + 1) // r.chunk != j // r.chunk:",
+      CHUNK_ELEMENTS, "chunked attention: a query's chunk shifted one position (the element "
+      "test)"),
+    M("chunk_key_range_unskipped", R,
+      "j_begin = max(j_begin, (i_first + r.offset) // r.chunk * r.chunk)",
+      "j_begin = max(j_begin, 0)",
+      CHUNKS, "chunked attention: key blocks before a row block's chunk visited, not skipped"),
     M("bottom_right_offset", "sdpa_numba/problem/variants.py",
       'offset = S - L if alignment == "bottom_right" else 0',
       'offset = S - L - 1 if alignment == "bottom_right" else 0',

@@ -31,6 +31,7 @@ class Variants(TypedDict, total=False):
     (it changes what the backward returns)."""
 
     window: tuple[int | None, int | None] | None
+    chunk: int | None
     alignment: Literal["top_left", "bottom_right"]
     softcap: float | None
     alibi_slopes: Any

@@ -126,6 +126,13 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
         ``i' - left <= j <= i' + right`` (``i'`` is ``i`` in the aligned frame, see
         ``alignment``); None on a side is unlimited. With ``is_causal``, ``right`` is at most 0.
         Sides must be >= 0.
+    chunk : int, keyword-only, optional
+        Chunked local attention (Llama 4's ``attention_chunk``): positions fall into chunks of
+        ``chunk`` from position 0, and query row ``i`` sees only keys ``j`` of its own chunk,
+        ``i' // chunk == j // chunk`` (``i'`` as for ``window``: with
+        ``alignment="bottom_right"``, ``i + S - L``; a row at a negative position sees no
+        key), on top of ``is_causal``, ``window`` and the masks. Key blocks outside a row
+        block's chunks are skipped, forward and backward. An int >= 1; None: no chunks.
     alignment : {"top_left", "bottom_right"}, keyword-only
         Where row ``i`` sits among the keys, for ``is_causal``, ``window`` and ALiBi:
         ``i' = i`` (top-left, torch's ``is_causal``) or ``i' = i + S - L`` (bottom-right: the
@@ -184,7 +191,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Ma
     nearest even. Results do not depend on the thread count.
 
     The score of ``(b, h, i, j)`` is formed in this order: ``scale * q_i . k_j``, soft cap,
-    ALiBi, ``score_mod``, float ``attn_mask`` added; then the window (and causality), a bool
+    ALiBi, ``score_mod``, float ``attn_mask`` added; then the window (and causality), the chunk, a bool
     ``attn_mask`` and ``mask_mod`` mask it (see the documentation's variants page). With
     ``sinks``, a row whose every key is masked gives zeros and ``lse`` = its head's sink.
     """

@@ -81,7 +81,7 @@ def scaled_dot_product_attention_backward(
 
     Other Parameters
     ----------------
-    sinks, window, alignment, softcap, alibi_slopes, score_mod, mask_mod, mod_args, block_mask : as in the forward
+    sinks, window, chunk, alignment, softcap, alibi_slopes, score_mod, mask_mod, mod_args, block_mask : as in the forward
         The variants, keyword-only, exactly as given to the forward (see
         :func:`~sdpa_numba.scaled_dot_product_attention`).
     score_mod_grad : Numba @njit function, keyword-only

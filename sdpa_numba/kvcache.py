@@ -244,7 +244,7 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
 
     Other Parameters
     ----------------
-    is_causal, scale, k_scale, v_scale, window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, block_mask : as for attention_with_kvcache
+    is_causal, scale, k_scale, v_scale, window, chunk, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, block_mask : as for attention_with_kvcache
         As for :func:`attention_with_kvcache` (``k_scale``, ``v_scale``: one layer's, for
         their shapes and dtype; each run passes its own).
 
@@ -352,6 +352,11 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         (each side an int >= 0 or None: unlimited; with ``is_causal`` the right side is 0).
         Keys outside every token's window are not read: a decode step with ``window=(255,
         0)`` over a cache of 8192 keys reads 256 of them.
+    chunk : int >= 1, keyword-only, optional
+        Chunked local attention (Llama 4's ``attention_chunk``) in the cache's frame, as
+        ``window``: query token ``t`` at position ``i = n - Lq + t`` sees only keys ``j`` with
+        ``i // chunk == j // chunk`` (key ``j`` at position ``j``, left padding included).
+        Keys outside every token's chunk are not read. None: no chunks.
     alignment : "bottom_right", keyword-only
         The cache's frame is bottom-right aligned (as above), always: "top_left" is refused
         (a query token's place is fixed by the cache, not by a choice of frame).

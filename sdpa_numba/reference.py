@@ -79,7 +79,7 @@ def _elementwise(f, s, args, mod_args):
 
 def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=None,
             alignment="top_left", softcap=None, alibi_slopes=None, score_mod=None,
-            mask_mod=None, mod_args=(), score_mod_grad=None):
+            mask_mod=None, mod_args=(), score_mod_grad=None, chunk=None):
     """float64 operands (key/value heads repeated for GQA), the scale, the GQA repeat factor,
     the masked, modified scores and ``ds_dscaled``, d(score) / d(scale · q · k) (1 where no
     soft cap or score_mod changes it; only computed with ``score_mod_grad`` or a soft cap).
@@ -89,8 +89,9 @@ def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=N
 
         s = scale · q_i · k_j;  s = softcap · tanh(s / softcap);  s = s - slope · |i' - j|;
         s = score_mod(s, b, h, i, j, *mod_args);  s = s + (float) attn_mask;
-        s = -inf unless i' - left <= j <= i' + right (causal: right <= 0), mask_mod and the
-        bool attn_mask keep it.
+        s = -inf unless i' - left <= j <= i' + right (causal: right <= 0),
+        floor(i' / chunk) == floor(j / chunk) (with ``chunk``), mask_mod and the bool
+        attn_mask keep it.
 
     Scores always have the full shape ``(*batch, Hq, L, S)`` (inputs that are all 2-D: no head
     dim) so that ``b`` is the flat index into the batch dims.
@@ -140,6 +141,8 @@ def _scores(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=N
         keep &= j >= i - left
     if right is not None:
         keep &= j <= i + right
+    if chunk is not None:  # chunked local attention: the query's chunk only
+        keep &= np.floor_divide(i, chunk) == np.floor_divide(j, chunk)
     keep = np.broadcast_to(keep, full)
     if mask_mod is not None:
         keep = keep & _elementwise(mask_mod, None, full, tuple(mod_args))
@@ -180,7 +183,7 @@ def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
               alignment: str = "top_left", softcap: float | None = None,
               alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
               score_mod: Any = None, mask_mod: Any = None,
-              mod_args: tuple[Any, ...] = ()) -> tuple[F64, F64]:
+              mod_args: tuple[Any, ...] = (), chunk: int | None = None) -> tuple[F64, F64]:
     """Reference attention; returns ``(out, lse)`` in float64.
 
     Parameters
@@ -195,7 +198,7 @@ def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         Defaults to ``1 / sqrt(E)``.
     enable_gqa : bool
         Query head ``h`` uses key/value head ``h // (Hq // H)``.
-    window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args
+    window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args, chunk
         The variants, keyword-only, exactly as :func:`sdpa_numba.scaled_dot_product_attention`
         takes them (``score_mod`` and ``mask_mod`` are called in plain Python: a Numba
         function's ``py_func``). Not validated here: pass what the public function accepts.
@@ -208,7 +211,7 @@ def attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     """
     q, k, v, scale, _, s, _ = _scores(query, key, value, attn_mask, is_causal, scale,
                                       enable_gqa, window, alignment, softcap, alibi_slopes,
-                                      score_mod, mask_mod, mod_args)
+                                      score_mod, mask_mod, mod_args, chunk=chunk)
     p, lse = _softmax(s, sinks)
     return np.matmul(p, v), lse
 
@@ -241,7 +244,8 @@ def attention_dropout(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                       alignment: str = "top_left", softcap: float | None = None,
                       alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
                       score_mod: Any = None, mask_mod: Any = None,
-                      mod_args: tuple[Any, ...] = ()) -> tuple[F64, F64]:
+                      mod_args: tuple[Any, ...] = (),
+                      chunk: int | None = None) -> tuple[F64, F64]:
     """Reference attention with dropout (the mask of :mod:`sdpa_numba.dropout`'s stream).
 
     Returns ``(out, lse)`` in float64; ``lse`` is that of the softmax before dropout. The
@@ -250,7 +254,7 @@ def attention_dropout(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     q, k, v, scale, rep, p, z, lse = _train_forward(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
         window=window, alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
+        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args, chunk=chunk)
     return np.matmul(p * z, v), lse
 
 
@@ -263,7 +267,8 @@ def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
                        alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
                        score_mod: Any = None, mask_mod: Any = None,
                        mod_args: tuple[Any, ...] = (),
-                       score_mod_grad: Any = None) -> tuple[Any, ...]:
+                       score_mod_grad: Any = None,
+                       chunk: int | None = None) -> tuple[Any, ...]:
     """Reference gradients of :func:`attention` (with dropout: of :func:`attention_dropout`).
 
     With ``P`` the probabilities, ``Z`` the dropout factors (kept / (1 - p), or 1),
@@ -292,7 +297,7 @@ def attention_backward(grad_out: ArrayLike, query: ArrayLike, key: ArrayLike,
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
         window=window, alignment=alignment, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
-        score_mod_grad=score_mod_grad, with_slope=True)
+        score_mod_grad=score_mod_grad, chunk=chunk, with_slope=True)
     do = np.asarray(grad_out, dtype=np.float64)
     dv = np.matmul(np.swapaxes(p * z, -1, -2), do)
     dp = np.matmul(do, np.swapaxes(v, -1, -2)) * z

@@ -1,7 +1,7 @@
 """The CPU forward's tiles, for tools that model its work without importing the kernels (the
 ``variants`` benchmark, scripts/variant_ratios.py): the block sizes of
 :func:`sdpa_numba.cpu.forward.forward` and the fraction of the scores it computes under a
-window."""
+window and chunks."""
 
 from .cpu.forward import BM, BN
 
@@ -11,8 +11,9 @@ QUERY_BLOCK = BM
 KEY_BLOCK = BN
 
 
-def visited_fraction(L, S, left, right, offset=0):
-    """The fraction of the L x S scores the CPU forward computes under a window: per query
+def visited_fraction(L, S, left, right, offset=0, chunk=None):
+    """The fraction of the L x S scores the CPU forward computes under a window (and chunks
+    of ``chunk`` positions, None: none): per query
     sub-block of :data:`QUERY_BLOCK` rows, the key blocks of :data:`KEY_BLOCK` keys from the
     first to the last key any of its rows sees (cut at that last key), as
     :func:`sdpa_numba.cpu.forward.attend_rows` visits them. ``None``: an unlimited side."""
@@ -23,6 +24,9 @@ def visited_fraction(L, S, left, right, offset=0):
         i_last = min(L, i_first + QUERY_BLOCK) - 1
         lo = max(i_first + offset - left, 0)
         hi = min(i_last + offset + right + 1, S)
+        if chunk is not None:  # the seam's key_range: from the first row's chunk to the last's
+            lo = max(lo, (i_first + offset) // chunk * chunk)
+            hi = min(hi, ((i_last + offset) // chunk + 1) * chunk)
         if hi > lo:
             total += (hi - lo // KEY_BLOCK * KEY_BLOCK) * (i_last - i_first + 1)
     return total / (L * S)

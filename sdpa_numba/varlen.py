@@ -99,9 +99,10 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
 
     Other Parameters
     ----------------
-    window, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args : as in the dense function
+    window, chunk, alignment, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_args : as in the dense function
         The variants of the dense function, applied per sequence: rows ``i`` and keys ``j``
-        count from the sequence's first, ``alignment="bottom_right"`` aligns each sequence's
+        count from the sequence's first (so do the chunks: each sequence's first key starts
+        a chunk), ``alignment="bottom_right"`` aligns each sequence's
         last query with its last key, ``alibi_slopes`` has shape ``(Hq,)`` or ``(B, Hq)``, and
         ``score_mod(score, b, h, i, j, *mod_args)`` / ``mask_mod(b, h, i, j, *mod_args)`` get
         the sequence index as ``b``.

@@ -110,6 +110,7 @@ VARIANTS = {
     "window": lambda rng, B, Hq: {"window": (5, 0)},
     "window_not_causal": lambda rng, B, Hq: {"window": (4, 2), "is_causal": False},
     "softcap": lambda rng, B, Hq: {"softcap": 1.5, "window": (None, 0)},
+    "chunk": lambda rng, B, Hq: {"chunk": 5},
     "alibi_sinks": lambda rng, B, Hq: {"alibi_slopes": _alibi(rng, B, Hq),
                                        "sinks": np.r_[rng.standard_normal(Hq - 1) + 2,
                                                       -np.inf]},

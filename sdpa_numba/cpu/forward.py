@@ -40,9 +40,9 @@ from .scratch import LINE, aligned_empty, aligned_full
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
-                            fold_sink, has_element_mask, kernel_recipe, key_range,
-                            modifies_capped, modifies_scores, query_range, sink_logit,
-                            user_keeps, window_covers)
+                            fold_sink, has_element_mask, in_one_chunk, kernel_recipe,
+                            key_range, modifies_capped, modifies_scores, query_range,
+                            sink_logit, user_keeps, window_covers)
 from .storage import is_compute_dtype, load, store
 from .tanh import scaled_tanh
 from .tasks import (failed_task, next_task, raise_lost, record_failure, task_runner,
@@ -525,8 +525,10 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
                 times(p_st, n_keys * BM, score_w)
             in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)
             per_element = element and (not blocked or state == BLOCK_PARTIAL)
-            # A tile that only the window masks is masked in the softmax's first pass.
-            band = not in_window and mask is None and not per_element
+            # A tile that only the window masks is masked in the softmax's first pass (a
+            # chunk boundary inside the tile is masked per element).
+            band = (not in_window and mask is None and not per_element
+                    and in_one_chunk(r, i_first, i_last, j0, j0 + n_keys - 1))
             masked = mask is not None or (not in_window and not band) or per_element
             # A soft cap alone on an unmasked tile is done by the softmax's first pass.
             cap = zero

@@ -45,9 +45,9 @@ def kernel_types(dtype, mask_kind):
     return st, ct, mask_t
 
 
-#: The Python types of a recipe's numbers (offset, left, right, softcap, batch_offset) whose
-#: Numba types are PLAIN_RECIPE's.
-_PLAIN_NUMBERS = (np.int64, np.int64, np.int64, np.float64, np.int64)
+#: The Python types of a recipe's numbers (offset, left, right, chunk, softcap, batch_offset)
+#: whose Numba types are PLAIN_RECIPE's.
+_PLAIN_NUMBERS = (np.int64, np.int64, np.int64, np.int64, np.float64, np.int64)
 
 
 def recipe_type(r):
@@ -57,7 +57,7 @@ def recipe_type(r):
     if r is DENSE or r is CAUSAL:
         return PLAIN_RECIPE
     if (type(r.mod_args) is tuple and not has_optional_parts(r)
-            and all(type(x) is t for x, t in zip(r[:5], _PLAIN_NUMBERS))):
+            and all(type(x) is t for x, t in zip(r[:len(_PLAIN_NUMBERS)], _PLAIN_NUMBERS))):
         return PLAIN_RECIPE
     return typeof(r)
 

@@ -36,6 +36,12 @@ def _check_variants(attn_mask, dropout_p, variants):
         raise NotImplementedError(f"ring attention has no dropout yet (dropout_p={dropout_p!r}):"
                                   f" pass dropout_p=0")
     used = [name for name in _REFUSED if not is_default(name, variants.get(name))]
+    if "chunk" in used:
+        raise NotImplementedError(
+            "ring attention does not shard chunk (chunked local attention) yet: its steps "
+            "split the keys by the window alone; a chunk of c tokens needs no ring (each "
+            "rank's queries see only their chunk's keys), so call the dense function on the "
+            "chunks a rank holds")
     if used:
         raise NotImplementedError(
             f"ring attention does not shard {', '.join(used)}: a score_mod or mask_mod is "

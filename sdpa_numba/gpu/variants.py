@@ -3,8 +3,8 @@
 A CUDA kernel cannot take None or a function as an argument. So a host
 :class:`~sdpa_numba.score.recipe.Recipe` travels as one :class:`RecipeArg`, a named tuple of
 
-* five run-time numbers (offset, left, right, softcap, batch offset): dense, causal, windowed,
-  bottom-right and soft-capped attention share one compiled kernel;
+* six run-time numbers (offset, left, right, chunk, softcap, batch offset): dense, causal,
+  windowed, chunked, bottom-right and soft-capped attention share one compiled kernel;
 * each optional array (ALiBi slopes, sinks, block mask) as a tuple of zero or one array, and the
   block mask's block sizes as two more numbers; ``mod_args`` as the tuple it is (an empty tuple
   is no kernel argument at all);
@@ -43,7 +43,7 @@ NO_MASK = ()
 
 #: A host recipe as one kernel argument (see the module doc; :func:`kernel_args`).
 RecipeArg = namedtuple("RecipeArg", [
-    "offset", "left", "right", "softcap", "batch_offset",  # the recipe's numbers
+    "offset", "left", "right", "chunk", "softcap", "batch_offset",  # the recipe's numbers
     "alibi", "sinks", "block_mask",  # () or (array,) each
     "bq", "bk",  # the block mask's query rows and keys per block
     "mod_args",  # the tuple of mod_args
@@ -82,7 +82,7 @@ def arg_type(key, ct):
         return types.UniTuple(t, 1) if present else types.Tuple(())
 
     return types.NamedTuple(
-        (types.int64, types.int64, types.int64, types.float64, types.int64,
+        (types.int64, types.int64, types.int64, types.int64, types.float64, types.int64,
          opt(has_alibi, types.Array(ct, 2, "A")), opt(has_sinks, types.Array(ct, 1, "A")),
          opt(has_bm, types.Array(types.int8, 3 + 1, "A")), types.int64, types.int64,
          types.Tuple(key[6])), RecipeArg)
@@ -109,8 +109,8 @@ def kernel_args(r, block_sizes=(1, 1), to_device=None):
                       int(x) if isinstance(x, (int, np.integer)) else
                       float(x) if isinstance(x, (float, np.floating)) else x)
                      for x in r.mod_args)
-    return RecipeArg(np.int64(r.offset), np.int64(r.left), np.int64(r.right), float(r.softcap),
-                     np.int64(r.batch_offset), opt(r.alibi), opt(r.sinks), opt(r.block_mask),
+    return RecipeArg(np.int64(r.offset), np.int64(r.left), np.int64(r.right),
+                     np.int64(r.chunk), float(r.softcap), np.int64(r.batch_offset), opt(r.alibi), opt(r.sinks), opt(r.block_mask),
                      np.int64(block_sizes[0]), np.int64(block_sizes[1]), mod_args)
 
 
@@ -135,19 +135,19 @@ def _host(x):
     return getattr(x, "_ary", x)
 
 
-def unpack(offset, left, right, softcap, batch_offset, alibi_t, sinks_t, bm_t, score_mod,
-           mask_mod, score_mod_grad, mod_args):
+def unpack(offset, left, right, chunk, softcap, batch_offset, alibi_t, sinks_t, bm_t,
+           score_mod, mask_mod, score_mod_grad, mod_args):
     """The :class:`~sdpa_numba.score.recipe.Recipe` of a kernel's arguments (see the module
     doc); the functions are the kernel factory's. Device code (and simulator Python)."""
-    return Recipe(offset, left, right, softcap, batch_offset,
+    return Recipe(offset, left, right, chunk, softcap, batch_offset,
                   _host(alibi_t[0]) if alibi_t else None, _host(sinks_t[0]) if sinks_t else None,
                   score_mod, mask_mod, score_mod_grad, tuple(_host(x) for x in mod_args),
                   _host(bm_t[0]) if bm_t else None)
 
 
 @overload(unpack, target="generic")
-def _unpack(offset, left, right, softcap, batch_offset, alibi_t, sinks_t, bm_t, score_mod,
-            mask_mod, score_mod_grad, mod_args):
+def _unpack(offset, left, right, chunk, softcap, batch_offset, alibi_t, sinks_t, bm_t,
+            score_mod, mask_mod, score_mod_grad, mod_args):
     # Resolved by type: an absent part is None in the recipe, so the score functions drop it
     # at compile time.
     has_alibi, has_sinks, has_bm = (len(t.types) > 0 for t in (alibi_t, sinks_t, bm_t))
@@ -155,9 +155,9 @@ def _unpack(offset, left, right, softcap, batch_offset, alibi_t, sinks_t, bm_t, 
     a = "alibi_t[0]" if has_alibi else "None"
     s = "sinks_t[0]" if has_sinks else "None"
     m = "bm_t[0]" if has_bm else "None"
-    src = (f"def impl(offset, left, right, softcap, batch_offset, alibi_t, sinks_t, bm_t, "
-           f"score_mod, mask_mod, score_mod_grad, mod_args):\n"
-           f"    return Recipe(offset, left, right, softcap, batch_offset, {a}, {s}, "
+    src = (f"def impl(offset, left, right, chunk, softcap, batch_offset, alibi_t, sinks_t, "
+           f"bm_t, score_mod, mask_mod, score_mod_grad, mod_args):\n"
+           f"    return Recipe(offset, left, right, chunk, softcap, batch_offset, {a}, {s}, "
            f"score_mod, mask_mod, score_mod_grad, mod_args, {m})\n")
     ns = {"Recipe": Recipe}
     exec(src, ns)  # noqa: S102 - fixed source, chosen among eight by type
@@ -168,15 +168,15 @@ def recipe_of(ra, offset, score_mod, mask_mod, score_mod_grad):
     """The :class:`~sdpa_numba.score.recipe.Recipe` of kernel argument ``ra`` (a
     :class:`RecipeArg`) at ``offset`` (the work item's: per sequence in a packed batch); the
     functions are the kernel factory's. Device code (and simulator Python)."""
-    return unpack(offset, ra.left, ra.right, ra.softcap, ra.batch_offset, ra.alibi, ra.sinks,
-                  ra.block_mask, score_mod, mask_mod, score_mod_grad, ra.mod_args)
+    return unpack(offset, ra.left, ra.right, ra.chunk, ra.softcap, ra.batch_offset, ra.alibi,
+                  ra.sinks, ra.block_mask, score_mod, mask_mod, score_mod_grad, ra.mod_args)
 
 
 @overload(recipe_of, target="generic")
 def _recipe_of(ra, offset, score_mod, mask_mod, score_mod_grad):
     def impl(ra, offset, score_mod, mask_mod, score_mod_grad):
-        return unpack(offset, ra.left, ra.right, ra.softcap, ra.batch_offset, ra.alibi,
-                      ra.sinks, ra.block_mask, score_mod, mask_mod, score_mod_grad,
+        return unpack(offset, ra.left, ra.right, ra.chunk, ra.softcap, ra.batch_offset,
+                      ra.alibi, ra.sinks, ra.block_mask, score_mod, mask_mod, score_mod_grad,
                       ra.mod_args)
     return impl
 

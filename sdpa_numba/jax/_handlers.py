@@ -269,6 +269,8 @@ def _indices(mask_kind, alibi, sinks, tail):
 
 #: The launches' batch offset: each handler launches one batch index's views at a time.
 _BATCH0 = np.int64(0)
+#: No chunked local attention: sdpa_numba.jax does not take ``chunk``.
+_NO_CHUNK = np.int64(0)
 
 
 def _operands(dtype, mask_kind, alibi, sinks):
@@ -293,7 +295,7 @@ def _operands(dtype, mask_kind, alibi, sinks):
 
     @njit
     def recipe_at(frame, ints, floats, f_h, idx):
-        return Recipe(ints[0], ints[1], ints[2], floats[1], _BATCH0,
+        return Recipe(ints[0], ints[1], ints[2], _NO_CHUNK, floats[1], _BATCH0,
                       get_alibi(frame, i_alibi, f_h, idx), get_sinks(frame, i_sinks, f_h, idx),
                       None, None, None, (), None)
 

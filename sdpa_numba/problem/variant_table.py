@@ -2,7 +2,7 @@
 
 Each :class:`Variant` says what a keyword of the public functions is and how it travels:
 
-* its name, default and kind (``window``, ``choice``, ``number``, ``per_head`` array,
+* its name, default and kind (``window``, ``int``, ``choice``, ``number``, ``per_head`` array,
   ``function``, ``args``, ``block_mask``);
 * how it enters the kernels' :class:`~sdpa_numba.score.recipe.Recipe`: a ``per_head`` array
   through its ``check`` into its recipe ``field`` (:func:`~.variants.variants_recipe` does the
@@ -11,8 +11,8 @@ Each :class:`Variant` says what a keyword of the public functions is and how it 
 * whether it may hold arrays the call reads (``out`` must not overlap them), whether ring
   attention shards it, whether the KV-cache functions take it, which targets' kernels run it
   (elsewhere a call that gives it raises NotImplementedError);
-* how the torch operators carry it (``torch``: two ``int?`` sides for the window, a ``str``, a
-  ``float?``, a ``Tensor?``, or nothing: Numba functions cannot cross an operator's schema),
+* how the torch operators carry it (``torch``: two ``int?`` sides for the window, an ``int?``,
+  a ``str``, a ``float?``, a ``Tensor?``, or nothing: Numba functions cannot cross an operator's schema),
   how their vmap rule folds a batched tensor (``vmap``: ``"batch"``, its leading dims
   broadcast against the scores' batch dims so the vmapped dim folds into them, or ``"loop"``,
   one call per vmapped index), and how the double backward forms the score in torch
@@ -63,7 +63,7 @@ class Variant:
     #: The targets whose kernels run it (:mod:`sdpa_numba.targets` names); on another, a call
     #: that gives it raises NotImplementedError.
     targets: tuple = ("host", "cuda")
-    #: How the torch operators carry it: "window", "str", "float", "tensor" or None.
+    #: How the torch operators carry it: "window", "int", "str", "float", "tensor" or None.
     torch: str | None = None
     #: A "tensor"'s vmap rule: "batch" or "loop".
     vmap: str | None = None
@@ -170,7 +170,8 @@ def _alibi_score(s, slopes, rel):
     return s - slopes.to(s.dtype)[..., None, None] * rel.abs().to(s.dtype)
 
 
-#: Every variant, in the order of the score's formula (the public signatures' order).
+#: Every variant, in the order of the score's formula (the public signatures' order), then
+#: those added later (the operators' schemas take them positionally).
 VARIANTS = (
     Variant("window", None, "window", ring=True, torch="window"),
     Variant("alignment", "top_left", "choice", ring=True, torch="str"),
@@ -186,6 +187,10 @@ VARIANTS = (
     Variant("mod_args", (), "args", array=True),
     Variant("score_mod_grad", None, "function", kvcache=False),
     Variant("block_mask", None, "block_mask", array=True),
+    # Chunked local attention (a run-time number of the recipe: no compiled specialization).
+    # Last, so that the torch operators' schemas keep their earlier arguments' positions.
+    # Ring attention's steps split the keys by the window alone: it refuses chunks.
+    Variant("chunk", None, "int", torch="int"),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}

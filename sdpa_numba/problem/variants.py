@@ -59,6 +59,21 @@ def check_alignment(alignment):
     return alignment
 
 
+def check_chunk(chunk):
+    """``chunk`` (chunked local attention: a query sees only the keys of its own chunk of
+    ``chunk`` positions) as the kernels' int, or 0 for None (no chunks)."""
+    if chunk is None:
+        return 0
+    if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, numbers.Integral):
+        raise TypeError(f"chunk must be an int >= 1 or None, got {type(chunk).__name__}")
+    c = int(chunk)
+    if c < 1:
+        raise ValueError(f"chunk must be >= 1 (or None: no chunks), got {c}")
+    # A chunk past any position is one chunk from position 0 (and keeps the kernels' chunk
+    # bounds inside int64).
+    return min(c, R.NO_LIMIT)
+
+
 def check_softcap(softcap, cdt=np.float64):
     """``softcap`` as a float > 0, or 0.0 for None (no cap). The kernels divide scores by it
     (they fold ``1 / softcap`` into the queries' scale): a cap whose reciprocal overflows the
@@ -176,6 +191,7 @@ def is_plain(r):
     """Whether recipe ``r`` is dense or causal (top-left) attention: what the kernels did
     before the variants (a launcher that cannot run variants refuses the others)."""
     return (not R.has_optional_parts(r) and r.softcap == 0 and r.left == R.NO_LIMIT
+            and r.chunk == 0
             and (r.right == R.NO_LIMIT or (r.right == 0 and r.offset == 0)))
 
 
@@ -195,6 +211,7 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, backward=False, **varian
         return R.CAUSAL if is_causal else R.DENSE
     get = variants.get
     left, right = check_window(get("window"))
+    chunk = check_chunk(get("chunk"))
     alignment = check_alignment(get("alignment", "top_left"))
     if is_causal:
         right = min(right, 0)
@@ -217,6 +234,6 @@ def variants_recipe(batch, hq, L, S, cdt, is_causal, *, backward=False, **varian
                          "*mod_args): d score_mod / d score")
     if not backward:
         score_mod_grad = None
-    return R.recipe(offset=offset, left=left, right=right, softcap=cap, score_mod=score_mod,
+    return R.recipe(offset=offset, left=left, right=right, chunk=chunk, softcap=cap, score_mod=score_mod,
                     mask_mod=mask_mod, score_mod_grad=score_mod_grad, mod_args=mod_args,
                     block_mask=states, **arrays)

@@ -1,11 +1,12 @@
 """How a score is formed: the one definition both targets compile.
 
 A kernel receives the variants of a call as one :class:`Recipe`, a named tuple of run-time
-numbers (the window in the aligned frame, the soft cap, the batch offset of the launch) and of
+numbers (the window in the aligned frame, the chunk size of chunked local attention, the soft
+cap, the batch offset of the launch) and of
 optional parts (ALiBi slopes, sinks, the user's ``score_mod``/``mask_mod``/``score_mod_grad``
 and their ``mod_args``, a block mask). "Not used" is ``None`` for every optional part, and the
 functions below are resolved by type at compile time, so an unused part costs nothing in the
-compiled kernel. The numbers are run-time values: dense, causal, windowed, bottom-right and
+compiled kernel. The numbers are run-time values: dense, causal, windowed, chunked, bottom-right and
 soft-capped attention are one compiled specialization.
 
 For query row ``i`` and key ``j`` (positions in the call's ``q`` and ``k``; ``b`` the flat batch
@@ -18,11 +19,18 @@ index, ``h`` the query head), with ``i' = i + offset`` the row in the aligned fr
     s = score_mod(s, b, h, i, j, *mod_args)    if given
     s = s + attn_mask[b, h, i, j]              (float masks: the kernels add it)
     s = -inf unless  i' - left <= j <= i' + right  (causal: right = 0)
+               and  floor(i' / chunk) == floor(j / chunk)  if chunk > 0
                and mask_mod(b, h, i, j, *mod_args)  and the bool mask (the kernels' part)
 
+The chunk rule is chunked local attention (Llama 4's ``attention_chunk``): the positions
+``i'`` (the query's, in the aligned frame) and ``j`` (the key's) fall into chunks of
+``chunk`` positions from position 0, and a query sees only the keys of its own chunk. A row
+at a negative position (bottom-right alignment with ``L > S``) is in a chunk without keys.
+
 Sinks do not change scores: each head's sink logit joins every row's softmax denominator
-(:func:`fold_sink`). Work lists come from the window alone (:func:`key_range`,
-:func:`query_range`, :func:`window_covers`) and, when given, a block mask.
+(:func:`fold_sink`). Work lists come from the window and the chunks alone (:func:`key_range`,
+:func:`query_range`, :func:`window_covers`) and, when given, a block mask: every kernel that
+reads them skips whole blocks outside a row's chunk.
 
 All functions are ``@njit`` (inlined); numba-cuda compiles them as device functions, and the
 type dispatch (``None`` or not) uses ``@overload(target="generic")``, which both targets see.
@@ -47,6 +55,7 @@ Recipe = namedtuple("Recipe", [
     "offset",          # int64: i' = i + offset
     "left",            # int64: keys j >= i' - left are seen (NO_LIMIT: all)
     "right",           # int64: keys j <= i' + right are seen (0: causal; NO_LIMIT: all)
+    "chunk",           # int64: > 0: keys j with j // chunk == i' // chunk are seen; 0: all
     "softcap",         # float64: > 0 caps scores; 0.0: no cap
     "batch_offset",    # int64: flat batch index of the launch's first batch entry
     "alibi",           # None or (B or 1, Hq) slopes, compute dtype
@@ -62,7 +71,7 @@ Recipe = namedtuple("Recipe", [
 
 #: The recipe's run-time numbers; every other part is optional (None when unused; ``()`` for
 #: ``mod_args``).
-NUMBERS = ("offset", "left", "right", "softcap", "batch_offset")
+NUMBERS = ("offset", "left", "right", "chunk", "softcap", "batch_offset")
 
 
 def has_optional_parts(r):
@@ -72,7 +81,7 @@ def has_optional_parts(r):
                                       if f not in NUMBERS and f != "mod_args")
 
 
-def recipe(*, offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0,
+def recipe(*, offset=0, left=NO_LIMIT, right=NO_LIMIT, chunk=0, softcap=0.0, batch_offset=0,
            alibi=None, sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None,
            mod_args=(), block_mask=None):
     """A :class:`Recipe` with the kernels' types; arguments are trusted (the public layer
@@ -82,25 +91,27 @@ def recipe(*, offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset
     recipe without optional parts has one Numba type. Callable from host code and, with the
     same keywords, from jitted code (``@njit`` and ``@cuda.jit``), where ``mod_args`` must be
     a tuple. Window sides are in the kernels' encoding: ``NO_LIMIT`` for unlimited, ``right``
-    0 for causal; ``offset`` is ``S - L`` for bottom-right alignment, else 0.
+    0 for causal; ``offset`` is ``S - L`` for bottom-right alignment, else 0; ``chunk`` 0 for
+    no chunks.
     """
-    return Recipe(np.int64(offset), np.int64(left), np.int64(right), np.float64(softcap),
-                  np.int64(batch_offset), alibi, sinks, score_mod, mask_mod, score_mod_grad,
-                  tuple(mod_args), block_mask)
+    return Recipe(np.int64(offset), np.int64(left), np.int64(right), np.int64(chunk),
+                  np.float64(softcap), np.int64(batch_offset), alibi, sinks, score_mod,
+                  mask_mod, score_mod_grad, tuple(mod_args), block_mask)
 
 
 @overload(recipe, target="generic")
-def _recipe(offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0, alibi=None,
-            sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None, mod_args=(),
-            block_mask=None):
+def _recipe(offset=0, left=NO_LIMIT, right=NO_LIMIT, chunk=0, softcap=0.0, batch_offset=0,
+            alibi=None, sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None,
+            mod_args=(), block_mask=None):
     # The same keywords from jitted code (a user's @njit or @cuda.jit): the parts left out
     # are typed None, so they drop out of the kernels as the host recipe's do. ``mod_args``
     # must be a tuple there (jitted code has no tuple()).
-    def impl(offset=0, left=NO_LIMIT, right=NO_LIMIT, softcap=0.0, batch_offset=0, alibi=None,
-             sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None, mod_args=(),
-             block_mask=None):
-        return Recipe(np.int64(offset), np.int64(left), np.int64(right), np.float64(softcap),
-                      np.int64(batch_offset), alibi, sinks, score_mod, mask_mod,
+    def impl(offset=0, left=NO_LIMIT, right=NO_LIMIT, chunk=0, softcap=0.0, batch_offset=0,
+             alibi=None, sinks=None, score_mod=None, mask_mod=None, score_mod_grad=None,
+             mod_args=(), block_mask=None):
+        return Recipe(np.int64(offset), np.int64(left), np.int64(right), np.int64(chunk),
+                      np.float64(softcap), np.int64(batch_offset), alibi, sinks, score_mod,
+                      mask_mod,
                       score_mod_grad, mod_args, block_mask)
     return impl
 
@@ -132,15 +143,15 @@ def _kernel_recipe(recipe, is_causal):
     if isinstance(recipe, (types.NoneType, types.Omitted)):
         def plain(recipe, is_causal):
             right = np.int64(0) if is_causal else np.int64(NO_LIMIT)
-            return Recipe(np.int64(0), np.int64(NO_LIMIT), right, 0.0, np.int64(0), None,
-                          None, None, None, None, (), None)
+            return Recipe(np.int64(0), np.int64(NO_LIMIT), right, np.int64(0), 0.0,
+                          np.int64(0), None, None, None, None, None, (), None)
         return plain
 
     def given(recipe, is_causal):
         r = recipe
         right = min(r.right, 0) if is_causal else r.right
-        return Recipe(r.offset, r.left, right, r.softcap, r.batch_offset, r.alibi, r.sinks,
-                      r.score_mod, r.mask_mod, r.score_mod_grad, r.mod_args, r.block_mask)
+        return Recipe(r.offset, r.left, right, r.chunk, r.softcap, r.batch_offset, r.alibi,
+                      r.sinks, r.score_mod, r.mask_mod, r.score_mod_grad, r.mod_args, r.block_mask)
     return given
 
 
@@ -153,28 +164,36 @@ def sequence_recipe(r, b, l_len, s_len, bottom_right):
     batch index ``b`` (added to ``r``'s batch offset: a kernel passes batch index 0 with it).
     """
     offset = s_len - l_len if bottom_right else r.offset
-    return Recipe(np.int64(offset), r.left, r.right, r.softcap, r.batch_offset + b, r.alibi,
+    return Recipe(np.int64(offset), r.left, r.right, r.chunk, r.softcap, r.batch_offset + b,
+                  r.alibi,
                   r.sinks, r.score_mod, r.mask_mod, r.score_mod_grad, r.mod_args,
                   r.block_mask)
 
 
-# --- the window: which keys a row sees; work lists -------------------------------------------
+# --- the window and the chunks: which keys a row sees; work lists -----------------------------
 
 @njit(**INLINE)
 def in_window(r, i, j):
-    """Whether query row ``i`` sees key ``j`` under the window (and causality)."""
+    """Whether query row ``i`` sees key ``j`` under the window (and causality) and the
+    chunks."""
     ii = i + r.offset
+    if r.chunk > 0 and ii // r.chunk != j // r.chunk:
+        return False
     return j >= ii - r.left and j <= ii + r.right
 
 
 @njit(**INLINE)
 def key_range(r, i_first, i_last, s_len):
     """``(j_begin, j_end)``: the keys that any of rows ``i_first..i_last`` (inclusive) can see
-    under the window, within ``[0, s_len)``; ``(0, 0)`` when none. (Not an empty range at
-    ``j_begin``: that may lie past the last key, and a loop over key blocks aligned down from
-    it would read keys that do not exist.)"""
+    under the window and the chunks (from the first row's chunk to the last row's), within
+    ``[0, s_len)``; ``(0, 0)`` when none. (Not an empty range at ``j_begin``: that may lie
+    past the last key, and a loop over key blocks aligned down from it would read keys that
+    do not exist.)"""
     j_begin = max(i_first + r.offset - r.left, 0)
     j_end = min(i_last + r.offset + r.right + 1, s_len)
+    if r.chunk > 0:
+        j_begin = max(j_begin, (i_first + r.offset) // r.chunk * r.chunk)
+        j_end = min(j_end, ((i_last + r.offset) // r.chunk + 1) * r.chunk)
     if j_end <= j_begin:
         j_begin = j_end = 0
     return j_begin, j_end
@@ -183,12 +202,16 @@ def key_range(r, i_first, i_last, s_len):
 @njit(**INLINE)
 def query_range(r, j_first, j_last, l_len):
     """``(i_begin, i_end)``: the query rows that see any of keys ``j_first..j_last``
-    (inclusive) under the window, within ``[0, l_len)``. The
+    (inclusive) under the window and the chunks, within ``[0, l_len)``. The
     inverse of :func:`key_range`, for work lists that go key block first (the backward):
-    row ``i`` sees key ``j`` iff ``j - offset - right <= i <= j - offset + left``; ``(0, 0)``
-    when none, as :func:`key_range`."""
+    row ``i`` sees key ``j`` iff ``j - offset - right <= i <= j - offset + left`` (and, with
+    chunks, ``i + offset`` lies in ``j``'s chunk); ``(0, 0)`` when none, as
+    :func:`key_range`."""
     i_begin = max(j_first - r.offset - r.right, 0)
     i_end = min(j_last - r.offset + r.left + 1, l_len)
+    if r.chunk > 0:
+        i_begin = max(i_begin, j_first // r.chunk * r.chunk - r.offset)
+        i_end = min(i_end, (j_last // r.chunk + 1) * r.chunk - r.offset)
     if i_end <= i_begin:
         i_begin = i_end = 0
     return i_begin, i_end
@@ -197,8 +220,21 @@ def query_range(r, j_first, j_last, l_len):
 @njit(**INLINE)
 def window_covers(r, i_first, i_last, j_first, j_last):
     """Whether every row ``i_first..i_last`` sees every key ``j_first..j_last`` under the
-    window (the tile needs no per-element window test)."""
-    return (j_first >= i_last + r.offset - r.left) and (j_last <= i_first + r.offset + r.right)
+    window and the chunks (the tile needs no per-element window test)."""
+    return ((j_first >= i_last + r.offset - r.left) and (j_last <= i_first + r.offset + r.right)
+            and in_one_chunk(r, i_first, i_last, j_first, j_last))
+
+
+@njit(**INLINE)
+def in_one_chunk(r, i_first, i_last, j_first, j_last):
+    """Whether rows ``i_first..i_last`` and keys ``j_first..j_last`` all lie in one chunk
+    (always, without chunks): the chunk rule masks nothing in the tile, the window alone
+    decides."""
+    if r.chunk <= 0:
+        return True
+    c = (i_first + r.offset) // r.chunk
+    return ((i_last + r.offset) // r.chunk == c and j_first // r.chunk == c
+            and j_last // r.chunk == c)
 
 
 def block_state(r, b, h, qb, kb):

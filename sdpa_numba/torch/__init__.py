@@ -5,20 +5,21 @@ torch's signature and semantics, on sdpa_numba's kernels, registered with
 
 * ``torch.ops.sdpa_numba.attention_forward(query, key, value, attn_mask, dropout_p, is_causal,
   scale, enable_gqa, seed, window_left=None, window_right=None, alignment="top_left",
-  softcap=None, alibi_slopes=None, sinks=None) -> (out, lse)`` and
+  softcap=None, alibi_slopes=None, sinks=None, chunk=None) -> (out, lse)`` and
   ``torch.ops.sdpa_numba.attention_backward(grad_out, query, key, value, out, lse, attn_mask,
   dropout_p, is_causal, scale, enable_gqa, seed, mask_grad, window_left=None,
-  window_right=None, alignment="top_left", softcap=None, alibi_slopes=None, sinks=None)
-  -> (dq, dk, dv, dmask, dsinks)``;
+  window_right=None, alignment="top_left", softcap=None, alibi_slopes=None, sinks=None,
+  chunk=None) -> (dq, dk, dv, dmask, dsinks)``;
 * the variants that fit an operator schema (see :func:`scaled_dot_product_attention`): a
-  sliding window (its two sides as two optional ints), ``alignment``, ``softcap``,
+  sliding window (its two sides as two optional ints), ``alignment``, ``softcap``, ``chunk``
+  (an optional int),
   ``alibi_slopes`` and ``sinks`` (tensors; the sinks get a gradient). ``score_mod``,
   ``mask_mod`` and ``block_mask`` are Numba functions and objects, which no operator schema
   can carry: they stay with the NumPy-level :func:`sdpa_numba.scaled_dot_product_attention`;
 * the serving functions: ``torch.ops.sdpa_numba.attention_with_kvcache(q, k_cache, v_cache,
   cache_seqlens, k=None, v=None, block_table=None, cache_leftpad=None, is_causal=True,
   scale=None, window_left=None, window_right=None, alignment=None, softcap=None,
-  alibi_slopes=None, sinks=None) -> (out, lse)``, which declares the caches mutated (the
+  alibi_slopes=None, sinks=None, chunk=None) -> (out, lse)``, which declares the caches mutated (the
   append) and has no autograd (an inference operator), its read-only twin
   ``torch.ops.sdpa_numba.attention_with_kvcache_read`` (the same without ``k`` and ``v``: no
   declared mutation, whose dispatch is cheaper), and

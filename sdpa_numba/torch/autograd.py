@@ -58,7 +58,7 @@ def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
                      seed, variants, batch_index=None):
     """The forward in plain torch operations, building the L x S probabilities: what the
     double backward differentiates twice. Same semantics as the kernels (causal and the
-    window in the ``alignment``'s frame, the score formed as scale -> the variants that change
+    window and the chunks in the ``alignment``'s frame, the score formed as scale -> the variants that change
     it in the table's order (soft cap, ALiBi: their ``torch_score``) -> additive mask, then
     masked; sinks in every row's denominator; fully masked rows give 0; the dropout mask of
     :mod:`sdpa_numba.dropout`). ``variants``: the op's variant arguments (a dict).
@@ -95,6 +95,11 @@ def _dense_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
         keep &= rel <= variants["window_left"]
     if right is not None:
         keep &= -rel <= right
+    if variants.get("chunk") is not None:  # the query's chunk (its aligned position's)
+        c = int(variants["chunk"])
+        pos = torch.arange(L, device=s.device)[:, None] + offset
+        keep &= torch.div(pos, c, rounding_mode="floor") == torch.div(
+            torch.arange(S, device=s.device)[None, :], c, rounding_mode="floor")
     s = s.masked_fill(~keep, -float("inf"))
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         s = s.masked_fill(~attn_mask, -float("inf"))

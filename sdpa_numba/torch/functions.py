@@ -85,6 +85,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       (``None`` on a side: unlimited), ``i' = i`` or, with ``alignment="bottom_right"``,
       ``i + S - L`` (which also moves ``is_causal`` and ALiBi's diagonal);
     * ``softcap=c``: scores ``c * tanh(s / c)`` (differentiable);
+    * ``chunk=c``: chunked local attention, query ``i`` sees only keys with
+      ``i' // c == j // c``;
     * ``alibi_slopes``: a tensor ``(Hq,)`` or ``(*batch, Hq)``; adds ``-slope * |i' - j|``
       (no gradient for the slopes: they are constants in every model that uses them);
     * ``sinks``: a tensor ``(Hq,)``, one logit per head in every row's softmax denominator

@@ -74,12 +74,14 @@ def small_operand(t, name):
 
 def _op_arguments():
     """``(name, schema type, default)`` of the operators' variant arguments, from the table:
-    the window as two sides, strings, floats and tensors as themselves (the Numba-level
+    the window as two sides, ints, strings, floats and tensors as themselves (the Numba-level
     variants cross no schema)."""
     args = []
     for v in VARIANTS:
         if v.torch == "window":
             args += [("window_left", "SymInt?", None), ("window_right", "SymInt?", None)]
+        elif v.torch == "int":
+            args.append((v.name, "SymInt?", None))
         elif v.torch == "str":
             args.append((v.name, "str", v.default))
         elif v.torch == "float":
