@@ -3,13 +3,15 @@
 
 Times ``scaled_dot_product_attention`` on B1, ``--heads``, L = S = ``--L``, ``--D`` float32 in
 interleaved rounds (a pause before each call, so that every call starts from the same idle
-thread pool): dense, ``softcap=``, and ``is_causal`` with ``window=(--window, 0)``. Prints
-two figures, each as the minimum over rounds and as the median of the per-round ratios (the
+thread pool): dense, ``softcap=``, ``is_causal`` with ``window=(--window, 0)``, and
+``is_causal`` with ``chunk=--chunk`` (chunked local attention). Prints three figures, each as the minimum over rounds and as the median of the per-round ratios (the
 calls of one round ran seconds apart, so a machine whose speed drifts moves both alike):
 
 * soft cap: its speed over the dense speed (the target: >= 0.90);
 * window: its time over the ideal, the visited work (:func:`sdpa_numba.tiles.visited_fraction`)
-  at the dense rate (the target: <= 1.25).
+  at the dense rate (the target: <= 1.25);
+* chunk: its time over its ideal, likewise (the target: <= 1.25 at L 8192, chunk 1024:
+  ``--L 8192 --chunk 1024``).
 
 Usage::
 
@@ -31,6 +33,7 @@ def main(argv=None):
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--softcap", type=float, default=50.0)
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None, help="default: Numba's")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--pause", type=float, default=0.05)
@@ -48,10 +51,11 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, args.heads, args.L, args.D)).astype(np.float32)
                for _ in range(3))
-    outs = {n: np.empty_like(q) for n in ("dense", "softcap", "window")}
+    outs = {n: np.empty_like(q) for n in ("dense", "softcap", "window", "chunk")}
     fns = {"dense": lambda o: sdpa(q, k, v, out=o),
            "softcap": lambda o: sdpa(q, k, v, softcap=args.softcap, out=o),
-           "window": lambda o: sdpa(q, k, v, is_causal=True, window=(args.window, 0), out=o)}
+           "window": lambda o: sdpa(q, k, v, is_causal=True, window=(args.window, 0), out=o),
+           "chunk": lambda o: sdpa(q, k, v, is_causal=True, chunk=args.chunk, out=o)}
     for n, f in fns.items():  # compile and warm up
         f(outs[n])
     clock = time.perf_counter if args.clock == "wall" else time.process_time
@@ -65,7 +69,7 @@ def main(argv=None):
     t = {n: np.array(x) for n, x in times.items()}
     frac = visited_fraction(args.L, args.L, args.window, 0)
     cap_speed = t["dense"] / t["softcap"]
-    win_ideal = t["window"] / (frac * t["dense"])
+    chunk_frac = visited_fraction(args.L, args.L, None, 0, chunk=args.chunk)
     print(f"B1 H{args.heads} L{args.L} D{args.D} float32, {numba.get_num_threads()} threads, "
           f"{args.rounds} rounds, {args.clock} clock; min ms: " + ", ".join(
               f"{n} {x.min() * 1e3:.2f}" for n, x in t.items()))
@@ -73,10 +77,13 @@ def main(argv=None):
           f"{t['dense'].min() / t['softcap'].min():.3f}, median of rounds "
           f"{np.median(cap_speed):.3f} (quartiles {np.quantile(cap_speed, 0.25):.3f}.."
           f"{np.quantile(cap_speed, 0.75):.3f})")
-    print(f"causal window {args.window} time / ideal (visited {frac:.4f} at the dense rate): "
-          f"min-based {t['window'].min() / (frac * t['dense'].min()):.3f}, median of rounds "
-          f"{np.median(win_ideal):.3f} (quartiles {np.quantile(win_ideal, 0.25):.3f}.."
-          f"{np.quantile(win_ideal, 0.75):.3f})")
+    for name, label, f in (("window", f"causal window {args.window}", frac),
+                           ("chunk", f"causal chunk {args.chunk}", chunk_frac)):
+        ideal = t[name] / (f * t["dense"])
+        print(f"{label} time / ideal (visited {f:.4f} at the dense rate): min-based "
+              f"{t[name].min() / (f * t['dense'].min()):.3f}, median of rounds "
+              f"{np.median(ideal):.3f} (quartiles {np.quantile(ideal, 0.25):.3f}.."
+              f"{np.quantile(ideal, 0.75):.3f})")
 
 
 if __name__ == "__main__":
