@@ -45,6 +45,20 @@ def logical(cache, table, b, n):
     return cache[table[b, j // ps], j % ps]
 
 
+def at_thread_counts(call):
+    """``call()`` at 1 thread and, where Numba has them, at 2: the results in that order
+    (the thread count restored after)."""
+    n = numba.get_num_threads()
+    results = []
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            results.append(call())
+    finally:
+        numba.set_num_threads(n)
+    return results
+
+
 def check_against_reference(q, kc, vc, seqlens, out, lse, causal, table=None, tol=None,
                             scale=None, leftpad=None, **variants):
     tol = TOL[q.dtype.type] if tol is None else tol

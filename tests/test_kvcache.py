@@ -7,8 +7,8 @@ import pytest
 
 import sdpa_numba.cpu.launch_decode as launch_decode
 from checks import TOL, rel_err
-from kvcache_checks import (VARIANTS, check_against_reference, logical, paged_copy,
-                            paged_pair)
+from kvcache_checks import (VARIANTS, at_thread_counts, check_against_reference, logical,
+                            paged_copy, paged_pair)
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_numba.cpu.decode import BN, CHUNK
 
@@ -125,14 +125,7 @@ def test_result_does_not_depend_on_threads(rng, monkeypatch):
     seqlens = np.array([3 * CHUNK + 10, CHUNK - 1])
     serial = kvattn(q, kc, vc, seqlens, return_lse=True)
     monkeypatch.setattr(launch_decode, "SERIAL_BYTES", 0)
-    n = numba.get_num_threads()
-    try:
-        results = []
-        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
-            numba.set_num_threads(threads)
-            results.append(kvattn(q, kc, vc, seqlens, return_lse=True))
-    finally:
-        numba.set_num_threads(n)
+    results = at_thread_counts(lambda: kvattn(q, kc, vc, seqlens, return_lse=True))
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])
         np.testing.assert_array_equal(lse, results[0][1])

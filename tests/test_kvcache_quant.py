@@ -13,7 +13,7 @@ import pytest
 
 import sdpa_numba.cpu.launch_decode as launch_decode
 from checks import TOL
-from kvcache_checks import VARIANTS, check_against_reference, paged_pair
+from kvcache_checks import VARIANTS, at_thread_counts, check_against_reference, paged_pair
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_numba import kvcache_plan
 from sdpa_numba.cpu.decode import CHUNK
@@ -164,15 +164,8 @@ def test_plan_runs_layers_with_their_scales_and_threads_do_not_matter(rng, monke
         plan.run(q, kq, vq, k_scale=ks)
     # The parallel kernel: the same for 1 and 2 threads, bit for bit.
     monkeypatch.setattr(launch_decode, "SERIAL_BYTES", 0)
-    n = numba.get_num_threads()
-    try:
-        results = []
-        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
-            numba.set_num_threads(threads)
-            results.append(kvattn(q, kq, vq, seqlens, k_scale=ks, v_scale=vs,
-                                  return_lse=True))
-    finally:
-        numba.set_num_threads(n)
+    results = at_thread_counts(lambda: kvattn(q, kq, vq, seqlens, k_scale=ks, v_scale=vs,
+                                              return_lse=True))
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])
         np.testing.assert_array_equal(lse, results[0][1])
