@@ -11,8 +11,8 @@ from ..problem import compute_dtype
 from ..problem.arguments import check_flag
 from .agreement import Collective
 from .call import prepare
-from .mpi import TAG_K, TAG_V, Exchange, communicator
 from .steps import block_plan, take_rows
+from .transport import TAG_K, TAG_V, Exchange
 
 
 def _attend(q, k, v, ring, offset, left, right):
@@ -90,7 +90,6 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     ``lse = sink``). Memory: two key/value shards and one partial output beyond the result.
     Bitwise reproducible for a given number of ranks and any thread count.
     """
-    comm = communicator(comm)
     coll = Collective(comm)
     try:
         ring, (q, k, v), restore = prepare(
