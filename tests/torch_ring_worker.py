@@ -81,10 +81,12 @@ def main():
         for case in CASES:
             if only is not None and case[0] not in only:
                 continue
+            print(f"rank {rank}: {case[0]}", flush=True)  # where a timed-out run was
             r = run_case(world, case)
             if rank == 0:
                 report["cases"][case[0]] = r
         if only is None:
+            print(f"rank {rank}: error cases", flush=True)
             report["errors"] = error_cases(world)
             report["shard_roundtrip"] = shard_roundtrip(world)
             if size >= 3:
