@@ -14,14 +14,19 @@ Figures printed: seconds, GFLOP/s (4 B H L S E for the forward, 8 B H L S E for 
 half when causal), the parallel efficiency (time of the P-thread process / time of the P
 ranks: both use P cores), and causal per FLOP relative to non-causal.
 
+The ranks talk over MPI (``mpiexec``, an mpi4py communicator) or over torch.distributed
+(``torchrun``, a gloo process group): ``--transport mpi,torch`` times both, alternating with
+the single process in each round, and prints one table per transport.
+
 Usage::
 
     python scripts/ring_bench.py                       # L 32768, H 8, D 64, float32, 2 ranks
     python scripts/ring_bench.py --L 8192 --ranks 2 --rounds 3
     python scripts/ring_bench.py --ranks 4 --L 16384 --no-single --json ring4.json
+    python scripts/ring_bench.py --L 8192 --transport mpi,torch   # MPI and gloo side by side
 
 Needs mpi4py and an ``mpiexec`` (the ``mpi`` extra: MPICH's wheel puts it next to the
-interpreter).
+interpreter) for ``mpi``, torch for ``torch``.
 """
 
 import argparse
@@ -55,6 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-single", action="store_true", help="only the ranks")
     ap.add_argument("--configs", default="non-causal,causal zigzag,causal contiguous")
+    ap.add_argument("--transport", default="mpi",
+                    help="mpi, torch, or both as mpi,torch (default mpi)")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: the rank's report path
     return ap.parse_args(argv)
@@ -110,50 +117,113 @@ def single(args, threads):
     return out
 
 
-def worker(args):
-    """One rank (run under mpiexec): times the ring functions; rank 0 writes the report."""
-    from mpi4py import MPI
+class MPIRanks:
+    """What the worker needs of its communicator, over mpi4py (under mpiexec)."""
 
+    def __init__(self):
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def max(self, x):
+        return self.comm.allreduce(x, op=self.MPI.MAX)
+
+    def sum(self, x):
+        return self.comm.allreduce(x, op=self.MPI.SUM)
+
+    def sendrecv(self, send, recv):
+        self.comm.Sendrecv(send, dest=(self.rank + 1) % self.size, recvbuf=recv,
+                           source=(self.rank - 1) % self.size)
+
+
+class TorchRanks:
+    """The same over torch.distributed (under torchrun: a gloo group from the environment)."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        self.torch, self.dist, self.comm = torch, dist, dist.group.WORLD
+        self.size, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def _reduce(self, x, op):
+        t = self.torch.tensor([x], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=op)
+        return float(t[0])
+
+    def max(self, x):
+        return self._reduce(x, self.dist.ReduceOp.MAX)
+
+    def sum(self, x):
+        return self._reduce(x, self.dist.ReduceOp.SUM)
+
+    def sendrecv(self, send, recv):
+        works = [self.dist.irecv(self.torch.from_numpy(recv), (self.rank - 1) % self.size),
+                 self.dist.isend(self.torch.from_numpy(send), (self.rank + 1) % self.size)]
+        for w in works:
+            w.wait()
+
+
+def worker(args):
+    """One rank (under mpiexec or torchrun): times the ring functions; rank 0 writes the
+    report."""
     from sdpa_numba.distributed import ring_attention, ring_attention_backward, shard
 
-    comm = MPI.COMM_WORLD
-    P = comm.Get_size()
+    ranks = MPIRanks() if args.transport == "mpi" else TorchRanks()
+    try:
+        _time_ring(args, ranks, ring_attention, ring_attention_backward, shard)
+    finally:
+        if args.transport != "mpi":
+            ranks.dist.destroy_process_group()
+
+
+def _time_ring(args, ranks, ring_attention, ring_attention_backward, shard):
+    comm = ranks.comm
     warm = np.ones((1, 1, 4, args.D), args.dtype)  # load the kernels before timing
     for causal in (False, True):
-        o, lse = ring_attention(warm, warm, warm, is_causal=causal, layout="zigzag",
-                                return_lse=True)
-        ring_attention_backward(o, warm, warm, warm, o, lse, is_causal=causal, layout="zigzag")
+        o, lse = ring_attention(warm, warm, warm, comm=comm, is_causal=causal,
+                                layout="zigzag", return_lse=True)
+        ring_attention_backward(o, warm, warm, warm, o, lse, comm=comm, is_causal=causal,
+                                layout="zigzag")
     q, k, v, g = inputs(args)
     report = {}
     for name, causal, layout in configs(args):
         ql, kl, vl, gl = (np.ascontiguousarray(shard(x, comm, layout)) for x in (q, k, v, g))
         # (wall time of the slowest rank, CPU time of all ranks together)
-        comm.Barrier()
+        ranks.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        o, lse = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, return_lse=True)
-        report[f"{name}|forward"] = (
-            comm.allreduce(time.perf_counter() - t0, op=MPI.MAX),
-            comm.allreduce(time.process_time() - c0, op=MPI.SUM))
+        o, lse = ring_attention(ql, kl, vl, comm=comm, is_causal=causal, layout=layout,
+                                return_lse=True)
+        report[f"{name}|forward"] = (ranks.max(time.perf_counter() - t0),
+                                     ranks.sum(time.process_time() - c0))
         if not args.no_backward:
-            comm.Barrier()
+            ranks.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            ring_attention_backward(gl, ql, kl, vl, o, lse, is_causal=causal, layout=layout)
-            report[f"{name}|backward"] = (
-                comm.allreduce(time.perf_counter() - t0, op=MPI.MAX),
-                comm.allreduce(time.process_time() - c0, op=MPI.SUM))
+            ring_attention_backward(gl, ql, kl, vl, o, lse, comm=comm, is_causal=causal,
+                                    layout=layout)
+            report[f"{name}|backward"] = (ranks.max(time.perf_counter() - t0),
+                                          ranks.sum(time.process_time() - c0))
     # One ring step's transfer: this rank's K and V shards to rank + 1, from rank - 1.
     kl = np.ascontiguousarray(shard(k, comm))
     buf = np.empty_like(kl)
     best = float("inf")
     for _ in range(5):
-        comm.Barrier()
+        ranks.barrier()
         t0 = time.perf_counter()
         for _kv in range(2):  # K, then V (same shape here)
-            comm.Sendrecv(kl, dest=(comm.rank + 1) % P, recvbuf=buf, source=(comm.rank - 1) % P)
-        best = min(best, comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            ranks.sendrecv(kl, buf)
+        best = min(best, ranks.max(time.perf_counter() - t0))
     report["kv_shard_bytes"] = 2 * kl.nbytes
     report["kv_shard_transfer_s"] = best
-    if comm.rank == 0:
+    if ranks.rank == 0:
         pathlib.Path(args.worker).write_text(json.dumps(report))
 
 
@@ -162,11 +232,15 @@ def mpiexec():
     return str(here) if here.exists() else shutil.which("mpiexec") or "mpiexec"
 
 
-def ranks(args, argv):
+def ranks(args, argv, transport):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ring.json")
-        cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, str(__file__), *argv,
-               "--worker", path]
+        if transport == "mpi":
+            launcher = [mpiexec(), "-n", str(args.ranks), sys.executable]
+        else:  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT for the gloo group
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(args.ranks)]
+        cmd = [*launcher, str(__file__), *argv, "--transport", transport, "--worker", path]
         env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         subprocess.run(cmd, check=True, env=env)
@@ -181,29 +255,49 @@ def main(argv=None):
         return worker(args)
     import sdpa_numba  # noqa: F401 - compile or load the kernels once before timing
 
+    transports = [t.strip() for t in args.transport.split(",")]
+    if not set(transports) <= {"mpi", "torch"}:
+        raise SystemExit(f"--transport: mpi, torch or mpi,torch, got {args.transport!r}")
     threads = args.threads or args.ranks
     load_before = os.getloadavg()[0]
-    best_single, best_ring = {}, {}
+    best_single = {}
+    best_ring = {t: {} for t in transports}
     inf = (float("inf"), float("inf"))
     for r in range(args.rounds):
         if not args.no_single:
             for key, t in single(args, threads).items():
                 best_single[key] = tuple(map(min, best_single.get(key, inf), t))
             time.sleep(1)
-        for key, t in ranks(args, argv).items():
-            if isinstance(key, tuple):
-                best_ring[key] = tuple(map(min, best_ring.get(key, inf), t))
-            elif key == "kv_shard_transfer_s":
-                best_ring[key] = min(best_ring.get(key, float("inf")), t)
-            else:
-                best_ring[key] = t
-        time.sleep(1)
+        for transport in transports:
+            best = best_ring[transport]
+            for key, t in ranks(args, argv, transport).items():
+                if isinstance(key, tuple):
+                    best[key] = tuple(map(min, best.get(key, inf), t))
+                elif key == "kv_shard_transfer_s":
+                    best[key] = min(best.get(key, float("inf")), t)
+                else:
+                    best[key] = t
+            time.sleep(1)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
+    load_after = os.getloadavg()[0]
+    results = {t: table(args, threads, best_single, best_ring[t], t, (load_before, load_after))
+               for t in transports}
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"args": {k: v for k, v in vars(args).items() if k != "worker"},
+             "transports": results, **(results[transports[0]] if len(transports) == 1
+                                        else {})}, indent=1))
+
+
+def table(args, threads, best_single, best_ring, transport, load):
+    """Print one transport's figures; return them (rows, the shard transfer)."""
+    launcher = "mpiexec" if transport == "mpi" else "torchrun, gloo"
     rows = []
-    print(f"L {args.L}, H {args.heads}, D {args.D}, {args.dtype}: {args.ranks} ranks x 1 thread"
-          f" vs 1 process x {threads} threads (min of {args.rounds}); {os.cpu_count()} cores, "
-          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"[{transport}: {launcher}] L {args.L}, H {args.heads}, D {args.D}, {args.dtype}: "
+          f"{args.ranks} ranks x 1 thread vs 1 process x {threads} threads (min of "
+          f"{args.rounds}); {os.cpu_count()} cores, load average {load[0]:.1f} before, "
+          f"{load[1]:.1f} after")
     print(f"{'config':<20}{'dir':<10}{'1 proc s':>10}{'GFLOP/s':>9}{'ranks s':>10}{'GFLOP/s':>9}"
           f"{'efficiency':>12}{'1 proc CPU s':>14}{'ranks CPU s':>13}{'CPU-time eff.':>15}")
     for name, causal, _ in configs(args):
@@ -235,10 +329,7 @@ def main(argv=None):
             step = r["ranks_s"] / args.ranks
             print(f"non-causal forward: one ring step computes in {step * 1e3:.0f} ms, "
                   f"{step / tt:.0f}x one shard's transfer")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(
-            {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows,
-             "kv_shard_bytes": nbytes, "kv_shard_transfer_s": tt}, indent=1))
+    return {"rows": rows, "kv_shard_bytes": nbytes, "kv_shard_transfer_s": tt}
 
 
 if __name__ == "__main__":

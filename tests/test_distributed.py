@@ -23,18 +23,17 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="ring attention needs mpi4py: pip install -e '.[mpi]'")
 
-import sdpa_numba  # noqa: E402
 from sdpa_numba import distributed  # noqa: E402
 from sdpa_numba.distributed import mpi  # noqa: E402
 from sdpa_numba.distributed.steps import step_work  # noqa: E402
 from sdpa_numba.score.recipe import NO_LIMIT  # noqa: E402
 
+from ring_cases import (ERRORS, check_case, check_error,  # noqa: E402
+                        check_failing_rank_named, check_refused_everywhere, warm)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mpi_ring_worker.py"
 SIZES = (1, 2, 3, 4)
-#: float16: partial outputs and gradients are rounded to float16 before they are combined
-#: (measured here: 3e-4 against the single process, which is 2e-4 from the float64 reference).
-TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-3}
 #: The worker's cases (name -> dtype), checked against its report so none goes missing.
 CASES = {
     "f64-causal-contiguous": "float64", "f64-noncausal-contiguous-S7": "float64",
@@ -46,11 +45,6 @@ CASES = {
     "f64-var-causal-contiguous-alibi-bottomright": "float64",
     "f64-var-zigzag-window-alibi-sinks-L>S": "float64",
 }
-#: The cases with sinks: the ring adds them once per row after the last step (a merge), the
-#: dense kernel inside its softmax, so a single rank is not bitwise the dense result there.
-SINKS = {"f64-var-causal-zigzag-window-softcap-sinks", "f64-var-zigzag-window-alibi-sinks-L>S"}
-
-
 def mpiexec():
     """The venv's mpiexec (the MPICH wheel installs it next to the interpreter), else PATH's."""
     here = pathlib.Path(sys.executable).parent / "mpiexec"
@@ -63,27 +57,13 @@ def mpiexec():
     return found
 
 
-def _warm():
-    """Compile or load every kernel specialization the ranks use, once, in this process."""
-    for dt in (np.float16, np.float32, np.float64):
-        q = np.ones((1, 1, 3, 4), dt)
-        o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True)
-        sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse)
-        sdpa_numba.merge_attention_states(o, lse, o, lse)
-    # ALiBi is another kernel specialization (float64 only in the worker's cases).
-    q = np.ones((1, 1, 3, 4))
-    o, lse = sdpa_numba.scaled_dot_product_attention(q, q, q, return_lse=True,
-                                                     alibi_slopes=np.ones(1))
-    sdpa_numba.scaled_dot_product_attention_backward(o, q, q, q, o, lse, alibi_slopes=np.ones(1))
-
-
-def run_ranks(n, tmp_path, timeout=240, threads=1):
+def run_ranks(n, tmp_path, timeout=240, threads=1, extra=()):
     path = tmp_path / f"ring{n}-{threads}.json"
     cmd = [mpiexec()]
     # One machine: MPICH's launcher forks (no ssh); Open MPI must be told that more ranks
     # than cores is fine.
     cmd += ["-launcher", "fork"] if _is_mpich() else ["--oversubscribe"]
-    cmd += ["-n", str(n), sys.executable, str(WORKER), str(path)]
+    cmd += ["-n", str(n), sys.executable, str(WORKER), str(path), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -100,7 +80,7 @@ def _is_mpich():
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    _warm()
+    warm()
     out = {}
     tmp = tmp_path_factory.mktemp("ring")
     for n in SIZES:
@@ -126,76 +106,23 @@ def test_bitwise_the_same_for_any_thread_count(reports):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("n", SIZES)
 def test_gathered_results_equal_single_process(reports, n, case):
-    r = reports[n]["cases"][case]
-    tol = TOL[CASES[case]]
-    keys = ("out", "lse", "dq", "dk", "dv") + (("dsinks",) if case in SINKS else ())
-    errors = {key: r[key] for key in keys}
-    assert r["shapes_match"]
-    assert all(e <= tol for e in errors.values()), errors
-    assert r["dsinks_same_on_every_rank"] is (True if case in SINKS else None)
-    if n == 1 and case not in SINKS:  # a communicator of size 1 is plain attention: bitwise
-        assert all(e == 0 for e in errors.values()), errors
-    for rank, ok in enumerate(r["ranks"]):
-        assert ok["finite"], rank
-        assert ok["inputs_unchanged"], rank
-        assert ok["bitwise_repeat_forward"] and ok["bitwise_repeat_backward"], rank
-        assert ok["dtypes"] == r["ref_dtypes"], rank
-
-
-# The error cases: (kind every rank raises, a phrase of the message).
-ERRORS = {
-    "odd_zigzag": ("ValueError", "zigzag layout needs shards of even length"),
-    "attn_mask": ("ValueError", "no dense attn_mask"),
-    "score_mod": ("NotImplementedError", "does not shard score_mod"),
-    "bad_window": ("ValueError", "window's left side must be >= 0"),
-    "dropout": ("NotImplementedError", "no dropout"),
-    "unknown_kwarg": ("TypeError", "windw"),
-    "bad_layout": ("ValueError", "layout must be one of"),
-    "bad_lse_backward": ("ValueError", "lse must have shape"),
-    "bad_on_one_rank": ("TypeError", "key dtype float64 differs from query dtype float32"),
-    "bad_flag_on_one_rank": ("TypeError", "return_lse must be a bool"),
-    "midway_forward": ("RuntimeError", "injected failure"),
-    "midway_backward": ("RuntimeError", "injected failure"),
-}
+    check_case(reports[n]["cases"][case], case, CASES[case], n)
 
 
 @pytest.mark.parametrize("name", sorted(ERRORS))
 @pytest.mark.parametrize("n", SIZES)
 def test_every_rank_raises(reports, n, name):
-    kind, phrase = ERRORS[name]
-    got = reports[n]["errors"][name]
-    assert len(got) == n
-    for rank, e in enumerate(got):
-        assert e is not None, f"rank {rank} did not raise"
-        assert e[0] == kind and phrase in e[1], (rank, e)
+    check_error(reports[n]["errors"], n, name)
 
 
 @pytest.mark.parametrize("n", SIZES[1:])
 def test_other_ranks_name_the_failing_rank(reports, n):
-    for name, failing in (("bad_on_one_rank", 0), ("bad_flag_on_one_rank", 0),
-                          ("midway_forward", n - 1),
-                          ("midway_backward", n - 1)):
-        for rank, (_, message) in enumerate(reports[n]["errors"][name]):
-            if rank != failing:
-                assert f"rank {failing} raised" in message, (name, rank, message)
-            else:
-                assert "rank" not in message, (name, rank, message)  # its own exception
+    check_failing_rank_named(reports[n]["errors"], n)
 
 
 @pytest.mark.parametrize("n", SIZES[1:])
-def test_shapes_differing_across_ranks_are_refused_everywhere(reports, n):
-    got = reports[n]["errors"]["shapes_differ"]
-    for e in got:
-        assert e is not None and e[0] == "ValueError"
-        assert "same shapes" in e[1] and f"rank {n - 1} has query (2, 4, 8)" in e[1]
-
-
-@pytest.mark.parametrize("n", SIZES[1:])
-def test_variants_differing_across_ranks_are_refused_everywhere(reports, n):
-    got = reports[n]["errors"]["sinks_differ"]
-    assert len(got) == n
-    for e in got:
-        assert e is not None and e[0] == "ValueError" and "sinks=" in e[1], e
+def test_shapes_and_variants_differing_across_ranks_are_refused_everywhere(reports, n):
+    check_refused_everywhere(reports[n]["errors"], n)
 
 
 @pytest.mark.parametrize("n", SIZES)

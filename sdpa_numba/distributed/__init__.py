@@ -1,6 +1,8 @@
-"""Ring attention over MPI (mpi4py): exact attention on a sequence sharded across processes.
+"""Ring attention over MPI (mpi4py) or torch.distributed: exact attention on a sequence sharded
+across processes.
 
-Each rank of a communicator holds a shard of the queries, keys and values along the sequence
+Each rank of a communicator (an mpi4py communicator or a ``torch.distributed`` process group)
+holds a shard of the queries, keys and values along the sequence
 axis (the second-to-last axis). The key/value shards travel around the ring (rank ``r`` sends
 to ``r + 1`` and receives from ``r - 1``) while each rank attends its queries to the shard it
 holds; the partial results are combined exactly by their log-sum-exp
@@ -26,7 +28,8 @@ zhuzilin/ring-flash-attention). Only keys, values and their gradients travel; sc
   really progresses during the computation is the MPI library's business: over shared memory
   and most network transports large messages move at the next MPI call unless the library
   runs an asynchronous progress thread (MPICH: ``MPICH_ASYNC_PROGRESS=1``, which costs a core).
-  On a cluster, see docs/distributed.md for when the transfer is hidden at all.
+  On a cluster, see docs/distributed.md for when the transfer is hidden at all. On a
+  ``torch.distributed`` group (gloo) the bytes move on gloo's own I/O thread.
 * Errors. Arguments are checked on every rank, then compared across ranks (one small
   ``allgather``) before anything is computed; after every ring step the ranks exchange an
   error flag, so that an exception on one rank (bad input, a failing kernel) is raised on every
@@ -45,15 +48,25 @@ zhuzilin/ring-flash-attention). Only keys, values and their gradients travel; sc
   through host buffers (a copy each way per message); the CUDA simulator's arrays are always
   staged. See docs/distributed.md.
 
-The package's modules: :mod:`~sdpa_numba.distributed.mpi` (mpi4py, the communicator, the
-exchange with the ring's neighbours), :mod:`~sdpa_numba.distributed.layouts` (the sharding
+* torch.distributed. ``comm`` may be a ``torch.distributed.ProcessGroup`` (e.g.
+  ``torch.distributed.group.WORLD`` under ``torchrun``) whose backend moves CPU tensors
+  (gloo); torch CPU tensors in, torch tensors out. The messages use the caller's group, kept
+  apart by their tags (:mod:`~sdpa_numba.distributed.torch_group` says why not a duplicate);
+  CUDA arrays are staged through host buffers; NCCL-only groups are refused.
+
+The package's modules: :mod:`~sdpa_numba.distributed.transport` (what the ring needs of a
+communication library, the exchange with the ring's neighbours, the choice of transport),
+:mod:`~sdpa_numba.distributed.mpi` (mpi4py, the communicator, ``MPIGroup``),
+:mod:`~sdpa_numba.distributed.torch_group` (a ``torch.distributed`` process group),
+:mod:`~sdpa_numba.distributed.layouts` (the sharding
 layouts), :mod:`~sdpa_numba.distributed.agreement` (the ranks agree on the arguments and on
 failures), :mod:`~sdpa_numba.distributed.call` (the validated call),
 :mod:`~sdpa_numba.distributed.steps` (the work of one ring step; the buffer operations and
 the dense calls are the target's, :mod:`sdpa_numba.targets`),
 :mod:`~sdpa_numba.distributed.ring_forward` and :mod:`~sdpa_numba.distributed.ring_backward`.
 
-mpi4py is imported when a function here is called, not when this package is imported.
+mpi4py is imported when a function here is called with an MPI communicator (or none), torch
+when one is called with a process group; neither when this package is imported.
 """
 
 from .layouts import LAYOUTS, shard, shard_rows, unshard

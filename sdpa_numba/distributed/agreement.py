@@ -1,23 +1,31 @@
-"""Agreement across ranks: a private duplicate of the caller's communicator whose ranks
-raise together when one fails (:class:`Collective`), and the comparison of every rank's
-arguments (shapes, dtypes, flags, digests of small arrays) before anything is computed."""
+"""Agreement across ranks: the ring's private channel on the caller's communicator, whose
+ranks raise together when one fails (:class:`Collective`), and the comparison of every
+rank's arguments (shapes, dtypes, flags, digests of small arrays) before anything is
+computed."""
 
 import hashlib
 
 import numpy as np
 
+from .transport import group_of
+
 
 class Collective:
-    """A private duplicate of the caller's communicator (our messages never match theirs),
-    with the error exchange that keeps the ranks together."""
+    """The ring's transport on the caller's communicator (an mpi4py communicator or a
+    ``torch.distributed`` process group: :func:`~.transport.group_of`, private: our messages
+    never match theirs), with the error exchange that keeps the ranks together."""
 
     def __init__(self, comm):
-        self.comm = comm.Dup()
-        self.size = self.comm.Get_size()
-        self.rank = self.comm.Get_rank()
+        self.group = group_of(comm)
+        self.size = self.group.size
+        self.rank = self.group.rank
 
     def free(self):
-        self.comm.Free()
+        self.group.free()
+
+    def allgather(self, obj):
+        """Every rank's ``obj``, in rank order."""
+        return self.group.allgather(obj)
 
     def agree(self, error, what, cleanup=None):
         """Every rank learns whether any rank failed; all raise if one did.
@@ -28,7 +36,7 @@ class Collective:
         ``cleanup`` (e.g. waiting for messages every rank has posted) runs before raising.
         """
         summary = None if error is None else (type(error).__name__, str(error))
-        summaries = self.comm.allgather(summary)
+        summaries = self.allgather(summary)
         failed = [(r, s) for r, s in enumerate(summaries) if s is not None]
         if not failed:
             return
@@ -54,7 +62,7 @@ def signature(arrays, **flags):
 
 
 def compare(coll, sig, names):
-    sigs = coll.comm.allgather(sig)
+    sigs = coll.allgather(sig)
     bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
     if bad:
         def show(s):

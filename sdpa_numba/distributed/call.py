@@ -12,7 +12,6 @@ from ..problem.variant_table import PER_HEAD, RING_REFUSED, RING_SHARDED, is_def
 from ..targets import HOST, target_of
 from .agreement import compare, digest, signature
 from .layouts import check_layout
-from .mpi import mpi_cuda_aware
 from .steps import step_work
 
 #: The attention variants of the dense API that ring attention shards (validated as the
@@ -53,16 +52,10 @@ def _check_variants(attn_mask, dropout_p, variants):
 
 
 def _target(named):
-    """The arrays' target (:mod:`sdpa_numba.targets`): NumPy arrays run on the host, CUDA
-    arrays (Numba device arrays, real or simulated, CuPy, torch CUDA tensors) on the device;
-    TypeError for anything else or a mix."""
-    target = target_of(named, [n for n, _ in named])
-    for name, x in named:
-        if target is HOST and not isinstance(x, np.ndarray):
-            # MPI sends the shards' buffers: only NumPy arrays are passed on as they are.
-            raise TypeError(f"{name} must be a NumPy array or a CUDA array, got "
-                            f"{type(x).__name__}")
-    return target
+    """The arrays' target (:mod:`sdpa_numba.targets`): host arrays (NumPy, torch CPU
+    tensors, ...) run on the host, CUDA arrays (Numba device arrays, real or simulated, CuPy,
+    torch CUDA tensors) on the device; TypeError for anything else or a mix."""
+    return target_of(named, [n for n, _ in named])
 
 
 def _check_arrays(named):
@@ -98,7 +91,7 @@ class Ring:
     out_shape: tuple  # this rank's output shard
     dtype: Any
     target: Any       # sdpa_numba.targets.HOST (NumPy arrays) or CUDA (Numba device arrays)
-    stage: bool       # device buffers go through host buffers to MPI (not CUDA-aware)
+    stage: bool       # device buffers go through host buffers (the transport cannot take them)
 
     @property
     def device(self):
@@ -122,10 +115,12 @@ def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask
         is_causal = check_flag("is_causal", is_causal)
         enable_gqa = check_flag("enable_gqa", enable_gqa)
         target = _target(list(zip(names, arrays)))
+        # Views of the caller's arrays (no copies; the ring sends copies of the shards) and
+        # the function that hands results back as the query's kind (a torch tensor for one).
+        arrays, restore = target.adopt(list(zip(names, arrays)))
         if target is not HOST:
             from ..gpu.arrays import is_simulated_mode
 
-            arrays, restore = target.adopt(list(zip(names, arrays)))
             target.check_strides(list(zip(names, arrays)))
             from .._bf16 import is_bfloat16
 
@@ -136,7 +131,7 @@ def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask
                                           "yet: pass float16, float32 or float64, or NumPy "
                                           "arrays")
             # The simulator's arrays are host memory without __cuda_array_interface__.
-            stage = is_simulated_mode() or not mpi_cuda_aware()
+            stage = is_simulated_mode() or not coll.group.device_buffers()
         else:
             stage = False
         _check_arrays(list(zip(names, arrays)))

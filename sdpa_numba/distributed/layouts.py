@@ -6,7 +6,8 @@ import numbers
 
 import numpy as np
 
-from .mpi import as_bytes, communicator
+from ..host_arrays import adopt
+from .transport import group_of
 
 #: The sharding layouts along the sequence axis.
 LAYOUTS = ("contiguous", "zigzag")
@@ -69,14 +70,23 @@ def _axis(x, axis):
     return axis % x.ndim
 
 
+def _host(name, x):
+    """``x`` as a NumPy array (no copy; nested sequences too) and how to hand a result back
+    as its kind (a torch tensor for a tensor)."""
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x), (lambda y: y)
+    (a,), restore = adopt([(name, x)])
+    return a, restore
+
+
 def shard(x, comm=None, layout="contiguous", *, axis=-2):
     """This rank's shard of a full array, along the sequence axis.
 
     Parameters
     ----------
-    x : ndarray
+    x : ndarray or torch.Tensor (CPU)
         The whole array, the same on every rank (e.g. ``q`` of shape ``(..., H, L, E)``).
-    comm : mpi4py.MPI.Intracomm, optional
+    comm : mpi4py.MPI.Intracomm or torch.distributed.ProcessGroup, optional
         Default ``MPI.COMM_WORLD``.
     layout : {"contiguous", "zigzag"}
         See :mod:`sdpa_numba.distributed`.
@@ -86,22 +96,23 @@ def shard(x, comm=None, layout="contiguous", *, axis=-2):
 
     Returns
     -------
-    ndarray
-        A view of ``x`` for ``"contiguous"``, a new array for ``"zigzag"``.
+    ndarray or torch.Tensor
+        A view of ``x`` for ``"contiguous"``, a new array for ``"zigzag"``; a tensor for a
+        tensor.
 
     Notes
     -----
     Local: nothing is communicated.
     """
-    comm = communicator(comm)
-    x = np.asarray(x)
+    group = group_of(comm, private=False)
+    x, restore = _host("x", x)
     ax = _axis(x, axis)
-    rows = shard_rows(x.shape[ax], comm.Get_size(), comm.Get_rank(), layout)
+    rows = shard_rows(x.shape[ax], group.size, group.rank, layout)
     if layout == "contiguous":
         index = [slice(None)] * x.ndim
         index[ax] = slice(int(rows[0]), int(rows[-1]) + 1) if len(rows) else slice(0, 0)
-        return x[tuple(index)]
-    return np.take(x, rows, axis=ax)
+        return restore(x[tuple(index)])
+    return restore(np.take(x, rows, axis=ax))
 
 
 def unshard(x_local, comm=None, layout="contiguous", *, axis=-2):
@@ -109,9 +120,9 @@ def unshard(x_local, comm=None, layout="contiguous", *, axis=-2):
 
     Parameters
     ----------
-    x_local : ndarray
+    x_local : ndarray or torch.Tensor (CPU)
         This rank's shard; every rank passes the same shape and dtype.
-    comm : mpi4py.MPI.Intracomm, optional
+    comm : mpi4py.MPI.Intracomm or torch.distributed.ProcessGroup, optional
         Default ``MPI.COMM_WORLD``.
     layout : {"contiguous", "zigzag"}
     axis : int, keyword-only
@@ -119,8 +130,9 @@ def unshard(x_local, comm=None, layout="contiguous", *, axis=-2):
 
     Returns
     -------
-    ndarray
-        The whole array (a new C-contiguous array), length ``size * n_local`` along ``axis``.
+    ndarray or torch.Tensor
+        The whole array (a new C-contiguous array), length ``size * n_local`` along ``axis``;
+        a tensor for a tensor.
 
     Raises
     ------
@@ -131,17 +143,18 @@ def unshard(x_local, comm=None, layout="contiguous", *, axis=-2):
     -----
     Collective: every rank of ``comm`` must call it.
     """
-    comm = communicator(comm)
+    group = group_of(comm, private=False)
     check_layout(layout)
+    x_local, restore = _host("x_local", x_local)
     x_local = np.ascontiguousarray(x_local)
     ax = _axis(x_local, axis)
     sig = (tuple(x_local.shape), x_local.dtype.str, ax)
-    sigs = comm.allgather(sig)
+    sigs = group.allgather(sig)
     if any(s != sigs[0] for s in sigs):
         raise ValueError(f"unshard: shards differ across ranks (shape, dtype, axis): {sigs}")
-    P = comm.Get_size()
+    P = group.size
     parts = np.empty((P, *x_local.shape), x_local.dtype)
-    comm.Allgather(as_bytes(x_local), as_bytes(parts))
+    group.allgather_bytes(x_local.reshape(-1).view(np.uint8), parts.reshape(-1).view(np.uint8))
     n = x_local.shape[ax]
     full_shape = list(x_local.shape)
     full_shape[ax] = P * n
@@ -151,4 +164,4 @@ def unshard(x_local, comm=None, layout="contiguous", *, axis=-2):
         index = [slice(None)] * full.ndim
         index[ax] = rows
         full[tuple(index)] = parts[r]
-    return full
+    return restore(full)

@@ -1,13 +1,12 @@
 """MPI plumbing of ring attention: mpi4py (imported when first needed), the caller's
 communicator, whether device buffers go to MPI directly (:func:`mpi_cuda_aware`), arrays as
-the bytes MPI moves, and the non-blocking exchange of arrays with the ring's neighbours."""
+the bytes MPI moves, and :class:`MPIGroup`, the ring's transport over a communicator
+(:mod:`~sdpa_numba.distributed.transport`)."""
 
 import os
+import sys
 
 import numpy as np
-
-# Message tags (on a private duplicate of the caller's communicator).
-TAG_K, TAG_V, TAG_DK, TAG_DV = 11, 12, 13, 14
 
 #: The environment variable that overrides the detection of a CUDA-aware MPI library:
 #: "1" passes device buffers to MPI, "0" stages them through host buffers.
@@ -78,13 +77,37 @@ def mpi():
 
 
 def communicator(comm):
-    MPI = mpi()
+    """The caller's communicator: ``comm``, or ``MPI.COMM_WORLD`` for None (ValueError when
+    ``torch.distributed`` runs more processes than that: the caller meant its group)."""
     if comm is None:
+        try:
+            MPI = mpi()
+        except ImportError:
+            _check_not_torch_world(None)
+            raise
+        _check_not_torch_world(MPI.COMM_WORLD.Get_size())
         return MPI.COMM_WORLD
+    MPI = mpi()
     if not isinstance(comm, MPI.Intracomm):
-        raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), "
-                        f"got {type(comm).__name__}")
+        raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD) or "
+                        f"a torch.distributed ProcessGroup (e.g. "
+                        f"torch.distributed.group.WORLD), got {type(comm).__name__}")
     return comm
+
+
+def _check_not_torch_world(mpi_size):
+    """Under ``torchrun`` MPI's world is this process alone: ``comm=None`` would compute each
+    rank's shard against its own keys only. Refused (on every rank alike: the sizes are the
+    same everywhere)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    size = dist.get_world_size()
+    if size != mpi_size:
+        have = "no mpi4py" if mpi_size is None else f"{mpi_size} process(es)"
+        raise ValueError(f"comm=None means MPI.COMM_WORLD ({have}), but "
+                         f"torch.distributed is initialized with {size} processes: pass "
+                         f"comm=torch.distributed.group.WORLD (or your ProcessGroup)")
 
 
 def as_bytes(a):
@@ -98,38 +121,35 @@ def as_bytes(a):
     return as_strided(a, (a.size * a.dtype.itemsize,), (1,), np.uint8)
 
 
-class Exchange:
-    """Non-blocking exchange of a set of arrays with the ring's neighbours: send ours to
-    ``rank + 1``, receive the same shapes from ``rank - 1`` into ``recv``."""
+class MPIGroup:
+    """The ring's transport (:mod:`~sdpa_numba.distributed.transport`) over an mpi4py
+    intracommunicator: with ``dup``, a private duplicate of it (``Comm.Dup``: our messages
+    never match the caller's), freed by :meth:`free`."""
 
-    def __init__(self, coll, send, recv, tags, ring):
-        self.requests = []
-        self.unstage = []  # (device buffer, host buffer) to copy once the messages are in
-        if coll.size == 1:
-            return
-        nxt, prev = (coll.rank + 1) % coll.size, (coll.rank - 1) % coll.size
-        if ring.device == "cuda":
-            if ring.stage:
-                # Through the host: the sent shards copied out now, the received ones copied
-                # in by wait(). Blocking copies on the default stream: they follow the kernels
-                # that wrote the buffers.
-                send = [s.copy_to_host() for s in send]
-                host = [np.empty(tuple(r.shape), r.dtype) for r in recv]
-                self.unstage = list(zip(recv, host))
-                recv = host
-            else:
-                from numba import cuda
+    def __init__(self, comm, dup=True):
+        self.comm = comm.Dup() if dup else comm
+        self.owned = dup
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
 
-                # MPI reads the device buffers itself: the kernels writing them must be done.
-                cuda.synchronize()
-        for s, r, tag in zip(send, recv, tags):
-            self.requests.append(coll.comm.Irecv(as_bytes(r), source=prev, tag=tag))
-            self.requests.append(coll.comm.Isend(as_bytes(s), dest=nxt, tag=tag))
+    def free(self):
+        if self.owned:
+            self.comm.Free()
 
-    def wait(self):
-        if self.requests:
-            mpi().Request.Waitall(self.requests)
-            self.requests = []
-            for dev, host in self.unstage:
-                dev.copy_to_device(host)
-            self.unstage = []
+    def allgather(self, obj):
+        return self.comm.allgather(obj)
+
+    def allgather_bytes(self, send, recv):
+        self.comm.Allgather(as_bytes(send), as_bytes(recv))
+
+    def post(self, send, recv, dest, source, tag):
+        return [self.comm.Irecv(as_bytes(recv), source=source, tag=tag),
+                self.comm.Isend(as_bytes(send), dest=dest, tag=tag)]
+
+    @staticmethod
+    def wait(requests):
+        mpi().Request.Waitall(requests)
+
+    @staticmethod
+    def device_buffers():
+        return mpi_cuda_aware()

@@ -11,8 +11,8 @@ from ..problem import compute_dtype
 from ..problem.variants import sinks_grad
 from .agreement import Collective
 from .call import prepare
-from .mpi import TAG_DK, TAG_DV, TAG_K, TAG_V, Exchange, communicator
 from .steps import block_plan, take_rows
+from .transport import TAG_DK, TAG_DV, TAG_K, TAG_V, Exchange
 
 
 def _attend_backward(grad_out, q, k, v, out, lse, ring, offset, left, right):
@@ -69,7 +69,6 @@ def ring_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse
     a dK/dV shard travels while the next step is computed. Bitwise reproducible for a given
     number of ranks and any thread count: every sum has a fixed order.
     """
-    comm = communicator(comm)
     coll = Collective(comm)
     names = ["query", "key", "value", "grad_out", "out", "lse"]
 
@@ -157,6 +156,6 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
         error = e
     coll.agree(error, "computing the sinks' gradient")
     dsinks = np.zeros_like(part)
-    for x in coll.comm.allgather(part):
+    for x in coll.allgather(part):
         dsinks += x
     return (*grads, dsinks.astype(np.asarray(sinks).dtype))

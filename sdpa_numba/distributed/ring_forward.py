@@ -11,8 +11,8 @@ from ..problem import compute_dtype
 from ..problem.arguments import check_flag
 from .agreement import Collective
 from .call import prepare
-from .mpi import TAG_K, TAG_V, Exchange, communicator
 from .steps import block_plan, take_rows
+from .transport import TAG_K, TAG_V, Exchange
 
 
 def _attend(q, k, v, ring, offset, left, right):
@@ -31,18 +31,21 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
 
     Parameters
     ----------
-    q : ndarray or CUDA array, shape (..., Hq, L_local, E)
+    q : ndarray, torch.Tensor or CUDA array, shape (..., Hq, L_local, E)
         This rank's shard of the queries (rows in the order ``layout`` says, see
-        :func:`shard`). float16, bfloat16, float32 or float64, any strides. NumPy arrays run
-        on the CPU; CUDA arrays (Numba device arrays, CuPy, torch CUDA tensors; all operands
-        on the device) on the GPU, with device buffers to MPI if it is CUDA-aware
-        (:func:`mpi_cuda_aware`), else staged through host buffers.
+        :func:`shard`). float16, bfloat16, float32 or float64, any strides. Host arrays
+        (NumPy, torch CPU tensors: read without copies) run on the CPU; CUDA arrays (Numba
+        device arrays, CuPy, torch CUDA tensors; all operands on the device) on the GPU, with
+        device buffers to MPI if it is CUDA-aware (:func:`mpi_cuda_aware`), else (and always
+        on a torch.distributed group) staged through host buffers.
     k : ndarray, shape (..., H, S_local, E)
     v : ndarray, shape (..., H, S_local, Ev)
         This rank's shards of the keys and values. Leading dims broadcast as in
         :func:`~sdpa_numba.scaled_dot_product_attention`.
-    comm : mpi4py.MPI.Intracomm, keyword-only, optional
-        Default ``MPI.COMM_WORLD``. A communicator of size 1 computes plain attention.
+    comm : mpi4py.MPI.Intracomm or torch.distributed.ProcessGroup, keyword-only, optional
+        Default ``MPI.COMM_WORLD``. A process group (e.g. ``torch.distributed.group.WORLD``
+        under ``torchrun``) needs a backend that moves CPU tensors (gloo; NotImplementedError
+        for an NCCL-only group). A communicator of size 1 computes plain attention.
     is_causal : bool, keyword-only
         Causal over the global positions (query ``i`` sees keys ``j <= i'``, ``i'`` the
         global row in the aligned frame, see ``alignment``).
@@ -68,7 +71,8 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     Returns
     -------
     out : ndarray, shape (..., Hq, L_local, Ev)
-        This rank's shard of the output, the inputs' dtype (the query's kind of array).
+        This rank's shard of the output, the inputs' dtype (the query's kind of array: a
+        torch tensor for a torch tensor).
     lse : ndarray, shape (..., Hq, L_local), only with ``return_lse=True``
         In the compute dtype (float32, or float64 for float64 inputs), the sinks included;
         pass it with ``out`` to :func:`ring_attention_backward`.
@@ -90,7 +94,6 @@ def ring_attention(q: Any, k: Any, v: Any, *, comm: Any = None, is_causal: bool 
     ``lse = sink``). Memory: two key/value shards and one partial output beyond the result.
     Bitwise reproducible for a given number of ranks and any thread count.
     """
-    comm = communicator(comm)
     coll = Collective(comm)
     try:
         ring, (q, k, v), restore = prepare(
