@@ -335,3 +335,48 @@ def test_comm_must_be_a_communicator():
     q = np.zeros((2, 4, 8))
     with pytest.raises(TypeError, match="comm must be an mpi4py intracommunicator"):
         distributed.ring_attention(q, q, q, comm="world")
+
+
+def _ring_garbage(call):
+    """What of the ring's (its frames, its objects) a raising ``call`` left in reference
+    cycles: such garbage lives until the cyclic collector runs, and on a torch.distributed
+    group it kept gloo's objects alive into interpreter shutdown, which aborted the rank
+    (tests/test_distributed_torch.py's runs)."""
+    import gc
+    import types
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        try:
+            call()
+        except (ValueError, RuntimeError):
+            pass
+        else:
+            raise AssertionError("the call did not raise")
+        gc.collect()
+        return [o for o in gc.garbage
+                if type(o).__module__.startswith("sdpa_numba")
+                or (isinstance(o, types.FrameType) and "sdpa_numba" in o.f_code.co_filename)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+@pytest.mark.parametrize("where", ["input", "forward", "backward"])
+def test_a_raising_ring_leaves_no_reference_cycle(monkeypatch, where):
+    from sdpa_numba.distributed import ring_backward, ring_forward
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 6, 8)) for _ in range(3))
+    out, lse = distributed.ring_attention(q, k, v, return_lse=True)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(ring_forward, "_attend", failing)
+    monkeypatch.setattr(ring_backward, "_attend_backward", failing)
+    call = {"input": lambda: distributed.ring_attention(q, k, v[..., :4]),
+            "forward": lambda: distributed.ring_attention(q, k, v),
+            "backward": lambda: distributed.ring_attention_backward(q, q, k, v, out, lse)}[where]
+    assert _ring_garbage(call) == []

@@ -27,14 +27,29 @@ class Collective:
         """Every rank's ``obj``, in rank order."""
         return self.group.allgather(obj)
 
-    def agree(self, error, what, cleanup=None):
+    def agree(self, errors, what, cleanup=None):
         """Every rank learns whether any rank failed; all raise if one did.
 
-        ``error``: this rank's exception or None. The failing rank re-raises its own; the
-        others raise an exception of the same kind (ValueError, TypeError,
-        NotImplementedError; RuntimeError for anything else) naming the rank and its message.
-        ``cleanup`` (e.g. waiting for messages every rank has posted) runs before raising.
+        ``errors``: a list holding this rank's exception, or empty; it is emptied. The failing
+        rank re-raises its own; the others raise an exception of the same kind (ValueError,
+        TypeError, NotImplementedError; RuntimeError for anything else) naming the rank and
+        its message. ``cleanup`` (e.g. waiting for messages every rank has posted) runs
+        before raising.
+
+        The exception travels in a list, not a local of the caller's, because a frame that
+        holds the exception it raises is in a reference cycle with it (exception → traceback
+        → frame → exception): everything the frame holds, the caller's tensors and process
+        group among them, would then live until Python's cyclic collector runs, possibly
+        past ``dist.destroy_process_group()`` and into interpreter shutdown, where releasing
+        gloo's objects aborts the process.
         """
+        error = errors.pop() if errors else None
+        try:
+            self._agree(error, what, cleanup)
+        finally:
+            error = None
+
+    def _agree(self, error, what, cleanup):
         summary = None if error is None else (type(error).__name__, str(error))
         summaries = self.allgather(summary)
         failed = [(r, s) for r, s in enumerate(summaries) if s is not None]
@@ -43,7 +58,10 @@ class Collective:
         if cleanup is not None:
             cleanup()
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None
         r, (name, message) = failed[0]
         kind = {"ValueError": ValueError, "TypeError": TypeError,
                 "NotImplementedError": NotImplementedError}.get(name, RuntimeError)

@@ -107,7 +107,7 @@ def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask
              variants, extra=None):
     """The local and the collective checks; every rank raises if one fails. Returns the
     validated call as a :class:`Ring`."""
-    error = None
+    errors = []
     target, restore = HOST, None
     try:
         sharded = _check_variants(attn_mask, dropout_p, variants)
@@ -152,8 +152,8 @@ def prepare(coll, arrays, names, is_causal, scale, enable_gqa, layout, attn_mask
                      sinks=None if r.sinks is None else r, hq=p.hq, batch=p.batch, L=p.L,
                      out_shape=p.out_shape, dtype=p.dtype, target=target, stage=stage)
     except Exception as e:  # every rank must hear of it before anyone communicates
-        error = e
-    coll.agree(error, "before the first step (bad input)")
+        errors.append(e)
+    coll.agree(errors, "before the first step (bad input)")
     sig = signature(arrays, is_causal=is_causal, scale=ring.scale, enable_gqa=enable_gqa,
                     device=target.name, layout=layout, window=(ring.left, ring.right),
                     offset=ring.goff, softcap=float(r.softcap),

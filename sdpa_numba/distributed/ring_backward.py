@@ -110,7 +110,7 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
     for t in range(P):
         src = (rank - t) % P
         exchange = Exchange(coll, cur, nxt, (TAG_K, TAG_V), ring) if t < P - 1 else None
-        error = None
+        errors = []
         parts = []
         try:
             for qs, ks, offset, left, right in ring.work(n_q, n_k, P, rank, src):
@@ -120,19 +120,19 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
                     offset, left, right)
                 parts.append((qs, ks, dq_p, dk_p, dv_p))
         except Exception as e:
-            error = e
+            errors.append(e)
         # The accumulators of this step's shard arrive (sent by rank - 1 during the step).
         if grads_exchange is not None:
             grads_exchange.wait()
             acc, acc_next = acc_next, acc
-        if error is None:
+        if not errors:
             try:
                 for qs, ks, dq_p, dk_p, dv_p in parts:
                     ops.add_into(take_rows(dq, qs), dq_p)
                     ops.add_into(take_rows(acc[0], ks), dk_p)
                     ops.add_into(take_rows(acc[1], ks), dv_p)
             except Exception as e:
-                error = e
+                errors.append(e)
         # Send them on; after the last step's hop each shard's gradients reach their owner.
         grads_exchange = Exchange(coll, acc, acc_next, (TAG_DK, TAG_DV), ring)
         if exchange is not None:
@@ -140,7 +140,7 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
         if t == P - 1:
             grads_exchange.wait()
         # On failure, finish the dK/dV messages every rank has posted, then raise everywhere.
-        coll.agree(error, f"at ring step {t}", cleanup=grads_exchange.wait)
+        coll.agree(errors, f"at ring step {t}", cleanup=grads_exchange.wait)
         cur, nxt = nxt, cur
     if P > 1:
         acc = acc_next  # our own shard's gradients, home after P hops
@@ -149,12 +149,12 @@ def _backward(coll, grad_out, q, k, v, out, lse, ring, sinks):
         return grads
     # d sinks: each rank's rows (global out and lse, sinks included), summed over the ranks
     # in rank order (deterministic), in float64.
-    error = part = None
+    errors, part = [], None
     try:
         part = sinks_grad(ring.sinks, ops.to_host(grad_out), ops.to_host(out), ops.to_host(lse))
     except Exception as e:
-        error = e
-    coll.agree(error, "computing the sinks' gradient")
+        errors.append(e)
+    coll.agree(errors, "computing the sinks' gradient")
     dsinks = np.zeros_like(part)
     for x in coll.allgather(part):
         dsinks += x

@@ -130,7 +130,7 @@ def _forward(coll, q, k, v, ring):
     for t in range(P):
         src = (rank - t) % P
         exchange = Exchange(coll, cur, nxt, (TAG_K, TAG_V), ring) if t < P - 1 else None
-        error = None
+        errors = []
         try:
             for qs, ks, offset, left, right in ring.work(n_q, n_k, P, rank, src):
                 o, l_ = _attend(take_rows(q, qs), take_rows(cur[0], ks),
@@ -147,9 +147,9 @@ def _forward(coll, q, k, v, ring):
                 if ring.sinks is not None:
                     ops.merge_into(out, lse, *_sink_part(ring, out, lse))
         except Exception as e:  # finish the step's messages, then tell every rank
-            error = e
+            errors.append(e)
         if exchange is not None:
             exchange.wait()
-        coll.agree(error, f"at ring step {t}")
+        coll.agree(errors, f"at ring step {t}")
         cur, nxt = nxt, cur
     return out, lse

@@ -65,7 +65,8 @@ class TorchGroup:
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)]
 
     def free(self):
-        """Nothing held: the caller's group is used as it is."""
+        """Drop our reference to the caller's group: nothing of the call outlives it."""
+        self.group = None
 
     def allgather(self, obj):
         out = [None] * self.size
