@@ -120,6 +120,14 @@ def decode():
     return f"```bash\n{cmd}\n```\n\n{out}"
 
 
+def quant_errors():
+    """The 8-bit cache formats' error against the original float cache
+    (scripts/quant_errors.py)."""
+    args = ["scripts/quant_errors.py"]
+    out = _run(args, {"PYTHONPATH": str(ROOT)})
+    return f"```bash\nPYTHONPATH=. {PY} {' '.join(args)}\n```\n\n{out}"
+
+
 def varlen():
     """The varlen preset: a packed ragged batch, forward and backward, against torch's two
     ways (a padded batch with a mask; a loop of per-sequence calls)."""
@@ -155,7 +163,7 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "varlen": varlen, "variants": variants, "layers": layers,
+              "decode": decode, "quant_errors": quant_errors, "varlen": varlen, "variants": variants, "layers": layers,
               "jax": jax}
 
 
