@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..problem import check_flag
+from ..problem.arguments import shape_str
 from ..problem.kvcache import kvcache_problem
 from ..score.recipe import NO_LIMIT
 from ._serve_handlers import kvcache_target
@@ -140,8 +141,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     q, k_cache, v_cache = (jnp.asarray(x) for x in (q, k_cache, v_cache))
     k, v = (None if x is None else jnp.asarray(x) for x in (k, v))
     if q.ndim != 4:  # (the NumPy API's check; B is needed below)
-        raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape "
-                         f"{tuple(int(n) for n in q.shape)}")
+        raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {shape_str(q)}")
     B = int(q.shape[0])
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full((B,), int(cache_seqlens), np.int64)
