@@ -57,9 +57,11 @@ def test_append_float64(rng, kw):
                             **{n: x for n, x in kw.items() if n not in ("is_causal", "scale")})
     # the inputs (NumPy arrays, and jax arrays not donated) are unchanged
     np.testing.assert_array_equal(kc, kc0)
-    jkc = jnp.asarray(kc)
-    f(q, jkc, vc, lens, k, v)
+    np.testing.assert_array_equal(vc, vc0)
+    jkc, jvc = jnp.asarray(kc), jnp.asarray(vc)
+    jax.block_until_ready(f(q, jkc, jvc, lens, k, v))
     np.testing.assert_array_equal(jkc, kc0)
+    np.testing.assert_array_equal(jvc, vc0)
 
 
 def test_no_append_leftpad_and_int_seqlens(rng):
