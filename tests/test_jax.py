@@ -16,8 +16,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 
 import sdpa_numba  # noqa: E402
-from sdpa_numba.jax import (attention_with_kvcache, scaled_dot_product_attention,  # noqa: E402
-                            varlen_attention)
+from sdpa_numba.jax import scaled_dot_product_attention  # noqa: E402
 
 attention = scaled_dot_product_attention
 
@@ -281,10 +280,6 @@ def test_not_built_yet(rng):
         attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
     with pytest.raises(NotImplementedError, match="lse"):
         jax.grad(lambda q: jnp.sum(attention(q, k, v, return_lse=True)[1]))(q)
-    with pytest.raises(NotImplementedError, match="varlen_attention"):
-        varlen_attention(q, k, v)
-    with pytest.raises(NotImplementedError, match="attention_with_kvcache"):
-        attention_with_kvcache(q, k, v)
 
 
 def test_handler_error_reaches_the_caller():

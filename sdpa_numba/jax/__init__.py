@@ -1,4 +1,6 @@
-"""sdpa_numba's attention on JAX arrays, under ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+"""sdpa_numba's attention on JAX arrays, under ``jax.jit``, ``jax.grad`` and ``jax.vmap``:
+:func:`scaled_dot_product_attention`, :func:`varlen_attention` (packed ragged batches) and
+:func:`attention_with_kvcache` (functional: returns the updated caches, aliased to the inputs).
 
 The CPU kernels run as XLA FFI calls (the typed FFI): each is a Numba ``@cfunc`` that reads
 XLA's call frame and calls the kernel, with no Python on the call path (see
@@ -14,6 +16,7 @@ except ImportError as e:  # pragma: no cover - exercised without jax installed
 
 
 from .dense import scaled_dot_product_attention  # noqa: E402
-from .unsupported import attention_with_kvcache, varlen_attention  # noqa: E402
+from .kvcache import attention_with_kvcache  # noqa: E402
+from .varlen import varlen_attention  # noqa: E402
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_with_kvcache"]

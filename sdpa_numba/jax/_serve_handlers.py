@@ -1,0 +1,416 @@
+"""The XLA FFI handlers of the serving functions: the packed (varlen) forward and backward
+(:func:`sdpa_numba.cpu.varlen.varlen_forward`, ``varlen_backward``) and the KV-cache decode
+(:func:`sdpa_numba.cpu.decode.decode` / ``decode_serial``) with its append, as Numba
+``@cfunc`` functions that read XLA's call frame (:mod:`._frame`), with no Python on the call
+path.
+
+One handler per storage dtype (and for the KV cache, append or not), made on first use and
+kept for the process (:func:`._handlers._target`). Shapes are read from the frame's buffers.
+The integer arguments the NumPy API checks on the host (``cu_seqlens``, ``cache_seqlens``,
+``block_table``, ``cache_leftpad``) are traced values under ``jax.jit``: their values are
+checked here, before anything is computed or written, and a bad one fails the call with an
+XLA error naming it (:func:`._frame.error`), which JAX raises to the caller.
+
+Operands are XLA's row-major dense buffers. The varlen handlers loop over any leading dims
+(``jax.vmap``'s, with ``vmap_method="broadcast_all"``: every operand has them); the KV-cache
+handler takes none.
+"""
+
+import numpy as np
+from numba import carray, njit
+
+from ..score.recipe import Recipe, kernel_recipe
+from ._frame import (answer_metadata, argument, as_pointer, c_string, data, dims, error,
+                     load_i64, result)
+from ._handlers import _native_call, _storage, _target
+
+_S64 = 5  # XLA_FFI_DataType_S64 (S32 is 4): the integer operands come as either
+
+
+def _messages(*texts):
+    """``(table, offsets)``: the NUL-terminated ``texts`` back to back in one uint8 array, and
+    where each starts: a handler fails with ``error(frame, table[offsets[i]:])`` (one frozen
+    array of one type, whichever message)."""
+    parts = [c_string(t) for t in texts]
+    offsets = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
+    return np.concatenate(parts), tuple(int(o) for o in offsets)
+
+
+@njit
+def _size(d, first, last):
+    n = 1
+    for i in range(first, last):
+        n *= d[i]
+    return n
+
+
+@njit
+def _ints_at(buffer, o, n):
+    """Entries ``o * n .. o * n + n - 1`` of an int32 or int64 buffer, as an int64 array."""
+    if (load_i64(buffer + 16) & 0xFFFFFFFF) == _S64:
+        return carray(as_pointer(data(buffer) + 8 * o * n), (n,), np.int64).copy()
+    return carray(as_pointer(data(buffer) + 4 * o * n), (n,), np.int32).astype(np.int64)
+
+
+@njit
+def _numbers(frame, i_ints, n_ints, i_floats):
+    """The ``ints`` (int64) and ``floats`` (scale, softcap; float64) operands, carried as
+    uint32 bytes (JAX without ``jax_enable_x64`` has no 64-bit arrays)."""
+    return (carray(as_pointer(data(argument(frame, i_ints))), (n_ints,), np.int64),
+            carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64))
+
+
+@njit
+def _recipe(left, right, chunk, softcap):
+    """The plain recipe (no optional parts: :data:`sdpa_numba.cpu.launch.PLAIN_RECIPE`)."""
+    return Recipe(np.int64(0), left, right, chunk, softcap, np.int64(0), None, None, None,
+                  None, None, (), None)
+
+
+# ---------------------------------------------------------------- varlen
+
+_CU_START, _CU_DECREASE, _CU_END, _MAX = 1, 2, 3, 4
+
+
+@njit
+def _check_cu(cu, total, max_len):
+    """0 when ``cu`` starts at 0, never decreases and ends at ``total`` and no sequence is
+    longer than ``max_len`` (< 0: no limit); else the failure's code."""
+    if cu[0] != 0:
+        return _CU_START
+    for b in range(cu.shape[0] - 1):
+        if cu[b + 1] < cu[b]:
+            return _CU_DECREASE
+        if max_len >= 0 and cu[b + 1] - cu[b] > max_len:
+            return _MAX
+    if cu[cu.shape[0] - 1] != total:
+        return _CU_END
+    return 0
+
+
+#: ints of a varlen call: is_causal, bottom_right, left, right, chunk, max_seqlen_q,
+#: max_seqlen_k (-1: not given)
+VARLEN_INTS = 7
+
+
+def _varlen_common(dtype):
+    """Views of one leading index of the varlen operands, and the cu_seqlens check."""
+    from ..problem.dtypes import compute_dtype
+
+    st = _storage(dtype)
+    ct = compute_dtype(dtype).type
+    sz, csz = np.dtype(st).itemsize, np.dtype(ct).itemsize
+    texts, at = _messages(*[
+        f"sdpa_numba.jax.varlen_attention: {m}" for name, what in
+        (("cu_seqlens_q", "q"), ("cu_seqlens_k", "k")) for m in (
+            f"{name} must start at 0", f"{name} must not decrease",
+            f"{name} must end at {what}'s total rows",
+            f"max_seqlen_{what} is smaller than the longest sequence of {name}")],
+        "sdpa_numba.jax.varlen_attention: cu_seqlens_q and cu_seqlens_k must hold the same "
+        "number of sequences")
+    at = np.array(at, np.int64)
+
+    @njit
+    def st3(buffer, o):
+        d = dims(buffer)
+        n = d.shape[0]
+        shape = (d[n - 3], d[n - 2], d[n - 1])
+        return carray(as_pointer(data(buffer) + o * sz * shape[0] * shape[1] * shape[2]),
+                      shape, st)
+
+    @njit
+    def ct3(buffer, o):
+        d = dims(buffer)
+        n = d.shape[0]
+        shape = (d[n - 3], d[n - 2], d[n - 1])
+        return carray(as_pointer(data(buffer) + o * csz * shape[0] * shape[1] * shape[2]),
+                      shape, ct)
+
+    @njit
+    def ct2(buffer, o):
+        d = dims(buffer)
+        n = d.shape[0]
+        shape = (d[n - 2], d[n - 1])
+        return carray(as_pointer(data(buffer) + o * csz * shape[0] * shape[1]), shape, ct)
+
+    @njit
+    def cu_seqlens(frame, o, ints, total_q, total_k):
+        """``(cu_q, cu_k, fail)`` of leading index ``o``: ``fail`` < 0 when they pass the
+        NumPy API's checks, else the offset of the error's message in ``texts``."""
+        bq, bk = argument(frame, 3), argument(frame, 4)
+        dq, dk = dims(bq), dims(bk)
+        nq, nk = dq[dq.shape[0] - 1], dk[dk.shape[0] - 1]
+        cu_q, cu_k = _ints_at(bq, o, nq), _ints_at(bk, o, nk)
+        code = _check_cu(cu_q, total_q, ints[5])
+        if code:
+            return cu_q, cu_k, at[code - 1]
+        code = _check_cu(cu_k, total_k, ints[6])
+        if code:
+            return cu_q, cu_k, at[code + 3]
+        if nq != nk:
+            return cu_q, cu_k, at[8]
+        return cu_q, cu_k, np.int64(-1)
+
+    @njit
+    def fail(frame, offset):
+        return error(frame, texts[offset:])
+
+    return ct, st3, ct3, ct2, cu_seqlens, fail
+
+
+def _make_varlen_forward(dtype):
+    """The varlen forward's cfunc: operands q, k, v, cu_seqlens_q, cu_seqlens_k, ints,
+    floats; results out (q's dtype), lse (compute dtype, ``(.., Hq, total_q)``)."""
+    from ..cpu.launch import PLAIN_RECIPE
+    from ..cpu.launch_varlen import forward_signature
+    from ..cpu.varlen import varlen_forward
+
+    ct, st3, ct3, ct2, cu_seqlens, fail = _varlen_common(dtype)
+    kernel = _native_call(varlen_forward, forward_signature(np.dtype(dtype), False,
+                                                            PLAIN_RECIPE))
+    failed = c_string("sdpa_numba.jax: the CPU varlen forward failed (out of memory?)")
+
+    def handler(frame):
+        if answer_metadata(frame):
+            return 0
+        ints, floats = _numbers(frame, 5, VARLEN_INTS, 6)
+        qd, kd = dims(argument(frame, 0)), dims(argument(frame, 1))
+        nb = qd.shape[0] - 3
+        n_outer = _size(qd, 0, nb)
+        total_q, hq, total_k = qd[nb], qd[nb + 1], kd[nb]
+        r = _recipe(ints[2], ints[3], ints[4], floats[1])
+        for o in range(n_outer):  # every check first: nothing is computed on bad input
+            _, _, bad = cu_seqlens(frame, o, ints, total_q, total_k)
+            if bad >= 0:
+                return fail(frame, bad)
+        if total_q * hq == 0:
+            return 0
+        try:
+            for o in range(n_outer):
+                cu_q, cu_k, _ = cu_seqlens(frame, o, ints, total_q, total_k)
+                kernel((st3(argument(frame, 0), o), st3(argument(frame, 1), o),
+                        st3(argument(frame, 2), o), cu_q, cu_k, ints[0] != 0, floats[0],
+                        st3(result(frame, 0), o), ct2(result(frame, 1), o), None, r,
+                        ints[1] != 0))
+        except Exception:  # (out of memory): the call fails with an XLA error
+            return error(frame, failed)
+        return 0
+
+    return handler
+
+
+def _make_varlen_backward(dtype):
+    """The varlen backward's cfunc: operands q, k, v, cu_seqlens_q, cu_seqlens_k, dout, out,
+    lse, ints, floats; results dq, dk, dv in the compute dtype."""
+    from ..cpu.launch import PLAIN_RECIPE
+    from ..cpu.launch_varlen import backward_signature
+    from ..cpu.varlen import varlen_backward
+    from ..dropout import NO_DROPOUT
+
+    ct, st3, ct3, ct2, cu_seqlens, fail = _varlen_common(dtype)
+    kernel = _native_call(varlen_backward, backward_signature(np.dtype(dtype), PLAIN_RECIPE))
+    no_drop = NO_DROPOUT
+    failed = c_string("sdpa_numba.jax: the CPU varlen backward failed (out of memory?)")
+
+    def handler(frame):
+        if answer_metadata(frame):
+            return 0
+        ints, floats = _numbers(frame, 8, VARLEN_INTS, 9)
+        qd, kd = dims(argument(frame, 0)), dims(argument(frame, 1))
+        nb = qd.shape[0] - 3
+        n_outer = _size(qd, 0, nb)
+        total_q, total_k = qd[nb], kd[nb]
+        r = _recipe(ints[2], ints[3], ints[4], floats[1])
+        for o in range(n_outer):
+            _, _, bad = cu_seqlens(frame, o, ints, total_q, total_k)
+            if bad >= 0:
+                return fail(frame, bad)
+        try:
+            for o in range(n_outer):
+                cu_q, cu_k, _ = cu_seqlens(frame, o, ints, total_q, total_k)
+                kernel((st3(argument(frame, 0), o), st3(argument(frame, 1), o),
+                        st3(argument(frame, 2), o), cu_q, cu_k, ints[0] != 0, floats[0],
+                        st3(argument(frame, 5), o), st3(argument(frame, 6), o),
+                        ct2(argument(frame, 7), o), ct3(result(frame, 0), o),
+                        ct3(result(frame, 1), o), ct3(result(frame, 2), o), no_drop, r,
+                        ints[1] != 0))
+        except Exception:
+            return error(frame, failed)
+        return 0
+
+    return handler
+
+
+def varlen_forward_target(dtype):
+    """The FFI target of the varlen forward for a storage dtype."""
+    return _target("varlen_forward", (np.dtype(dtype),), _make_varlen_forward)
+
+
+def varlen_backward_target(dtype):
+    """The FFI target of the varlen backward for a storage dtype."""
+    return _target("varlen_backward", (np.dtype(dtype),), _make_varlen_backward)
+
+
+# ---------------------------------------------------------------- KV cache
+
+#: ints of a KV-cache call: is_causal, left, right, chunk, paged
+KVCACHE_INTS = 5
+
+
+def _decode_signature(dtype, parallel):
+    """The decode kernel and the signature :func:`sdpa_numba.cpu.launch_decode.entry`
+    compiles it with (float caches): one compiled kernel for both APIs."""
+    from numba import types
+
+    from ..cpu.decode import decode, decode_serial
+    from ..cpu.launch import PLAIN_RECIPE, arr, kernel_types
+
+    st, ct, _ = kernel_types(np.dtype(dtype), "none")
+    sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), arr(types.int32, 2, True),
+           arr(types.int64, 1, True), types.boolean, types.float64, arr(st, 4, False),
+           arr(ct, 3, False), PLAIN_RECIPE, arr(types.int64, 1, True), types.none)
+    return (decode if parallel else decode_serial), sig
+
+
+def _make_kvcache(dtype, appending):
+    """The KV-cache cfunc: operands q, k_cache, v_cache, cache_seqlens, block_table,
+    cache_leftpad, [k, v], ints, floats; results out, k_cache, v_cache (aliased to the
+    operands: XLA hands the handler the caches' contents in them), lse."""
+    from ..cpu.decode import _key_bounds
+    from ..cpu.launch_decode import SERIAL_BYTES
+    from ..problem.dtypes import compute_dtype
+
+    st = _storage(dtype)
+    ct = compute_dtype(dtype).type
+    sz = np.dtype(st).itemsize
+    parallel = _native_call(*_decode_signature(dtype, True))
+    serial = _native_call(*_decode_signature(dtype, False))
+    i_ints = 8 if appending else 6
+    i_floats = i_ints + 1
+    texts, at = _messages(*[f"sdpa_numba.jax.attention_with_kvcache: {m}" for m in (
+        "cache_seqlens must be >= 0 (nothing was written)",
+        "cache_leftpad must be in [0, cache_seqlens + Lq_new] (nothing was written)",
+        "cache_seqlens + Lq_new is beyond the cache's slots per sequence (S_max, or "
+        "max_pages * page_size; nothing was written)",
+        "block_table has an entry among the pages in use outside [0, num_pages) (nothing "
+        "was written)",
+        "the append would write into a page that block_table lists more than once among "
+        "the pages in use (shared pages are read-only; nothing was written)")])
+    negative, leftpad_bad, beyond, table_bad, shared = at
+    failed = c_string("sdpa_numba.jax: the CPU KV-cache attention failed (out of memory?)")
+
+    @njit
+    def st4(buffer):
+        d = dims(buffer)
+        return carray(as_pointer(data(buffer)), (d[0], d[1], d[2], d[3]), st)
+
+    @njit
+    def check(kv_lens, seqlens, leftpad, table, capacity, page_size, n_pages, lq_new, paged):
+        """-1, or the offset in ``texts`` of the message of the first check that fails
+        (kvcache_problem's order)."""
+        b_len = seqlens.shape[0]
+        for b in range(b_len):
+            if seqlens[b] < 0:
+                return negative
+        for b in range(b_len):
+            if leftpad[b] < 0 or leftpad[b] > kv_lens[b]:
+                return leftpad_bad
+        for b in range(b_len):
+            if kv_lens[b] > capacity:
+                return beyond
+        if paged:
+            counts = np.zeros(n_pages, np.int64)
+            for b in range(b_len):
+                used = (kv_lens[b] + page_size - 1) // page_size
+                for j in range(used):
+                    e = table[b, j]
+                    if e < 0 or e >= n_pages:
+                        return table_bad
+                    counts[e] += 1
+            if lq_new:
+                for b in range(b_len):
+                    used = (kv_lens[b] + page_size - 1) // page_size
+                    for j in range(seqlens[b] // page_size, used):
+                        if counts[table[b, j]] > 1:
+                            return shared
+        return -1
+
+    @njit
+    def new_rows(frame):
+        """The new keys and values ``(k, v)`` of an append."""
+        return st4(argument(frame, 6)), st4(argument(frame, 7))
+
+    @njit
+    def no_rows(frame):
+        return None, None
+
+    rows = new_rows if appending else no_rows
+
+    @njit
+    def n_new(k):
+        return 0 if k is None else k.shape[1]
+
+    @njit
+    def write(k, v, k_cache, v_cache, table, seqlens, page_size):
+        """The append: row ``t`` of sequence ``b`` into slot ``seqlens[b] + t``."""
+        if k is None:
+            return
+        for b in range(seqlens.shape[0]):
+            for t in range(k.shape[1]):
+                pos = seqlens[b] + t
+                page, slot = table[b, pos // page_size], pos % page_size
+                k_cache[page, slot] = k[b, t]
+                v_cache[page, slot] = v[b, t]
+
+    def handler(frame):
+        if answer_metadata(frame):
+            return 0
+        ints, floats = _numbers(frame, i_ints, KVCACHE_INTS, i_floats)
+        q = st4(argument(frame, 0))
+        k_cache, v_cache = st4(result(frame, 1)), st4(result(frame, 2))
+        out = st4(result(frame, 0))
+        ld = dims(result(frame, 3))
+        lse = carray(as_pointer(data(result(frame, 3))), (ld[0], ld[1], ld[2]), ct)
+        b_len, lq = q.shape[0], q.shape[1]
+        n_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        tb = dims(argument(frame, 4))
+        table = carray(as_pointer(data(argument(frame, 4))), (tb[0], tb[1]), np.int32)
+        seqlens = _ints_at(argument(frame, 3), 0, b_len)
+        leftpad = _ints_at(argument(frame, 5), 0, b_len)
+        k, v = rows(frame)
+        lq_new = n_new(k)
+        kv_lens = seqlens + lq_new
+        bad = check(kv_lens, seqlens, leftpad, table, tb[1] * page_size, page_size, n_pages,
+                    lq_new, ints[4] != 0)
+        if bad >= 0:  # before anything is written
+            return error(frame, texts[bad:])
+        write(k, v, k_cache, v_cache, table, seqlens, page_size)
+        if out.size == 0 and lse.size == 0:
+            return 0
+        r = _recipe(ints[1], ints[2], ints[3], floats[1])
+        # The NumPy API's choice of kernel (sdpa_numba.cpu.launch_decode.prepare): by the
+        # bytes of keys and values read, so that both give the same bits.
+        lo = np.empty(b_len, np.int64)
+        hi = np.empty(b_len, np.int64)
+        _key_bounds(kernel_recipe(r, ints[0] != 0), kv_lens, leftpad, lq, lo, hi)
+        n_read = 0
+        for b in range(b_len):
+            n_read += hi[b] - lo[b]
+        read = n_read * k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * sz
+        args = (q, k_cache, v_cache, table, kv_lens, ints[0] != 0, floats[0], out, lse, r,
+                lo, None)
+        try:
+            if read >= SERIAL_BYTES:
+                parallel(args)
+            else:
+                serial(args)
+        except Exception:
+            return error(frame, failed)
+        return 0
+
+    return handler
+
+
+def kvcache_target(dtype, appending):
+    """The FFI target of the KV-cache call for a storage dtype, with or without an append."""
+    return _target("kvcache", (np.dtype(dtype), bool(appending)), _make_kvcache)

@@ -1,0 +1,208 @@
+"""``varlen_attention`` on JAX arrays: the CPU varlen kernels as XLA FFI calls
+(:mod:`._serve_handlers`), with a ``custom_vjp`` over the varlen backward (``lse`` saved as the
+residual) and ``vmap`` folded into a loop of kernel launches (``vmap_method="broadcast_all"``).
+
+Shapes, dtypes and the variants are checked at trace time with the NumPy API's checks
+(:func:`sdpa_numba.problem.varlen.varlen_plan`); the values of ``cu_seqlens_q`` and
+``cu_seqlens_k`` (traced under ``jax.jit``) are checked by the handler when the kernel runs, and
+a bad one fails the call with an error naming it.
+"""
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from ..problem import check_dropout, check_flag
+from ..problem.varlen import varlen_plan
+from ..score.recipe import NO_LIMIT
+from ._serve_handlers import varlen_backward_target, varlen_forward_target
+from .dense import _check_platform, _Spec
+
+__all__ = ["varlen_attention"]
+
+
+def not_taken(function, **given):
+    """NotImplementedError for the first of ``given`` that is set (not None, not ``()``)."""
+    for name, x in given.items():
+        if x is not None and not (isinstance(x, tuple) and x == ()):
+            raise NotImplementedError(
+                f"sdpa_numba.jax.{function} does not take {name} yet: use the NumPy API "
+                f"(sdpa_numba.{function}) outside jax.jit")
+
+
+def is_concrete(x):
+    """Whether ``x``'s values are known now (not a tracer): then the NumPy API's checks run on
+    them at trace time, with its messages."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def int_operand(x):
+    """An integer operand as the handlers read it: int64 where JAX has 64-bit integers and
+    ``x`` needs them (int64, uint32, uint64), else int32."""
+    x = jnp.asarray(x)
+    wide = x.dtype.itemsize == 8 or x.dtype == np.uint32
+    return x.astype(jnp.int64 if wide and jax.config.jax_enable_x64 else jnp.int32)
+
+
+def _cu_stand_in(name, x, total):
+    """What the NumPy API's checks read of ``cu_seqlens``: the values when they are concrete,
+    else an array of its shape and dtype that passes the value checks (0, then ``total``)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an integer array (int32 or int64), got "
+                        f"{type(x).__name__}")
+    if is_concrete(x):
+        return np.asarray(x)
+    a = np.zeros(tuple(x.shape), np.dtype(x.dtype))
+    if a.ndim == 1 and a.shape[0] >= 1 and a.dtype.kind in "iu":
+        a[-1] = total
+    return a
+
+
+def _max_hint(name, x):
+    """``max_seqlen_*``: a static Python int (FlashAttention's hint) or None; -1 for None."""
+    if x is None:
+        return -1
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be a static Python int or None (under jax.jit, not a "
+                        f"traced value), got {type(x).__name__}")
+    if int(x) < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(x)}")
+    return int(x)
+
+
+def _numbers(ints, floats):
+    """The ``ints`` (int64) and ``floats`` (float64) operands, their bytes carried as uint32:
+    JAX without ``jax_enable_x64`` has no 64-bit arrays (the handlers read the bytes)."""
+    return (jnp.asarray(np.array(ints, np.int64).view(np.uint32)),
+            jnp.asarray(np.array(floats, np.float64).view(np.uint32)))
+
+
+# cfg: (dtype, ints, floats, out_shape, lse_shape), hashable (custom_vjp's nondiff arg)
+
+def _forward_call(cfg, q, k, v, cu_q, cu_k):
+    dtype, ints, floats, out_shape, lse_shape = cfg
+    ct = np.float64 if dtype == np.float64 else np.float32
+    call = jax.ffi.ffi_call(varlen_forward_target(dtype),
+                            (jax.ShapeDtypeStruct(out_shape, dtype),
+                             jax.ShapeDtypeStruct(lse_shape, ct)),
+                            vmap_method="broadcast_all")
+    return call(q, k, v, cu_q, cu_k, *_numbers(ints, floats))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _varlen(cfg, q, k, v, cu_q, cu_k):
+    return _forward_call(cfg, q, k, v, cu_q, cu_k)
+
+
+def _fwd(cfg, q, k, v, cu_q, cu_k):
+    vals = [x.value for x in (q, k, v, cu_q, cu_k)]
+    out, lse = _forward_call(cfg, *vals)
+    return (out, lse), (vals, out, lse)
+
+
+def _bwd(cfg, res, cts):
+    (q, k, v, cu_q, cu_k), out, lse = res
+    g, g_lse = cts
+    dtype, ints, floats, out_shape, _ = cfg
+    if not isinstance(g_lse, SymbolicZero):
+        raise NotImplementedError("sdpa_numba.jax.varlen_attention has no gradient through "
+                                  "lse (return_lse=True): differentiate the output only")
+    g = jnp.zeros(out_shape, dtype) if isinstance(g, SymbolicZero) else g.astype(dtype)
+    ct = np.float64 if dtype == np.float64 else np.float32
+    results = [jax.ShapeDtypeStruct(x.shape, ct) for x in (q, k, v)]
+    grads = jax.ffi.ffi_call(varlen_backward_target(dtype), results,
+                             vmap_method="broadcast_all")(q, k, v, cu_q, cu_k, g, out, lse,
+                                                          *_numbers(ints, floats))
+    # the NumPy API's: the compute dtype's gradients cast to the inputs' dtype
+    return tuple(d.astype(dtype) for d in grads) + (None, None)
+
+
+_varlen.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                     max_seqlen_k=None, *, is_causal=False, scale=None, dropout_p=0.0,
+                     seed=None, return_lse=False, out=None, window=None, chunk=None,
+                     alignment="top_left", softcap=None, alibi_slopes=None, sinks=None,
+                     score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None,
+                     block_mask=None):
+    """Attention over a ragged batch packed back to back, on JAX arrays, under ``jax.jit``,
+    ``jax.grad`` and ``jax.vmap``: :func:`sdpa_numba.varlen_attention` (same arguments and
+    semantics) with the CPU varlen kernels as XLA FFI calls.
+
+    Parameters
+    ----------
+    q, k, v : jax.Array, shapes (total_q, Hq, E), (total_k, H, E), (total_k, H, Ev)
+        float16, bfloat16, float32 or float64 (float64 needs ``jax_enable_x64``).
+    cu_seqlens_q, cu_seqlens_k : jax.Array of ints, shape (B + 1,)
+        May be traced. Shapes and dtypes are checked at trace time; the values (start at 0,
+        never decrease, end at the totals) when they are concrete, else when the kernel runs:
+        a bad value fails the call with an error naming the argument, which
+        ``jax.block_until_ready`` (or reading the result) raises.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Static Python ints (FlashAttention's hints): checked to be at least the longest
+        sequence (when the kernel runs, for traced cu_seqlens).
+    is_causal, scale, window, chunk, alignment, softcap, return_lse
+        As in the NumPy API. ``lse`` has shape ``(Hq, total_q)`` in the compute dtype; no
+        gradient flows through it (NotImplementedError if one is asked).
+    dropout_p : float
+        Only 0 (NotImplementedError otherwise).
+    seed, out, alibi_slopes, sinks, score_mod, mask_mod, mod_args, score_mod_grad
+        Not taken under JAX yet (NotImplementedError when given). ``block_mask`` is refused as
+        by the NumPy API (ValueError).
+
+    Returns
+    -------
+    out : jax.Array, shape (total_q, Hq, Ev), the inputs' dtype
+    lse : jax.Array, shape (Hq, total_q), only with ``return_lse=True``
+
+    Raises
+    ------
+    TypeError, ValueError
+        For bad shapes, dtypes, flags, hints, and concrete cu_seqlens values, at trace time,
+        with the NumPy API's messages.
+    NotImplementedError
+        For the arguments above, and for arrays on a device other than the CPU.
+
+    Notes
+    -----
+    Gradients: q, k and v, by :func:`sdpa_numba.varlen_attention_backward`'s kernel (bit for
+    bit its results). Under ``vmap`` every operand is broadcast to the mapped size and the
+    kernel runs once per index.
+    """
+    not_taken("varlen_attention", seed=seed, out=out, alibi_slopes=alibi_slopes, sinks=sinks,
+              score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
+              score_mod_grad=score_mod_grad)
+    if check_dropout(dropout_p) > 0:
+        raise NotImplementedError("sdpa_numba.jax.varlen_attention does not take dropout_p > "
+                                  "0 yet")
+    return_lse = check_flag("return_lse", return_lse)
+    named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+             ("cu_seqlens_k", cu_seqlens_k)]
+    _check_platform(named)
+    for name, x in named[:3]:
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    max_q = _max_hint("max_seqlen_q", max_seqlen_q)
+    max_k = _max_hint("max_seqlen_k", max_seqlen_k)
+    total_q = int(q.shape[0]) if q.ndim else 0
+    total_k = int(k.shape[0]) if k.ndim else 0
+    cq = _cu_stand_in("cu_seqlens_q", cu_seqlens_q, total_q)
+    ck = _cu_stand_in("cu_seqlens_k", cu_seqlens_k, total_k)
+    concrete = is_concrete(cu_seqlens_q) and is_concrete(cu_seqlens_k)
+    p = varlen_plan(_Spec(q), _Spec(k), _Spec(v), cq, ck,
+                    max_seqlen_q=max_seqlen_q if concrete else None,
+                    max_seqlen_k=max_seqlen_k if concrete else None, is_causal=is_causal,
+                    scale=scale, window=window, chunk=chunk, alignment=alignment,
+                    softcap=softcap, block_mask=block_mask)
+    r = p.recipe
+    ints = (int(p.is_causal), int(p.bottom_right), int(min(r.left, NO_LIMIT)),
+            int(min(r.right, NO_LIMIT)), int(r.chunk), max_q, max_k)
+    cfg = (p.dtype, ints, (float(p.scale), float(r.softcap)), p.out_shape, p.lse_shape)
+    result, lse = _varlen(cfg, q, k, v, int_operand(cu_seqlens_q), int_operand(cu_seqlens_k))
+    return (result, lse) if return_lse else result
