@@ -120,6 +120,12 @@ def decode():
     return f"```bash\n{cmd}\n```\n\n{out}"
 
 
+def decode_quant():
+    """The decode-quant preset: 8-bit caches against our float caches and torch's SDPA."""
+    cmd, out = _bench(["--preset", "decode-quant"])
+    return f"```bash\n{cmd}\n```\n\n{out}"
+
+
 def quant_errors():
     """The 8-bit cache formats' error against the original float cache
     (scripts/quant_errors.py)."""
@@ -163,7 +169,8 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "quant_errors": quant_errors, "varlen": varlen, "variants": variants, "layers": layers,
+              "decode": decode, "quant_errors": quant_errors,
+              "decode_quant": decode_quant, "varlen": varlen, "variants": variants, "layers": layers,
               "jax": jax}
 
 
