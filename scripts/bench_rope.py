@@ -80,15 +80,41 @@ def main():
     for _ in range(3):  # compile and warm up both
         call({}), call(rot)
     plain, rotated = [], []
-    for _ in range(a.calls):
-        plain.append(call({}))
-        rotated.append(call(rot))
+    for i in range(a.calls):  # ABBA: neither always runs first
+        if i % 2:
+            rotated.append(call(rot))
+            plain.append(call({}))
+        else:
+            plain.append(call({}))
+            rotated.append(call(rot))
     mp, mr = statistics.median(plain), statistics.median(rotated)
     print(f"B{a.B} Hq{a.Hq} H{a.H} S{a.S} D{a.D} float32, 1 new token, {a.threads} threads, "
-          f"{a.calls} alternating pairs")
+          f"{a.calls} alternating (ABBA) pairs")
     print(f"without rotation: median {mp * 1e3:.3f} ms (min {min(plain) * 1e3:.3f})")
     print(f"with rotation:    median {mr * 1e3:.3f} ms (min {min(rotated) * 1e3:.3f})")
     print(f"ratio (median): {mr / mp:.3f}; (min): {min(rotated) / min(plain):.3f}")
+
+    # The added work alone (less exposed to a loaded machine than whole steps): the plan's
+    # extra checks and row gathering, and the rotation pass over q and k.
+    from sdpa_numba.cpu.rope import rotate
+
+    def med(fn):
+        ts = []
+        for _ in range(a.calls):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    plan_plain = med(lambda: sdpa_numba.kvcache_plan(q, kc, vc, lens, k=k, v=v))
+    plan_rot = med(lambda: sdpa_numba.kvcache_plan(q, kc, vc, lens, k=k, v=v, **rot))
+    r = sdpa_numba.kvcache_plan(q, kc, vc, lens, k=k, v=v, **rot).problem.rope
+    rot_q = med(lambda: rotate(q, r.q_cos, r.q_sin, r.interleaved))
+    rot_k = med(lambda: rotate(k, r.k_cos, r.k_sin, r.interleaved))
+    added = plan_rot - plan_plain + rot_q + rot_k
+    print(f"added work: plan {(plan_rot - plan_plain) * 1e6:.1f} us, rotation of q "
+          f"{rot_q * 1e6:.1f} us and k {rot_k * 1e6:.1f} us; (step min + added) / step min = "
+          f"{(min(plain) + added) / min(plain):.3f}")
 
 
 if __name__ == "__main__":
