@@ -150,7 +150,9 @@ class KVCachePlan:
         return (f"KVCachePlan(q {p.q_shape}, k_cache {p.k_cache_shape}, "
                 f"{'paged, ' if p.paged else ''}dtype {p.dtype}, "
                 f"{'append ' + str(p.k_shape[1]) if p.appending else 'no append'}, "
-                f"on {self.target.name})")
+                + (f"rotary_dim {p.rope.rotary_dim}"
+                   f"{' interleaved' if p.rope.interleaved else ''}, " if p.rope else "")
+                + f"on {self.target.name})")
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, *, k: Any = None, v: Any = None,
             out: Any = None, return_lse: bool = False, k_scale: Any = None,

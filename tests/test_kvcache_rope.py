@@ -114,6 +114,32 @@ def test_float32_gqa_leftpad_and_plan_runs(rng):
         np.testing.assert_array_equal(kp, ko)
 
 
+def test_paged_cache_and_plan_keeps_its_rows(rng):
+    """A paged cache (shuffled pages of 3 slots) receives the rotated keys as a contiguous one
+    does; a plan copied the table rows it uses (changing the tables afterwards changes
+    nothing)."""
+    B, H, E, ps, per = 2, 2, 6, 3, 4
+    q, _, _, k, v = problem(rng, B=B, Lq=2, Hq=4, H=H, E=E, new=2)
+    pk = rng.standard_normal((B * per, ps, H, E))
+    pv = rng.standard_normal((B * per, ps, H, 5))
+    table = rng.permutation(B * per).reshape(B, per).astype(np.int32)
+    lens = np.array([2, 7])
+    cos, sin = tables(12, 4)
+    plan = sdpa_numba.kvcache_plan(q, pk, pv, lens, k=k, v=v, block_table=table,
+                                   rotary_cos=cos, rotary_sin=sin, rotary_interleaved=True)
+    cos[:], sin[:] = 0.0, 0.0
+    a_k, a_v = pk.copy(), pv.copy()
+    res = plan.run(q, a_k, a_v, k=k, v=v)
+    cos, sin = tables(12, 4)
+    qr = rotate64(q, cos, sin, positions(lens, 2), True)
+    kr = rotate64(k, cos, sin, positions(lens, 2), True)
+    b_k, b_v = pk.copy(), pv.copy()
+    ref = kvattn(qr, b_k, b_v, lens, k=kr, v=v, block_table=table)
+    np.testing.assert_allclose(a_k, b_k, rtol=1e-15, atol=1e-15)
+    np.testing.assert_array_equal(a_v, b_v)
+    np.testing.assert_allclose(res, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_cache_batch_idx_equals_permuted_rows(rng):
     """Sequence b reads and appends into cache row cache_batch_idx[b] of a cache with more
     rows than sequences; the other rows are untouched. With rotation too."""
