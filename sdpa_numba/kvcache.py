@@ -92,8 +92,13 @@ def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_l
     # The rotation and the cache rows: read on the host (the rotation's table rows are
     # gathered once per step, for every layer).
     cos, sin, interleaved, batch_idx = rotary or (None, None, False, None)
-    cos, sin, batch_idx = (None if x is None else _host(name, x) for name, x in (
-        ("rotary_cos", cos), ("rotary_sin", sin), ("cache_batch_idx", batch_idx)))
+    if batch_idx is not None:
+        batch_idx = _host("cache_batch_idx", batch_idx)
+    # Tables on the device stay there for a CUDA step (its rows are gathered on the device);
+    # the rest are read on the host.
+    cos, sin = (None if x is None else CUDA.adopt([(name, x)])[0][0]
+                if target is CUDA and is_device_array(x) else _host(name, x)
+                for name, x in (("rotary_cos", cos), ("rotary_sin", sin)))
     p = kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                         is_causal, scale, k_scale=k_scale, v_scale=v_scale,
                         cache_batch_idx=batch_idx, rotary_cos=cos, rotary_sin=sin,
@@ -370,9 +375,10 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         cache slot; left padding does not shift it); query token ``t`` at
         ``cache_seqlens[b] + t`` when ``is_causal`` or a ``window`` / ``chunk`` is given,
         else every query token at ``cache_seqlens[b]``. Row ``p`` of the tables is position
-        ``p``: ``seqlen_ro`` must exceed every position used. Any float dtype; read on the
-        host (only the rows in use are copied). The rotation is done in float64 and rounded
-        once to q's dtype, into scratch: q and k are not modified.
+        ``p``: ``seqlen_ro`` must exceed every position used. Any float dtype. Host tables
+        are read on the host and only the rows in use copied; CUDA tables of a CUDA call
+        stay on the device (the rows in use are gathered there). The rotation is done in
+        float64 and rounded once to q's dtype, into scratch: q and k are not modified.
     rotary_interleaved : bool, keyword-only
         False (default; GPT-NeoX / Llama style): dims ``i`` and ``i + rotary_dim / 2`` rotate
         together. True (GPT-J style): dims ``2i`` and ``2i + 1``. (FlashAttention's default

@@ -12,7 +12,7 @@ from numba import cuda
 
 from .arrays import device_array
 from .decode import append, decode
-from .rope import rotate
+from .rope import gather_rows, rotate
 
 
 def prepare(p):
@@ -22,8 +22,12 @@ def prepare(p):
     table = cuda.to_device(p.table)
     bounds = (p.lo, p.hi)
     rope = p.rope
-    if rope is not None:  # the step's table rows, on the device once for all its layers
+    if rope is not None and rope.tables is None:  # rows gathered on the host: copied once
         rows = [cuda.to_device(x) for x in (rope.q_cos, rope.q_sin, rope.k_cos, rope.k_sin)]
+    elif rope is not None:  # device tables: their rows gathered on the device, once
+        cos, sin = rope.tables
+        rows = [gather_rows(cos, rope.q_pos), gather_rows(sin, rope.q_pos),
+                gather_rows(cos, rope.k_pos), gather_rows(sin, rope.k_pos)]
 
     def launch(q, k_cache, v_cache, k, v, out):
         if rope is not None:

@@ -6,6 +6,7 @@ Each element is rotated in float64 (table rows float64) and rounded once to the 
 (bfloat16 by way of float32, as :func:`.storage.store`).
 """
 
+import numpy as np
 from numba import cuda
 
 from .arrays import device_array, is_simulated_mode
@@ -40,6 +41,35 @@ def _rotate_kernel(x, cos, sin, interleaved, out):
     else:
         e = i + R
         out[b, t, h, e] = x[b, t, h, e]
+
+
+@cuda.jit
+def _gather_kernel(table, pos, rows):
+    """``rows[b, t, i] = table[pos[b, t], i]`` as float64."""
+    n = cuda.grid(1)
+    B, L, R = rows.shape
+    if n >= B * L * R:
+        return
+    i = n % R
+    bt = n // R
+    t = bt % L
+    b = bt // L
+    rows[b, t, i] = float(load(table[pos[b, t], i]))
+
+
+def gather_rows(table, pos, stream=0):
+    """A new float64 device array (B, L, R): the rows of device array ``table`` (seqlen_ro,
+    R) at host positions ``pos`` (B, L, int64, checked in range), gathered on the device (a
+    device table is never copied whole)."""
+    B, L = pos.shape
+    R = table.shape[1]
+    rows = device_array((B, L, R), np.float64)
+    n = B * L * R
+    if n:
+        mt = 32 if is_simulated_mode() else 128
+        _gather_kernel[-(-n // mt), mt, stream](storage_view(table),
+                                               cuda.to_device(pos, stream=stream), rows)
+    return rows
 
 
 def rotate(x, cos, sin, interleaved, stream=0):

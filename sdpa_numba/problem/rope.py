@@ -26,16 +26,22 @@ from .dtypes import check_storage_dtype
 class RopeProblem:
     """A step's rotation: ``rotary_dim`` (even, ``<= E``; the first ``rotary_dim`` dims of each
     head rotate, the rest pass through), ``interleaved`` (pairs ``(2i, 2i+1)``, GPT-J; else
-    ``(i, i + rotary_dim / 2)``, GPT-NeoX), and the rows ``q_cos``, ``q_sin`` ``(B, Lq,
-    rotary_dim / 2)``, ``k_cos``, ``k_sin`` ``(B, Lq_new, rotary_dim / 2)``, float64,
-    C-contiguous: the table rows at each token's position."""
+    ``(i, i + rotary_dim / 2)``, GPT-NeoX), the positions ``q_pos`` (B, Lq) and ``k_pos``
+    (B, Lq_new), int64, and the rows ``q_cos``, ``q_sin`` ``(B, Lq, rotary_dim / 2)``,
+    ``k_cos``, ``k_sin`` ``(B, Lq_new, rotary_dim / 2)``, float64, C-contiguous: the table
+    rows at each token's position. Device tables are not read on the host: then the rows are
+    None and ``tables`` holds ``(rotary_cos, rotary_sin)``, for the CUDA launcher to gather
+    the rows on the device (:func:`sdpa_numba.gpu.rope.gather_rows`)."""
 
     rotary_dim: int
     interleaved: bool
-    q_cos: np.ndarray
-    q_sin: np.ndarray
-    k_cos: np.ndarray
-    k_sin: np.ndarray
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    q_cos: np.ndarray | None
+    q_sin: np.ndarray | None
+    k_cos: np.ndarray | None
+    k_sin: np.ndarray | None
+    tables: tuple | None = None
 
 
 def rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, lq, lq_new,
@@ -43,8 +49,9 @@ def rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, lq, lq_
     """Validate the rotation of one decode step and gather its rows (:class:`RopeProblem`), or
     None when ``rotary_cos`` and ``rotary_sin`` are both None.
 
-    ``rotary_cos``, ``rotary_sin``: NumPy arrays (read on the host), shape ``(seqlen_ro,
-    rotary_dim / 2)``, any float dtype; ``E``: q's head dim; ``seqlens``: int64 (B,), the
+    ``rotary_cos``, ``rotary_sin``: NumPy arrays (their rows in use copied now) or device
+    arrays (checked by shape and dtype alone), shape ``(seqlen_ro, rotary_dim / 2)``, any
+    float dtype; ``E``: q's head dim; ``seqlens``: int64 (B,), the
     keys in the cache before the append; ``lq``, ``lq_new``: query tokens and new keys per
     sequence (``lq_new`` None: no append, refused as FlashAttention does); ``per_token``:
     whether query tokens take their own positions (causal or local) or all
@@ -82,14 +89,19 @@ def rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, lq, lq_
                          f"a token at position {last} (cache_seqlens[b] + the token's index): "
                          f"the tables need at least {last + 1} rows")
 
+    q_pos = np.ascontiguousarray(q_pos, np.int64)
+    k_pos = np.ascontiguousarray(k_pos, np.int64)
+    if not (isinstance(rotary_cos, np.ndarray) and isinstance(rotary_sin, np.ndarray)):
+        return RopeProblem(2 * half, interleaved, q_pos, k_pos, None, None, None, None,
+                           tables=(rotary_cos, rotary_sin))
+
     def rows(table, pos):
         # Only the rows in use, as float64 (any table dtype: float16 and bfloat16 included).
         return np.ascontiguousarray(
             np.asarray(table[pos.reshape(-1)], dtype=np.float64).reshape(B, pos.shape[1], half))
 
-    return RopeProblem(rotary_dim=2 * half, interleaved=interleaved,
-                       q_cos=rows(rotary_cos, q_pos), q_sin=rows(rotary_sin, q_pos),
-                       k_cos=rows(rotary_cos, k_pos), k_sin=rows(rotary_sin, k_pos))
+    return RopeProblem(2 * half, interleaved, q_pos, k_pos, rows(rotary_cos, q_pos),
+                       rows(rotary_sin, q_pos), rows(rotary_cos, k_pos), rows(rotary_sin, k_pos))
 
 
 def rotate_reference(x, cos, sin, interleaved):

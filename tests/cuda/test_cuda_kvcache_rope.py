@@ -36,9 +36,13 @@ def rotate64(x, cos, sin, pos, interleaved):
     return x
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("interleaved, device_tables", [(False, True), (True, True),
+                                                        (False, False)])
 @pytest.mark.parametrize("Lq, new, is_causal", [(2, 2, True), (2, 2, False)])
-def test_rotation_matches_cpu_and_reference(rng, interleaved, Lq, new, is_causal):
+def test_rotation_matches_cpu_and_reference(rng, interleaved, device_tables, Lq, new,
+                                            is_causal):
+    """Device tables (rows gathered on the device) and host tables (rows gathered on the
+    host, then copied)."""
     B, Hq, H, E, Ev, S = 3, 4, 2, 7, 3, 20
     q = rng.standard_normal((B, Lq, Hq, E))
     kc = rng.standard_normal((B, S, H, E))
@@ -48,8 +52,9 @@ def test_rotation_matches_cpu_and_reference(rng, interleaved, Lq, new, is_causal
     lens = np.array([0, 4, 11])
     cos, sin = tables(16, 6)  # rotary_dim 6 < E = 7
     dq, dk_new, dkc, dvc = dev(q), dev(k), dev(kc), dev(vc)
-    res, lse = kvattn(dq, dkc, dvc, lens, k=dk_new, v=dev(v), rotary_cos=dev(cos),
-                      rotary_sin=dev(sin), rotary_interleaved=interleaved, is_causal=is_causal,
+    put = dev if device_tables else (lambda x: x)
+    res, lse = kvattn(dq, dkc, dvc, lens, k=dk_new, v=dev(v), rotary_cos=put(cos),
+                      rotary_sin=put(sin), rotary_interleaved=interleaved, is_causal=is_causal,
                       return_lse=True)
     np.testing.assert_array_equal(dq.copy_to_host(), q)  # inputs unmodified
     np.testing.assert_array_equal(dk_new.copy_to_host(), k)
