@@ -79,7 +79,7 @@ def _adopt(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
 
 
 def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-          is_causal, scale, variants, k_scale=None, v_scale=None):
+          is_causal, scale, variants, k_scale=None, v_scale=None, rotary=None):
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.full(q.shape[:1], int(cache_seqlens), np.int64)
     # cache_seqlens, cache_leftpad and block_table are read on the host (checks, and the split
@@ -89,8 +89,20 @@ def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_l
         cache_leftpad = _host("cache_leftpad", cache_leftpad)
     if block_table is not None:
         block_table = _host("block_table", block_table)
+    # The rotation and the cache rows: read on the host (the rotation's table rows are
+    # gathered once per step, for every layer).
+    cos, sin, interleaved, batch_idx = rotary or (None, None, False, None)
+    if batch_idx is not None:
+        batch_idx = _host("cache_batch_idx", batch_idx)
+    # Tables on the device stay there for a CUDA step (its rows are gathered on the device);
+    # the rest are read on the host.
+    cos, sin = (None if x is None else CUDA.adopt([(name, x)])[0][0]
+                if target is CUDA and is_device_array(x) else _host(name, x)
+                for name, x in (("rotary_cos", cos), ("rotary_sin", sin)))
     p = kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                        is_causal, scale, k_scale=k_scale, v_scale=v_scale, **variants)
+                        is_causal, scale, k_scale=k_scale, v_scale=v_scale,
+                        cache_batch_idx=batch_idx, rotary_cos=cos, rotary_sin=sin,
+                        rotary_interleaved=interleaved, **variants)
     return KVCachePlan(p, target, target.prepare_decode(p))
 
 
@@ -143,7 +155,9 @@ class KVCachePlan:
         return (f"KVCachePlan(q {p.q_shape}, k_cache {p.k_cache_shape}, "
                 f"{'paged, ' if p.paged else ''}dtype {p.dtype}, "
                 f"{'append ' + str(p.k_shape[1]) if p.appending else 'no append'}, "
-                f"on {self.target.name})")
+                + (f"rotary_dim {p.rope.rotary_dim}"
+                   f"{' interleaved' if p.rope.interleaved else ''}, " if p.rope else "")
+                + f"on {self.target.name})")
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, *, k: Any = None, v: Any = None,
             out: Any = None, return_lse: bool = False, k_scale: Any = None,
@@ -223,7 +237,9 @@ class KVCachePlan:
 def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: Any = None,
                  v: Any = None, block_table: Any = None, cache_leftpad: Any = None,
                  is_causal: bool = True, scale: float | None = None, k_scale: Any = None,
-                 v_scale: Any = None, **variants: Any) -> KVCachePlan:
+                 v_scale: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
+                 rotary_interleaved: bool = False, cache_batch_idx: Any = None,
+                 **variants: Any) -> KVCachePlan:
     """Plan one decode step once, for every layer of a model: the checks and the work of
     :func:`attention_with_kvcache` that depend only on shapes, dtype, layout, cache lengths,
     left padding, variants and scale, done now; each layer then calls
@@ -241,6 +257,10 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
     k, v : arrays, keyword-only, optional
         One layer's new keys and values: given, every run appends (and must be given its own
         ``k`` and ``v`` of these shapes).
+    rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx : keyword-only, optional
+        As for :func:`attention_with_kvcache`: part of the step (the same for its layers).
+        The table rows the step's tokens use are copied now, and every run rotates its own
+        q and k with them; the cache rows are copied too.
 
     Other Parameters
     ----------------
@@ -276,7 +296,8 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
         q, k_cache, v_cache, k, v, None, k_scale, v_scale)
     _check_variants("kvcache_plan", variants, target)
     return _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                 is_causal, scale, variants, k_scale, v_scale)
+                 is_causal, scale, variants, k_scale, v_scale,
+                 (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx))
 
 
 @takes_variants(exclude=_NOT_TAKEN, defaults=_DEFAULTS)
@@ -284,7 +305,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                            k: Any = None, v: Any = None, block_table: Any = None,
                            cache_leftpad: Any = None, is_causal: bool = True,
                            scale: float | None = None, return_lse: bool = False, out: Any = None,
-                           k_scale: Any = None, v_scale: Any = None, **variants: Any) -> Any:
+                           k_scale: Any = None, v_scale: Any = None, rotary_cos: Any = None,
+                           rotary_sin: Any = None, rotary_interleaved: bool = False,
+                           cache_batch_idx: Any = None, **variants: Any) -> Any:
     """Attention of new query tokens against a key/value cache (decode, chunked prefill,
     speculative decoding), with FlashAttention's ``flash_attn_with_kvcache`` layouts.
 
@@ -343,6 +366,28 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         ``v`` into the cache (round to nearest even, saturating) and, for int8 caches,
         writes their scales (:func:`sdpa_numba.quant.quantize_kv`'s rule); fp8 descales
         are kept. q of any float dtype; CPU only (CUDA arrays: NotImplementedError).
+    rotary_cos, rotary_sin : arrays, shape (seqlen_ro, rotary_dim / 2), keyword-only, optional
+        Rotary position embedding on append (FlashAttention's): q and the new keys ``k`` are
+        rotated before the attention and the append (so the cache receives rotated keys);
+        both or neither, and only with ``k`` and ``v`` (as FlashAttention). ``rotary_dim``
+        even, ``<= E``: the first ``rotary_dim`` dims of each head rotate, the rest pass
+        through. New key ``i`` of sequence ``b`` is at position ``cache_seqlens[b] + i`` (its
+        cache slot; left padding does not shift it); query token ``t`` at
+        ``cache_seqlens[b] + t`` when ``is_causal`` or a ``window`` / ``chunk`` is given,
+        else every query token at ``cache_seqlens[b]``. Row ``p`` of the tables is position
+        ``p``: ``seqlen_ro`` must exceed every position used. Any float dtype. Host tables
+        are read on the host and only the rows in use copied; CUDA tables of a CUDA call
+        stay on the device (the rows in use are gathered there). The rotation is done in
+        float64 and rounded once to q's dtype, into scratch: q and k are not modified.
+    rotary_interleaved : bool, keyword-only
+        False (default; GPT-NeoX / Llama style): dims ``i`` and ``i + rotary_dim / 2`` rotate
+        together. True (GPT-J style): dims ``2i`` and ``2i + 1``. (FlashAttention's default
+        is True.)
+    cache_batch_idx : array of ints, shape (B,), keyword-only, optional
+        The row of a contiguous cache (``(N, S_max, H, E)``, any ``N``) that sequence ``b``
+        reads and appends into: ``cache_batch_idx[b]``, in ``[0, N)``; distinct when
+        appending (rows may repeat without ``k`` and ``v``). Not with ``block_table``
+        (ValueError: a paged cache's sequences pick their pages there). Read on the host.
 
     Other Parameters
     ----------------
@@ -403,7 +448,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     _check_variants("attention_with_kvcache", variants, target)
     return_lse = check_flag("return_lse", return_lse)
     plan = _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                 is_causal, scale, variants, k_scale, v_scale)
+                 is_causal, scale, variants, k_scale, v_scale,
+                 (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx))
     result, lse = plan._run(q, k_cache, v_cache, k, v, out, True, k_scale, v_scale)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

@@ -134,7 +134,8 @@ def append_quantized(p, k, v, k_cache, v_cache, k_scale, v_scale):
 def prepare(p):
     """The launch of problem ``p``: ``launch(q, k_cache, v_cache, k, v, out) -> (out, lse)``
     on NumPy arrays checked against ``p`` (``k``, ``v`` None: no append; ``out`` None: a new
-    array). Compiles the entry point now if it is not yet."""
+    array). Compiles the entry point now if it is not yet. With a rotation (``p.rope``), q and
+    ``k`` are rotated into scratch first (:mod:`.rope`), and the rotated keys appended."""
     empty = not (int(np.prod(p.out_shape)) or int(np.prod(p.lse_shape)))
     parallel = p.read_bytes >= SERIAL_BYTES
     # The parallel kernel whatever the thread count: which kernel runs depends on the shape
@@ -147,8 +148,16 @@ def prepare(p):
     out_shape, lse_shape, dtype, ct = p.out_shape, p.lse_shape, p.dtype, p.compute_dtype
     table, kv_lens, is_causal, scale, r, lo = (p.table, p.kv_lens, p.is_causal, p.scale,
                                                p.recipe, p.lo)
+    rope = p.rope
 
     def launch(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
+        if rope is not None:
+            # Into scratch: the caller's q and k are inputs, never written.
+            from .rope import rotate
+
+            check_jit()
+            q = rotate(q, rope.q_cos, rope.q_sin, rope.interleaved)
+            k = rotate(k, rope.k_cos, rope.k_sin, rope.interleaved)
         if k is not None:
             if quant is None:
                 append(p, k, v, k_cache, v_cache)

@@ -3,14 +3,16 @@ arrays to the CUDA decode (:mod:`.decode`): the append into the cache on the dev
 launch.
 
 :func:`prepare` copies what every layer of a step shares to the device once (the block
-table); the launch returned appends, allocates the result and launches, asynchronously on the
-default stream.
+table, a rotation's table rows); the launch returned rotates q and the new keys into scratch
+(:mod:`.rope`) when the step has a rotation, appends, allocates the result and launches,
+asynchronously on the default stream.
 """
 
 from numba import cuda
 
 from .arrays import device_array
 from .decode import append, decode
+from .rope import gather_rows, rotate
 
 
 def prepare(p):
@@ -19,8 +21,19 @@ def prepare(p):
     array)."""
     table = cuda.to_device(p.table)
     bounds = (p.lo, p.hi)
+    rope = p.rope
+    if rope is not None and rope.tables is None:  # rows gathered on the host: copied once
+        rows = [cuda.to_device(x) for x in (rope.q_cos, rope.q_sin, rope.k_cos, rope.k_sin)]
+    elif rope is not None:  # device tables: their rows gathered on the device, once
+        cos, sin = rope.tables
+        rows = [gather_rows(cos, rope.q_pos), gather_rows(sin, rope.q_pos),
+                gather_rows(cos, rope.k_pos), gather_rows(sin, rope.k_pos)]
 
     def launch(q, k_cache, v_cache, k, v, out):
+        if rope is not None:
+            # Into scratch: the caller's q and k are inputs, never written.
+            q = rotate(q, rows[0], rows[1], rope.interleaved)
+            k = rotate(k, rows[2], rows[3], rope.interleaved)
         if p.pages is not None:
             append(k, v, k_cache, v_cache, p.pages, p.slots)
         result = device_array(p.out_shape, p.dtype) if out is None else out

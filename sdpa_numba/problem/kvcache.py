@@ -24,6 +24,7 @@ from .arguments import check_flag, check_scale, shape_str
 from .dtypes import check_storage_dtype, compute_dtype
 from .out import given_arrays
 from .quant import check_scales, quant_spec
+from .rope import rope_problem
 from .variants import check_alignment, variants_recipe
 
 
@@ -113,6 +114,9 @@ class KVCacheProblem:
     given: tuple = ()
     #: A quantized cache's format (:class:`sdpa_numba.problem.quant.QuantSpec`), or None.
     quant: object = None
+    #: The rotation of q and the new keys (:class:`sdpa_numba.problem.rope.RopeProblem`), or
+    #: None.
+    rope: object = None
 
     @property
     def appending(self):
@@ -158,14 +162,18 @@ def check_writeable(named):
 
 def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                     is_causal, scale, *, alignment="bottom_right", k_scale=None, v_scale=None,
-                    **variants):
+                    cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
+                    rotary_interleaved=False, **variants):
     """Validate one decode step's operands and return its :class:`KVCacheProblem`.
 
     ``q``, the caches, ``k`` and ``v`` (None: no append): the target's arrays (anything with
     ``shape``, ``strides``, ``ndim`` and a NumPy ``dtype``); ``cache_seqlens`` (B,),
     ``block_table`` and ``cache_leftpad`` (None or arrays): NumPy arrays; ``variants``: the
     variants the KV-cache functions take (:mod:`.variant_table`); ``k_scale``, ``v_scale``: a
-    quantized cache's scales (:mod:`.quant`), arrays of the caches' kind. Raises TypeError /
+    quantized cache's scales (:mod:`.quant`), arrays of the caches' kind; ``cache_batch_idx``
+    (None or a NumPy array) the cache row of each sequence of a contiguous cache;
+    ``rotary_cos``, ``rotary_sin`` (None or NumPy arrays) and ``rotary_interleaved`` the
+    rotation (:mod:`.rope`). Raises TypeError /
     ValueError naming the argument, as documented by
     :func:`sdpa_numba.attention_with_kvcache`.
     """
@@ -203,9 +211,13 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
                          f"{shape_str(q)}, k_cache {shape_str(k_cache)}")
     _check_cache_strides("k_cache", k_cache)
     _check_cache_strides("v_cache", v_cache)
-    if not paged and n_pages != B:
+    if cache_batch_idx is not None and paged:
+        raise ValueError("cache_batch_idx selects rows of a contiguous cache; with block_table "
+                         "(a paged cache) give each sequence its pages in block_table instead")
+    if not paged and cache_batch_idx is None and n_pages != B:
         raise ValueError(f"a contiguous k_cache must have q's batch size {B} as its first dim, "
-                         f"got {shape_str(k_cache)} (pass block_table for a paged cache)")
+                         f"got {shape_str(k_cache)} (pass block_table for a paged cache, or "
+                         f"cache_batch_idx to pick its rows)")
 
     _check_int("cache_seqlens", cache_seqlens)
     if cache_seqlens.shape != (B,):
@@ -278,9 +290,33 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
                                  f"read-only)")
         # A copy of the caller's table: a problem stays valid whatever they do with theirs.
         table = np.array(block_table, dtype=np.int32, order="C")
+    elif cache_batch_idx is not None:
+        # Sequence b reads (and appends into) cache row cache_batch_idx[b]: the contiguous
+        # cache as pages of S_max slots, with that row as the sequence's one page.
+        _check_int("cache_batch_idx", cache_batch_idx)
+        if cache_batch_idx.shape != (B,):
+            raise ValueError(f"cache_batch_idx must have shape ({B},) (q's batch), got "
+                             f"{shape_str(cache_batch_idx)}")
+        idx = cache_batch_idx.astype(np.int64)
+        bad = (idx < 0) | (idx >= n_pages)
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"cache_batch_idx[{b}] = {idx[b]} is outside [0, {n_pages}) (the "
+                             f"cache's first dim)")
+        if appending and lq_new and len(np.unique(idx)) < B:
+            vals, counts = np.unique(idx, return_counts=True)
+            raise ValueError(f"cache_batch_idx lists cache row {vals[counts > 1][0]} more than "
+                             f"once: an append would write the same slots from two sequences "
+                             f"(rows may be shared only without k and v)")
+        table = idx.astype(np.int32).reshape(B, 1)
     else:
         table = np.arange(B, dtype=np.int32).reshape(B, 1)
 
+    window = variants.get("window")
+    per_token = (is_causal or variants.get("chunk") is not None
+                 or not (window is None or tuple(window) == (None, None)))
+    rope = rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, Lq,
+                        lq_new if appending else None, per_token)
     scale = check_scale(scale, E)
     # Positions go to the kernels in the cache's frame (offset 0): top-left is that frame.
     r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal,
@@ -293,7 +329,7 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         if paged:
             pages, slots = table[bidx, pos // page_size], pos % page_size
         else:
-            pages, slots = bidx, pos
+            pages, slots = table[bidx, 0].astype(np.int64), pos
     lo, hi = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
     return KVCacheProblem(
         q_shape=tuple(q.shape), k_cache_shape=tuple(k_cache.shape),
@@ -303,9 +339,10 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         compute_dtype=compute_dtype(dtype), paged=paged, table=table, seqlens=seqlens,
         kv_lens=kv_lens, leftpad=leftpad, lo=lo, hi=hi, pages=pages, slots=slots,
         is_causal=is_causal, scale=scale, recipe=r, out_shape=(B, Lq, Hq, Ev),
-        lse_shape=(B, Hq, Lq), quant=quant,
+        lse_shape=(B, Hq, Lq), quant=quant, rope=rope,
         given=given_arrays(variants, cache_seqlens=cache_seqlens, block_table=block_table,
-                           cache_leftpad=cache_leftpad))
+                           cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                           rotary_cos=rotary_cos, rotary_sin=rotary_sin))
 
 
 def _mismatch(name, x, expect, dtype):

@@ -11,8 +11,26 @@ from torch import Tensor
 
 from ..kvcache import attention_with_kvcache as _kvcache
 from ..merge import merge_attention_states as _merge
-from .tensors import (as_tensor, check_devices, define_op, host_tensors, index_operand,
-                      lse_dtype, op_variants, operand, variant_keywords)
+from .tensors import (OP_NAMES, as_tensor, check_devices, define_op, host_tensors,
+                      index_operand, lse_dtype, op_schema, op_variants, operand,
+                      variant_keywords)
+
+
+#: The appending op's last arguments, after the variants (added later: optional, so that
+#: callers that pass the variants positionally keep working): name, default.
+ROTARY_ARGS = (("rotary_cos", None), ("rotary_sin", None), ("rotary_interleaved", False),
+               ("cache_batch_idx", None))
+_ROTARY_SCHEMA = ("Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+                  "bool rotary_interleaved=False, Tensor? cache_batch_idx=None")
+
+
+def _split_rotary(variants):
+    """``(variants, rotary)``: the op's trailing arguments as its variants and a dict of
+    :data:`ROTARY_ARGS` (the dispatcher leaves out the trailing ones at their defaults)."""
+    n = len(OP_NAMES)
+    variants, tail = tuple(variants[:n]), tuple(variants[n:])
+    return variants, {name: tail[i] if i < len(tail) else default
+                      for i, (name, default) in enumerate(ROTARY_ARGS)}
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
@@ -29,13 +47,26 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_ta
     The appending op has no vmap (NotImplementedError): the append writes the caches in
     place, and under vmap a batched cache folded into the batch dim is in general a copy (the
     write would be lost), while an unbatched cache would take every index's write at the same
-    place. Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`."""
+    place. Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`.
+
+    After the variants come :data:`ROTARY_ARGS` (``rotary_cos``, ``rotary_sin``,
+    ``rotary_interleaved``, ``cache_batch_idx``), as :func:`sdpa_numba.attention_with_kvcache`
+    takes them (read on the host: CPU tensors, or tensors on q's device)."""
+    variants, rotary = _split_rotary(variants)
     variants = op_variants(variants, optional_strings=True)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                           cache_leftpad, variants)
+                           cache_leftpad, variants, rotary)
     keywords = variant_keywords(variants, given_only=True)
     if cache_leftpad is not None:
         keywords["cache_leftpad"] = index_operand(cache_leftpad, "cache_leftpad")
+    for name in ("rotary_cos", "rotary_sin"):
+        if rotary[name] is not None:
+            keywords[name] = operand(rotary[name], name)
+    if rotary["cache_batch_idx"] is not None:
+        keywords["cache_batch_idx"] = index_operand(rotary["cache_batch_idx"],
+                                                    "cache_batch_idx")
+    if rotary["rotary_interleaved"]:
+        keywords["rotary_interleaved"] = True
     out, lse = _kvcache(operand(q, "q"), operand(k_cache, "k_cache"),
                         operand(v_cache, "v_cache"),
                         index_operand(cache_seqlens, "cache_seqlens"),
@@ -46,19 +77,31 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_ta
 
 
 def _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                           cache_leftpad, variants):
+                           cache_leftpad, variants, rotary=None):
+    rotary = rotary or {}
     check_devices("attention_with_kvcache",
                   [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
                   [("cache_seqlens", cache_seqlens), ("block_table", block_table),
-                   ("cache_leftpad", cache_leftpad), *host_tensors(variants)])
+                   ("cache_leftpad", cache_leftpad), *host_tensors(variants),
+                   *((name, rotary.get(name)) for name in
+                     ("rotary_cos", "rotary_sin", "cache_batch_idx"))])
 
 
-attention_with_kvcache_op = define_op(
-    "attention_with_kvcache", kvcache_forward,
-    "Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, "
-    "Tensor? k=None, Tensor? v=None, Tensor? block_table=None, "
-    "Tensor? cache_leftpad=None, bool is_causal=True, float? scale=None",
-    mutates_args=("k_cache", "v_cache"), optional_strings=True)
+def _appending_schema():
+    """The appending op's schema: its own arguments, the variants', then the rotation's and
+    cache_batch_idx (:data:`ROTARY_ARGS`, last so that earlier callers keep working)."""
+    schema = op_schema(
+        "Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, "
+        "Tensor? k=None, Tensor? v=None, Tensor? block_table=None, "
+        "Tensor? cache_leftpad=None, bool is_causal=True, float? scale=None",
+        "(Tensor, Tensor)", optional_strings=True)
+    head, results = schema.rsplit(") -> ", 1)
+    return f"{head}, {_ROTARY_SCHEMA}) -> {results}"
+
+
+attention_with_kvcache_op = torch.library.custom_op(
+    "sdpa_numba::attention_with_kvcache", kvcache_forward,
+    mutates_args=("k_cache", "v_cache"), schema=_appending_schema())
 
 
 def _kvcache_read_op(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_leftpad=None,
@@ -88,8 +131,9 @@ def _kvcache_shapes(q, v_cache):
 @attention_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
       cache_leftpad=None, is_causal=True, scale=None, *variants):
+    variants, rotary = _split_rotary(variants)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                           cache_leftpad, op_variants(variants, optional_strings=True))
+                           cache_leftpad, op_variants(variants, optional_strings=True), rotary)
     return _kvcache_shapes(q, v_cache)
 
 
