@@ -89,3 +89,33 @@ def test_opcheck_with_rotation():
                           dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=True,
                                cache_batch_idx=torch.tensor([2, 0, 1], dtype=torch.int32)),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_public_wrapper_takes_the_rotation_and_batch_idx(compiled):
+    """sdpa_numba.torch.attention_with_kvcache passes the four keywords on (eagerly and
+    through the operator under torch.compile), bitwise the NumPy API; cache_batch_idx alone
+    (no append) too."""
+    from sdpa_numba.torch import attention_with_kvcache
+
+    q, kc, vc, k, v = problem(5, Lq=2, new=2, N=4)
+    lens = torch.tensor([1, 0, 6], dtype=torch.int32)
+    idx = torch.tensor([2, 3, 0], dtype=torch.int64)
+    cos, sin = tables(10, 8)
+    kn, vn = kc.numpy().copy(), vc.numpy().copy()
+    fn = attention_with_kvcache
+    if compiled:
+        fn = torch.compile(attention_with_kvcache, fullgraph=True, backend="eager")
+    out = fn(q, kc, vc, lens, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
+             rotary_interleaved=True, cache_batch_idx=idx)
+    want = sdpa_numba.attention_with_kvcache(
+        q.numpy(), kn, vn, lens.numpy(), k=k.numpy(), v=v.numpy(), rotary_cos=cos.numpy(),
+        rotary_sin=sin.numpy(), rotary_interleaved=True, cache_batch_idx=idx.numpy())
+    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(kc.numpy(), kn)
+    read = fn(q, kc, vc, lens + 2, cache_batch_idx=idx)
+    np.testing.assert_array_equal(read.numpy(), sdpa_numba.attention_with_kvcache(
+        q.numpy(), kn, vn, lens.numpy() + 2, cache_batch_idx=idx.numpy()))
+    with pytest.raises(TypeError, match="rotary_cos"):
+        attention_with_kvcache(q, kc, vc, lens, k=k, v=v, rotary_cos=cos.numpy(),
+                               rotary_sin=sin)

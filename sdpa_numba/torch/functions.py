@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..problem.arguments import check_flag
 from ..problem.variant_table import NUMBA_LEVEL, check_names, is_default, takes_variants
 from .dense import attention_forward
 from .serving import (attention_with_kvcache_op, attention_with_kvcache_read_op,
@@ -190,7 +191,8 @@ def _dispatch_mode():
 @takes_variants(exclude=NUMBA_LEVEL, defaults={"alignment": None})
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None,
                            block_table=None, cache_leftpad=None, is_causal=True, scale=None,
-                           return_lse=False, **variants):
+                           return_lse=False, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=False, cache_batch_idx=None, **variants):
     """:func:`sdpa_numba.attention_with_kvcache` on torch tensors, as the PyTorch operator
     ``torch.ops.sdpa_numba.attention_with_kvcache`` (``torch.compile`` traces it with no graph
     break; meta tensors get shapes), or without ``k`` and ``v`` as
@@ -225,6 +227,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         Default ``1 / sqrt(E)``.
     return_lse : bool
         Also return the log-sum-exp ``(B, Hq, Lq)`` in the compute dtype.
+    rotary_cos, rotary_sin : torch.Tensor, shape (seqlen_ro, rotary_dim // 2), optional
+        Rotary embedding of ``q`` and the new ``k`` before the append (needs ``k`` and ``v``),
+        as :func:`sdpa_numba.attention_with_kvcache` takes them.
+    rotary_interleaved : bool
+        GPT-J (pairs of adjacent dims) instead of GPT-NeoX (halves) rotation.
+    cache_batch_idx : torch.Tensor of ints, shape (B,), optional
+        Which row of a contiguous cache each batch entry uses.
 
     Other Parameters
     ----------------
@@ -256,8 +265,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         check_tensor(t, name)
     check_names("attention_with_kvcache", variants, exclude=NUMBA_LEVEL)
     tensors = [(name, variants.get(name)) for name in OP_TENSORS]
-    for name, t in [("k", k), ("v", v), *tensors]:
+    rotary = [("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+              ("cache_batch_idx", cache_batch_idx)]
+    for name, t in [("k", k), ("v", v), *tensors, *rotary[:2]]:
         check_tensor(t, name)
+    if cache_batch_idx is not None:
+        check_index(cache_batch_idx, "cache_batch_idx")
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     if torch.is_grad_enabled():
         wanting = [name for name, t in [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                                         ("k", k), ("v", v), *tensors]
@@ -269,14 +283,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
             raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {tuple(q.shape)}")
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int64)
     variants = op_values(public_variants(**{"alignment": None, **variants}))
+    rotating = any(t is not None for _, t in rotary)
+    tail = (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx) if rotating else ()
+    variants = (*variants, *tail)
     if _eager_cpu(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                  *(t for _, t in tensors)):
+                  *(t for _, t in tensors), *(t for _, t in rotary)):
         # No tracing, no fake tensors, no dispatch mode: the operator's body itself. Through
         # torch's dispatcher a call costs ~0.1 ms more, as much as a decode step of a small
         # model's layer.
         out, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                                    cache_leftpad, is_causal, scale, *variants)
-    elif k is None and v is None:  # nothing to append: the operator that declares no mutation
+    elif k is None and v is None and not rotating:  # the operator that declares no mutation
         out, lse = attention_with_kvcache_read_op(q, k_cache, v_cache, cache_seqlens,
                                                   block_table, cache_leftpad, is_causal, scale,
                                                   *variants)
