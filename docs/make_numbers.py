@@ -126,6 +126,14 @@ def decode_quant():
     return f"```bash\n{cmd}\n```\n\n{out}"
 
 
+def rope():
+    """A decode step with rotary embedding on append against one without
+    (scripts/bench_rope.py)."""
+    args = ["scripts/bench_rope.py", "--calls", "40"]
+    return _code(f"NUMBA_NUM_THREADS=2 {PY} {' '.join(args)}",
+                 _run(args, {"NUMBA_NUM_THREADS": "2"}))
+
+
 def quant_errors():
     """The 8-bit cache formats' error against the original float cache
     (scripts/quant_errors.py)."""
@@ -169,7 +177,7 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "quant_errors": quant_errors,
+              "decode": decode, "quant_errors": quant_errors, "rope": rope,
               "decode_quant": decode_quant, "varlen": varlen, "variants": variants, "layers": layers,
               "jax": jax}
 
