@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Bitwise hashes of ~20 small calls (issue 33's small-call fast paths must not move a bit).
 
-Forward (float32, float64, float16; the serial one-head path and the parallel kernel; GQA,
+Forward (float32, float64, float16; one row against 512 keys and a parallel H8 L256; GQA,
 2-D, a broadcast batch, a bool mask, a window, a soft cap, scales), backward (with and
 without broadcast), varlen forward and backward, merge (two parts, n parts); each call made
 twice (the second finds the cached plan). Run it from the root of each checkout:

@@ -83,9 +83,8 @@ class _Recorder:
 
 @contextmanager
 def _patched_entry(module, make):
-    """``module._entry`` (and ``module._serial_entry``, where there is one) returning
-    ``make(entry)`` for each entry it gives."""
-    names = [n for n in ("_entry", "_serial_entry") if hasattr(module, n)]
+    """``module._entry`` returning ``make(entry)`` for each entry it gives."""
+    names = ["_entry"]
     real = {n: getattr(module, n) for n in names}
     for n in names:
         setattr(module, n, lambda *a, _real=real[n]: make(_real(*a)))
@@ -176,9 +175,10 @@ def run(repeats, pause):
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
-        def torch_fn():
+        def run_torch():
             with torch.no_grad():
                 return sdpa(tq, tk, tv)
+        torch_fn = run_torch
     patch = _patch_cost()
     rows = []
     for name, (call, module) in fns_by_case.items():

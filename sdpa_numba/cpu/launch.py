@@ -12,8 +12,6 @@ specialization of their (dtype, mask kind, dropout); ALiBi, sinks, a score_mod o
 and a block mask each change the recipe's type, so they compile their own.
 """
 
-import math
-
 import numpy as np
 from numba import from_dtype, typeof, types
 
@@ -118,43 +116,6 @@ def as_strided(x, shape, strides):
     return np.lib.stride_tricks.as_strided(x, shape, strides)
 
 
-#: Problems this small (query heads x rows x keys x (E + Ev), summed over the batch) with at
-#: most SERIAL_HEADS heads in all, no mask, no dropout and the plain recipe run on the calling
-#: thread (:func:`sdpa_numba.cpu.forward.forward_head`, bitwise the rows of the parallel
-#: kernel): waking the thread pool cost ~80 us where one row against 512 keys (D64) computes
-#: in a few (issue 33's small call); 2**19 is ~25-50 us of one core's work.
-SERIAL_WORK = 1 << 19
-SERIAL_HEADS = 4
-_serial_entries = {}
-
-
-def serial_signature(dtype):
-    """:func:`~sdpa_numba.cpu.forward.forward_head`'s Numba signature for a storage dtype
-    (no mask, the plain recipe)."""
-    st, ct, _ = kernel_types(dtype, "none")
-    return (arr(st, 2, True), arr(st, 2, True), arr(st, 2, True), types.none, types.boolean,
-            types.float64, arr(st, 2, False), arr(ct, 1, False), PLAIN_RECIPE, types.int64,
-            types.int64)
-
-
-def _serial_entry(dtype):
-    """The compiled serial one-head forward for a storage dtype (compiled on first use)."""
-    e = _serial_entries.get(dtype)
-    if e is None:
-        from .forward import forward_head
-
-        e = _serial_entries[dtype] = compile_entry(forward_head, serial_signature(dtype))
-    return e
-
-
-def runs_serially(p, mask, dropout):
-    """Whether plan ``p`` (with a mask or not, dropout or not) runs on the calling thread."""
-    if mask is not None or dropout is not None or recipe_type(p.recipe) is not PLAIN_RECIPE:
-        return False
-    heads = math.prod(p.batch) * p.hq
-    return heads <= SERIAL_HEADS and heads * p.L * p.S * (p.E + p.Ev) <= SERIAL_WORK
-
-
 def run(p, query, key, value, attn_mask, out, dropout=None):
     """Compute attention on the CPU for plan ``p``; returns ``(out, lse)``.
 
@@ -174,21 +135,8 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
         entry(sv(fq), sv(fk), sv(fv), None if fm is None else storage_view(fm), p.is_causal,
               p.scale, sv(fo), fl, None if dropout is None else drop, rl)
 
-    def launch_serial(arrays, drop):
-        fq, fk, fv, _, fo, fl = arrays
-        fq, fk, fv, fo = sv(fq), sv(fk), sv(fv), sv(fo)
-        rl = r if drop[3] == 0 else with_batch_offset(r, drop[3])
-        group = fq.shape[1] // fk.shape[1]
-        for b in range(fq.shape[0]):  # as the parallel kernel's tasks, one head at a time
-            for h in range(fq.shape[1]):
-                entry(fq[b, h], fk[b, h // group], fv[b, h // group], None, p.is_causal,
-                      p.scale, fo[b, h], fl[b, h], rl, b, h)
-
     with kernel_launch():  # first: it refuses what would crash the process
-        serial = runs_serially(p, mask, dropout)
-        entry = _serial_entry(p.dtype) if serial else \
-            _entry(p.dtype, p.mask_kind, dropout is not None, recipe_type(r))
+        entry = _entry(p.dtype, p.mask_kind, dropout is not None, recipe_type(r))
         for_each_launch(p.batch, [q, k, v, mask, row_view(p, result, p.Ev, as_strided), lse],
-                        NO_DROPOUT if dropout is None else dropout,
-                        launch_serial if serial else launch, as_strided)
+                        NO_DROPOUT if dropout is None else dropout, launch, as_strided)
     return result, lse.reshape(p.out_shape[:-1])
