@@ -85,6 +85,14 @@ def as_numpy(name, x, writable=False):
     return a
 
 
+#: The types of arguments :func:`adopt` passes through untouched (None: left out).
+_PLAIN_OUT = (np.ndarray, type(None))
+
+
+def _as_is(x):
+    return x
+
+
 def adopt(named, out=None):
     """NumPy views of the host operands, and a function that hands results back.
 
@@ -92,6 +100,9 @@ def adopt(named, out=None):
     the results take; ``out``: the caller's output buffer or None, adopted last. Returns
     ``(arrays, restore)`` as :func:`sdpa_numba.gpu.arrays.adopt` does.
     """
+    if type(out) in _PLAIN_OUT and all(type(x) in _PLAIN_OUT for _, x in named):
+        # NumPy arrays in (the common case): nothing to convert, results handed back as they are
+        return [x for _, x in named] + ([] if out is None else [out]), _as_is
     arrays = [None if x is None else as_numpy(n, x) for n, x in named]
     adopted_out = None if out is None else as_numpy("out", out, writable=True)
     if out is not None:

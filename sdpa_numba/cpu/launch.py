@@ -71,14 +71,40 @@ def signature(dtype, mask_kind, dropout=False, recipe_t=PLAIN_RECIPE):
             DROPOUT_TYPE if dropout else types.none, recipe_t)
 
 
+#: The plain recipe's entries by (dtype, mask kind, dropout) alone: hashing a key that holds
+#: a Numba type hashes its every field, ~5 us of a small call's host time.
+_plain_entries = {}
+
+
 def _entry(dtype, mask_kind, dropout=False, recipe_t=PLAIN_RECIPE):
     """The compiled forward for a storage dtype, mask kind, dropout on/off and recipe type
     (compiled once, then cached)."""
+    if recipe_t is PLAIN_RECIPE:
+        e = _plain_entries.get((dtype, mask_kind, dropout))
+        if e is not None:
+            return e
     key = (dtype, mask_kind, dropout, recipe_t)
     if key not in _entries:
         sig = signature(dtype, mask_kind, dropout, recipe_t)
         _entries[key] = compile_entry(forward, sig)
+    if recipe_t is PLAIN_RECIPE:
+        _plain_entries[(dtype, mask_kind, dropout)] = _entries[key]
     return _entries[key]
+
+
+#: Storage dtypes that the kernels read as they are (no uint16 / int16 view).
+_AS_IS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _same(a):
+    return a
+
+
+def storage_views(dtype):
+    """The function giving the kernels' view of an array of storage dtype ``dtype``:
+    :func:`~.storage.storage_view`, or the identity where there is nothing to view (float32,
+    float64: skips a dtype test per array and call)."""
+    return _same if dtype in _AS_IS else storage_view
 
 
 def as_strided(x, shape, strides):
@@ -100,14 +126,14 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
     lse = np.empty((*p.batch, p.hq, p.L), p.compute_dtype)
 
     r = p.recipe
+    sv = storage_views(p.dtype)  # a bool mask is read as it is in every case
 
     def launch(arrays, drop):
         fq, fk, fv, fm, fo, fl = arrays
         # drop always carries the launch's batch offset (NO_DROPOUT's when dropout is off).
         rl = r if drop[3] == 0 else with_batch_offset(r, drop[3])
-        entry(storage_view(fq), storage_view(fk), storage_view(fv),
-              None if fm is None else storage_view(fm), p.is_causal, p.scale, storage_view(fo),
-              fl, None if dropout is None else drop, rl)
+        entry(sv(fq), sv(fk), sv(fv), None if fm is None else storage_view(fm), p.is_causal,
+              p.scale, sv(fo), fl, None if dropout is None else drop, rl)
 
     with kernel_launch():  # first: it refuses what would crash the process
         entry = _entry(p.dtype, p.mask_kind, dropout is not None, recipe_type(r))

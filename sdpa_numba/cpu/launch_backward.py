@@ -14,20 +14,21 @@ deterministic reductions) and cast to the input dtype.
 """
 
 import numpy as np
-from numba import typeof, types
+from numba import types
 
 from .._runtime import compile_entry, kernel_launch
 from ..dropout import NO_DROPOUT
 from ..problem import for_each_launch, operand_views, row_view, sum_to
-from ..score.recipe import DENSE, with_batch_offset
+from ..score.recipe import with_batch_offset
 from .backward import backward
-from .launch import DROPOUT_TYPE, arr, as_strided, kernel_types
+from .launch import (DROPOUT_TYPE, PLAIN_RECIPE, arr, as_strided, kernel_types, recipe_type,
+                     storage_views)
 from .storage import storage_view
 
 _entries = {}
 
 
-def signature(dtype, mask_kind, recipe_type=typeof(DENSE)):
+def signature(dtype, mask_kind, recipe_type=PLAIN_RECIPE):
     """The backward's Numba signature for a storage dtype, mask kind and recipe type (the
     Numba type of a :class:`~sdpa_numba.score.recipe.Recipe`: every recipe without optional
     parts, i.e. dense, causal, windowed, bottom-right and soft-capped attention, has one)."""
@@ -40,13 +41,24 @@ def signature(dtype, mask_kind, recipe_type=typeof(DENSE)):
             types.Optional(arr(ct, 4, False)), recipe_type)
 
 
-def _entry(dtype, mask_kind, recipe_type=typeof(DENSE)):
+#: The plain recipe's entries by (dtype, mask kind) alone (as the forward's: hashing a Numba
+#: type costs microseconds of a small call).
+_plain_entries = {}
+
+
+def _entry(dtype, mask_kind, recipe_type=PLAIN_RECIPE):
     """The compiled backward for a storage dtype, mask kind and recipe type (compiled once,
     then cached)."""
+    if recipe_type is PLAIN_RECIPE:
+        e = _plain_entries.get((dtype, mask_kind))
+        if e is not None:
+            return e
     key = (dtype, mask_kind, recipe_type)
     if key not in _entries:
         sig = signature(dtype, mask_kind, recipe_type)
         _entries[key] = compile_entry(backward, sig)
+    if recipe_type is PLAIN_RECIPE:
+        _plain_entries[(dtype, mask_kind)] = _entries[key]
     return _entries[key]
 
 
@@ -66,16 +78,19 @@ def run_backward(p, grad_out, query, key, value, attn_mask, out, lse, dropout, m
     dk = np.empty((*p.batch, p.h, p.S, p.E), ct)
     dv = np.empty((*p.batch, p.h, p.S, p.Ev), ct)
     dmask = np.empty((*full, p.L, p.S), ct) if mask_grad else None
-    sv = storage_view
+    sv = storage_views(p.dtype)
 
     def launch(arrays, drop):
         bq, bk, bv, bm, bdo, bo, bl, bdq, bdk, bdv, bdm = arrays
-        entry(sv(bq), sv(bk), sv(bv), None if bm is None else sv(bm), p.is_causal, p.scale,
-              sv(bdo), sv(bo), bl, bdq, bdk, bdv, drop, bdm, with_batch_offset(r, drop[3]))
+        entry(sv(bq), sv(bk), sv(bv), None if bm is None else storage_view(bm), p.is_causal,
+              p.scale, sv(bdo), sv(bo), bl, bdq, bdk, bdv, drop, bdm,
+              r if drop[3] == 0 else with_batch_offset(r, drop[3]))
 
     with kernel_launch():  # first: it refuses what would crash the process
         r = p.recipe
-        entry = _entry(p.dtype, "additive" if p.mask_kind == "additive" else "bool", typeof(r))
+        # recipe_type: typeof(r), cheaply for the plain recipes (typeof took ~20 us)
+        entry = _entry(p.dtype, "additive" if p.mask_kind == "additive" else "bool",
+                       recipe_type(r))
         for_each_launch(p.batch, [q, k, v, mask, dout, o, lse4, dq, dk, dv, dmask],
                         NO_DROPOUT if dropout is None else dropout, launch, as_strided)
 

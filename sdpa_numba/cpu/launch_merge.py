@@ -6,6 +6,8 @@ array: one compiled specialization per kernel and (storage, compute) dtype pair,
 disk.
 """
 
+import math
+
 import numpy as np
 
 from .._runtime import compile_entry, kernel_launch
@@ -40,7 +42,7 @@ def run(parts, dt, ct, lead, ev):
     axis), checked by the public layer; the lse arrays in any float dtype (converted to ``ct``).
     """
     parts = [np.asarray(x, ct) if i % 2 else x for i, x in enumerate(parts)]
-    rows = int(np.prod(lead))
+    rows = math.prod(lead)  # ints: np.prod took ~3 us of a small call
     if len(parts) == 4:
         oa, la, ob, lb = parts
         nbytes = 2 * oa.size * dt.itemsize

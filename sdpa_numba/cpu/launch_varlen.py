@@ -12,8 +12,7 @@ from numba import types
 
 from .._runtime import compile_entry, kernel_launch
 from ..dropout import NO_DROPOUT
-from .launch import DROPOUT_TYPE, arr, kernel_types, recipe_type
-from .storage import storage_view
+from .launch import DROPOUT_TYPE, PLAIN_RECIPE, arr, kernel_types, recipe_type, storage_views
 from .varlen import varlen_backward, varlen_forward
 
 _entries = {}
@@ -39,8 +38,19 @@ def backward_signature(dtype, recipe_t):
             types.boolean)
 
 
+#: The plain recipe's entries by (kind, dtype, dropout) alone (as the dense forward's:
+#: hashing a Numba type costs microseconds of a small call).
+_plain_entries = {}
+
+
 def _entry(kind, dtype, dropout, recipe_t):
+    if recipe_t is PLAIN_RECIPE:
+        e = _plain_entries.get((kind, dtype, dropout))
+        if e is not None:
+            return e
     key = (kind, dtype, dropout, recipe_t)
+    if recipe_t is PLAIN_RECIPE and key in _entries:
+        _plain_entries[(kind, dtype, dropout)] = _entries[key]
     if key not in _entries:
         if kind == "forward":
             _entries[key] = compile_entry(varlen_forward,
@@ -59,7 +69,7 @@ def run(p, q, k, v, out, dropout=None):
     lse = np.empty(p.lse_shape, p.compute_dtype)
     with kernel_launch():
         entry = _entry("forward", p.dtype, dropout is not None, recipe_type(p.recipe))
-        sv = storage_view
+        sv = storage_views(p.dtype)
         entry(sv(q), sv(k), sv(v), p.cu_q, p.cu_k, p.is_causal, p.scale, sv(result), lse,
               dropout, p.recipe, p.bottom_right)
     return result, lse
@@ -73,7 +83,7 @@ def run_backward(p, grad_out, q, k, v, out, lse, dropout=None):
     dv = np.empty(v.shape, ct)
     with kernel_launch():
         entry = _entry("backward", p.dtype, True, recipe_type(p.recipe))
-        sv = storage_view
+        sv = storage_views(p.dtype)
         entry(sv(q), sv(k), sv(v), p.cu_q, p.cu_k, p.is_causal, p.scale, sv(grad_out), sv(out),
               lse, dq, dk, dv, NO_DROPOUT if dropout is None else dropout, p.recipe,
               p.bottom_right)

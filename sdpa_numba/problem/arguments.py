@@ -37,6 +37,8 @@ def check_scale(scale, E):
 
 def check_dropout(dropout_p):
     """``dropout_p`` as a float in [0, 1); TypeError / ValueError otherwise."""
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the common case, cheaply
+        return dropout_p
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
     if not 0.0 <= float(dropout_p) < 1.0:  # also rejects NaN

@@ -70,6 +70,8 @@ def given_arrays(variants, **named):
     for each array in it, a block mask its ``states``; None and numbers
     are left out. Host arrays (torch CPU tensors, ...) are seen through
     :func:`numpy.asarray`, which shares their memory; device arrays are kept as given."""
+    if not named and not any(variants.get(n) is not None for n in VARIANT_ARRAYS):
+        return ()  # a plain call: nothing to look at
     pairs = []
     for name, x in [*((n, variants.get(n)) for n in VARIANT_ARRAYS), *named.items()]:
         if name == "mod_args":

@@ -61,6 +61,36 @@ def _broadcast(shapes, names, what):
         raise ValueError(f"{what} do not broadcast: {desc}") from None
 
 
+#: Plans of plain calls (no variants) on NumPy arrays, by everything a plan depends on
+#: (:func:`_plain_key`): a small call's host budget is tens of microseconds, and a model calls
+#: with the same shapes again and again. Only plans that passed every check get in, so a bad
+#: call still raises: the same key means the same checks on the same values.
+_PLANS: dict = {}
+#: Entries kept at most (then the cache starts over).
+PLANS_KEPT = 256
+
+
+def _plain_key(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward):
+    """The cache key of a plain call on NumPy arrays, or None if the call is not one.
+
+    The flags must be Python bools and ``scale`` None or a nonzero Python float: an int 1 or
+    a NumPy bool equals True (and would find True's plan, skipping the check that refuses
+    it), and -0.0 equals 0.0 (whose plan has the other sign)."""
+    if (type(query) is not np.ndarray or type(key) is not np.ndarray
+            or type(value) is not np.ndarray or type(is_causal) is not bool
+            or type(enable_gqa) is not bool
+            or not (scale is None or (type(scale) is float and scale != 0.0))):
+        return None
+    if attn_mask is None:
+        mask = None
+    elif type(attn_mask) is np.ndarray:
+        mask = (attn_mask.shape, attn_mask.dtype)
+    else:
+        return None
+    return (query.shape, query.dtype, key.shape, key.dtype, value.shape, value.dtype, mask,
+            is_causal, scale, enable_gqa, backward)
+
+
 def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, backward=False,
          **variants):
     """Validate the arguments' shapes, dtypes and flags; return a :class:`Plan`.
@@ -71,7 +101,26 @@ def plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, backward
     ``mod_args``, ``score_mod_grad``, ``block_mask``), validated into ``Plan.recipe`` by
     :func:`sdpa_numba.problem.variants.variants_recipe`; ``backward``: the plan is the
     backward's.
+
+    Plain calls on NumPy arrays (no variants) are planned once per set of shapes, dtypes and
+    flags, then found in a cache (:data:`_PLANS`).
     """
+    ck = None if variants else _plain_key(query, key, value, attn_mask, is_causal, scale,
+                                          enable_gqa, backward)
+    if ck is not None:
+        p = _PLANS.get(ck)
+        if p is not None:
+            return p
+    p = _plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward, variants)
+    if ck is not None:
+        if len(_PLANS) >= PLANS_KEPT:
+            _PLANS.clear()
+        _PLANS[ck] = p
+    return p
+
+
+def _plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward, variants):
+    """:func:`plan` without its cache."""
     is_causal = check_flag("is_causal", is_causal)
     enable_gqa = check_flag("enable_gqa", enable_gqa)
     for name, x in (("query", query), ("key", key), ("value", value)):

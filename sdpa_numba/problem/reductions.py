@@ -18,6 +18,8 @@ def broadcast_axes(full, shape):
 def sum_to(x, shape):
     """NumPy array ``x`` summed over its :func:`broadcast_axes` down to ``shape``."""
     shape = tuple(shape)
+    if x.shape == shape:  # nothing was broadcast (the common case: keep it cheap)
+        return x
     lead = x.ndim - len(shape)
     axes = broadcast_axes(x.shape, shape)
     if lead:

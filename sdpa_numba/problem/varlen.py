@@ -120,8 +120,11 @@ def varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_s
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
                          f"sequences: shapes {shape_str(cu_q)} and {shape_str(cu_k)}")
-    _check_max("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
-    _check_max("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
+    # The lengths only where a hint is given to check (np.diff: ~2 us each of a small call)
+    if max_seqlen_q is not None:
+        _check_max("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
+    if max_seqlen_k is not None:
+        _check_max("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
     if block_mask is not None:
         raise ValueError("block_mask is not supported by varlen_attention: a BlockMask is one "
                          "grid of blocks over a single (L, S) shape, and the sequences of a "

@@ -40,6 +40,17 @@ def target_of(named, required=()):
     ``named``: ``(name, array or None)`` pairs; ``required``: the names that may not be None
     (the others are optional arguments).
     """
+    # The common case first, cheaply: NumPy arrays (exactly: not a masked array nor a matrix)
+    # and optional arguments left out.
+    seen = False
+    for name, x in named:
+        if type(x) is np.ndarray:
+            seen = True
+        elif x is not None or name in required:
+            break
+    else:
+        if seen:
+            return HOST
     kinds = {}
     for name, x in named:
         if x is None:
