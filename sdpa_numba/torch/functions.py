@@ -192,7 +192,8 @@ def _dispatch_mode():
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None,
                            block_table=None, cache_leftpad=None, is_causal=True, scale=None,
                            return_lse=False, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved=False, cache_batch_idx=None, **variants):
+                           rotary_interleaved=False, cache_batch_idx=None, k_scale=None,
+                           v_scale=None, **variants):
     """:func:`sdpa_numba.attention_with_kvcache` on torch tensors, as the PyTorch operator
     ``torch.ops.sdpa_numba.attention_with_kvcache`` (``torch.compile`` traces it with no graph
     break; meta tensors get shapes), or without ``k`` and ``v`` as
@@ -234,6 +235,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         GPT-J (pairs of adjacent dims) instead of GPT-NeoX (halves) rotation.
     cache_batch_idx : torch.Tensor of ints, shape (B,), optional
         Which row of a contiguous cache each batch entry uses.
+    k_scale, v_scale : torch.Tensor, optional
+        The scales of an 8-bit cache (``k_cache``/``v_cache`` int8, ``torch.float8_e4m3fn``
+        or ``torch.float8_e5m2``; CPU only), as :func:`sdpa_numba.attention_with_kvcache`
+        takes them (an fp8 descale as a 0-d or ``(B, H)`` float32 tensor).
 
     Other Parameters
     ----------------
@@ -262,12 +267,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t is None:
             raise TypeError(f"{name} must be a torch.Tensor, got None")
-        check_tensor(t, name)
+        check_tensor(t, name, cache=name != "q")
     check_names("attention_with_kvcache", variants, exclude=NUMBA_LEVEL)
     tensors = [(name, variants.get(name)) for name in OP_TENSORS]
     rotary = [("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-              ("cache_batch_idx", cache_batch_idx)]
-    for name, t in [("k", k), ("v", v), *tensors, *rotary[:2]]:
+              ("cache_batch_idx", cache_batch_idx), ("k_scale", k_scale), ("v_scale", v_scale)]
+    for name, t in [("k", k), ("v", v), *tensors, *rotary[:2], *rotary[3:]]:
         check_tensor(t, name)
     if cache_batch_idx is not None:
         check_index(cache_batch_idx, "cache_batch_idx")
@@ -283,24 +288,26 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
             raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {tuple(q.shape)}")
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int64)
     variants = op_values(public_variants(**{"alignment": None, **variants}))
-    rotating = any(t is not None for _, t in rotary)
-    tail = (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx) if rotating else ()
-    variants = (*variants, *tail)
+    # The trailing arguments only when given: the dispatcher's schema defaults otherwise.
+    scales = (k_scale, v_scale) if k_scale is not None or v_scale is not None else ()
+    rotating = any(t is not None for t in (rotary_cos, rotary_sin, cache_batch_idx))
+    tail = ((rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, *scales)
+            if rotating or scales else ())
     if _eager_cpu(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                   *(t for _, t in tensors), *(t for _, t in rotary)):
         # No tracing, no fake tensors, no dispatch mode: the operator's body itself. Through
         # torch's dispatcher a call costs ~0.1 ms more, as much as a decode step of a small
         # model's layer.
         out, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                   cache_leftpad, is_causal, scale, *variants)
+                                   cache_leftpad, is_causal, scale, *variants, *tail)
     elif k is None and v is None and not rotating:  # the operator that declares no mutation
         out, lse = attention_with_kvcache_read_op(q, k_cache, v_cache, cache_seqlens,
                                                   block_table, cache_leftpad, is_causal, scale,
-                                                  *variants)
+                                                  *variants, *scales)
     else:
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v,
                                              block_table, cache_leftpad, is_causal, scale,
-                                             *variants)
+                                             *variants, *tail)
     return (out, lse) if return_lse else out
 
 

@@ -11,26 +11,30 @@ from torch import Tensor
 
 from ..kvcache import attention_with_kvcache as _kvcache
 from ..merge import merge_attention_states as _merge
-from .tensors import (OP_NAMES, as_tensor, check_devices, define_op, host_tensors,
-                      index_operand, lse_dtype, op_schema, op_variants, operand,
+from .tensors import (OP_NAMES, as_tensor, cache_operand, check_devices, define_op,
+                      host_tensors, index_operand, lse_dtype, op_variants, operand,
                       variant_keywords)
 
 
 #: The appending op's last arguments, after the variants (added later: optional, so that
-#: callers that pass the variants positionally keep working): name, default.
-ROTARY_ARGS = (("rotary_cos", None), ("rotary_sin", None), ("rotary_interleaved", False),
-               ("cache_batch_idx", None))
-_ROTARY_SCHEMA = ("Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
-                  "bool rotary_interleaved=False, Tensor? cache_batch_idx=None")
+#: callers that pass the variants positionally keep working): name, default. The read-only
+#: op takes the last two (the scales of a quantized cache).
+TAIL_ARGS = (("rotary_cos", None), ("rotary_sin", None), ("rotary_interleaved", False),
+             ("cache_batch_idx", None), ("k_scale", None), ("v_scale", None))
+_SCALES_SCHEMA = "Tensor? k_scale=None, Tensor? v_scale=None"
+# An append into an int8 or q8_0 cache writes the new tokens' scales: mutated, as the caches.
+_TAIL_SCHEMA = ("Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+                "bool rotary_interleaved=False, Tensor? cache_batch_idx=None, "
+                "Tensor(a3!)? k_scale=None, Tensor(a4!)? v_scale=None")
 
 
-def _split_rotary(variants):
-    """``(variants, rotary)``: the op's trailing arguments as its variants and a dict of
-    :data:`ROTARY_ARGS` (the dispatcher leaves out the trailing ones at their defaults)."""
+def _split_tail(variants):
+    """``(variants, tail)``: the op's trailing arguments as its variants and a dict of
+    :data:`TAIL_ARGS` (the dispatcher leaves out the trailing ones at their defaults)."""
     n = len(OP_NAMES)
     variants, tail = tuple(variants[:n]), tuple(variants[n:])
     return variants, {name: tail[i] if i < len(tail) else default
-                      for i, (name, default) in enumerate(ROTARY_ARGS)}
+                      for i, (name, default) in enumerate(TAIL_ARGS)}
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
@@ -49,10 +53,11 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_ta
     write would be lost), while an unbatched cache would take every index's write at the same
     place. Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`.
 
-    After the variants come :data:`ROTARY_ARGS` (``rotary_cos``, ``rotary_sin``,
-    ``rotary_interleaved``, ``cache_batch_idx``), as :func:`sdpa_numba.attention_with_kvcache`
-    takes them (read on the host: CPU tensors, or tensors on q's device)."""
-    variants, rotary = _split_rotary(variants)
+    After the variants come :data:`TAIL_ARGS` (``rotary_cos``, ``rotary_sin``,
+    ``rotary_interleaved``, ``cache_batch_idx``, and a quantized cache's ``k_scale``,
+    ``v_scale``), as :func:`sdpa_numba.attention_with_kvcache` takes them (read on the host:
+    CPU tensors, or tensors on q's device). An 8-bit cache is an int8 or float8 tensor."""
+    variants, rotary = _split_tail(variants)
     variants = op_variants(variants, optional_strings=True)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                            cache_leftpad, variants, rotary)
@@ -67,8 +72,11 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_ta
                                                     "cache_batch_idx")
     if rotary["rotary_interleaved"]:
         keywords["rotary_interleaved"] = True
-    out, lse = _kvcache(operand(q, "q"), operand(k_cache, "k_cache"),
-                        operand(v_cache, "v_cache"),
+    for name in ("k_scale", "v_scale"):
+        if rotary[name] is not None:
+            keywords[name] = operand(rotary[name], name)
+    out, lse = _kvcache(operand(q, "q"), cache_operand(k_cache, "k_cache"),
+                        cache_operand(v_cache, "v_cache"),
                         index_operand(cache_seqlens, "cache_seqlens"),
                         k=operand(k, "k"), v=operand(v, "v"),
                         block_table=index_operand(block_table, "block_table"),
@@ -84,24 +92,19 @@ def _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table
                   [("cache_seqlens", cache_seqlens), ("block_table", block_table),
                    ("cache_leftpad", cache_leftpad), *host_tensors(variants),
                    *((name, rotary.get(name)) for name in
-                     ("rotary_cos", "rotary_sin", "cache_batch_idx"))])
+                     ("rotary_cos", "rotary_sin", "cache_batch_idx", "k_scale",
+                      "v_scale"))])
 
 
-def _appending_schema():
-    """The appending op's schema: its own arguments, the variants', then the rotation's and
-    cache_batch_idx (:data:`ROTARY_ARGS`, last so that earlier callers keep working)."""
-    schema = op_schema(
-        "Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, "
-        "Tensor? k=None, Tensor? v=None, Tensor? block_table=None, "
-        "Tensor? cache_leftpad=None, bool is_causal=True, float? scale=None",
-        "(Tensor, Tensor)", optional_strings=True)
-    head, results = schema.rsplit(") -> ", 1)
-    return f"{head}, {_ROTARY_SCHEMA}) -> {results}"
-
-
-attention_with_kvcache_op = torch.library.custom_op(
-    "sdpa_numba::attention_with_kvcache", kvcache_forward,
-    mutates_args=("k_cache", "v_cache"), schema=_appending_schema())
+#: The appending op: its own arguments, the variants', then :data:`TAIL_ARGS` (last, so that
+#: earlier callers keep working).
+attention_with_kvcache_op = define_op(
+    "attention_with_kvcache", kvcache_forward,
+    "Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, "
+    "Tensor? k=None, Tensor? v=None, Tensor? block_table=None, "
+    "Tensor? cache_leftpad=None, bool is_causal=True, float? scale=None",
+    mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"), optional_strings=True,
+    tail=_TAIL_SCHEMA)
 
 
 def _kvcache_read_op(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_leftpad=None,
@@ -111,15 +114,28 @@ def _kvcache_read_op(q, k_cache, v_cache, cache_seqlens, block_table=None, cache
     elsewhere, as transformers' are, takes this one: torch 2.13 dispatches a custom operator
     that declares mutated arguments through a Python kernel that costs ~0.1-0.2 ms a call
     with this many arguments, as much as the decode kernel itself on a short cache.)"""
+    variants, tail = _split_read_tail(variants)
     return kvcache_forward(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
-                           cache_leftpad, is_causal, scale, *variants)
+                           cache_leftpad, is_causal, scale, *variants,
+                           *(tail[name] for name, _ in TAIL_ARGS))
+
+
+def _split_read_tail(variants):
+    """The read-only op's trailing arguments: its variants (padded to all of them) and a
+    :data:`TAIL_ARGS` dict with its ``k_scale``, ``v_scale``."""
+    n = len(OP_NAMES)
+    scales = tuple(variants[n:]) + (None, None)
+    values = tuple(op_variants(variants[:n], optional_strings=True)[name] for name in OP_NAMES)
+    tail = dict(TAIL_ARGS)
+    tail.update(k_scale=scales[0], v_scale=scales[1])
+    return values, tail
 
 
 attention_with_kvcache_read_op = define_op(
     "attention_with_kvcache_read", _kvcache_read_op,
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
     "Tensor? block_table=None, Tensor? cache_leftpad=None, bool is_causal=True, "
-    "float? scale=None", optional_strings=True)
+    "float? scale=None", optional_strings=True, tail=_SCALES_SCHEMA)
 
 
 def _kvcache_shapes(q, v_cache):
@@ -131,7 +147,7 @@ def _kvcache_shapes(q, v_cache):
 @attention_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
       cache_leftpad=None, is_causal=True, scale=None, *variants):
-    variants, rotary = _split_rotary(variants)
+    variants, rotary = _split_tail(variants)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                            cache_leftpad, op_variants(variants, optional_strings=True), rotary)
     return _kvcache_shapes(q, v_cache)
@@ -140,8 +156,9 @@ def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
 @attention_with_kvcache_read_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_leftpad=None,
       is_causal=True, scale=None, *variants):
+    variants, tail = _split_read_tail(variants)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
-                           cache_leftpad, op_variants(variants, optional_strings=True))
+                           cache_leftpad, op_variants(variants, optional_strings=True), tail)
     return _kvcache_shapes(q, v_cache)
 
 

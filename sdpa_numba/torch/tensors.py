@@ -14,8 +14,14 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _U64 = 1 << 64
 
 
-def check_tensor(t, name, mask=False):
-    """TypeError / NotImplementedError for what the operator does not take."""
+#: The 8-bit KV-cache dtypes (quantized caches, whose scales come as ``k_scale``/``v_scale``):
+#: the NumPy dtype the kernels read the same bytes as (ml_dtypes' for float8).
+QUANT_CACHES = {torch.int8: "int8", torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
+
+
+def check_tensor(t, name, mask=False, cache=False):
+    """TypeError / NotImplementedError for what the operator does not take (``cache``: a KV
+    cache, which may also be one of :data:`QUANT_CACHES`)."""
     if t is None:
         return
     if not isinstance(t, Tensor):
@@ -23,6 +29,8 @@ def check_tensor(t, name, mask=False):
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(
             f"{name} is on {t.device}: sdpa_numba.torch supports CPU and CUDA tensors only")
+    if cache and t.dtype in QUANT_CACHES:
+        return
     if t.dtype not in FLOATS and not (mask and t.dtype == torch.bool):
         raise TypeError(f"{name} dtype {t.dtype} is not supported: use float16, bfloat16, "
                         f"float32 or float64" + (" (or bool)" if mask else ""))
@@ -41,6 +49,22 @@ def operand(t, name, mask=False):
 
         return t.detach().view(torch.int16).numpy().view(bfloat16())
     return t.detach().numpy()
+
+
+def cache_operand(t, name):
+    """A KV cache for the kernels: :func:`operand`, and for an 8-bit cache a NumPy view of the
+    same bytes (int8, or ml_dtypes' float8 types). Quantized caches run on the CPU only."""
+    if t is None or t.dtype not in QUANT_CACHES:
+        return operand(t, name)
+    check_tensor(t, name, cache=True)
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"{name} is an 8-bit ({t.dtype}) cache on {t.device}: "
+                                  f"quantized caches run on the CPU only")
+    if t.dtype == torch.int8:
+        return t.detach().numpy()
+    from ..quant import _fp8_dtype
+
+    return t.detach().view(torch.uint8).numpy().view(_fp8_dtype(QUANT_CACHES[t.dtype]))
 
 
 def as_tensor(x):
@@ -114,13 +138,19 @@ def op_schema(head, results, optional_strings=False):
     return f"({head}, {variants_schema(optional_strings)}) -> {results}"
 
 
-def define_op(name, body, head, n_results=2, mutates_args=(), optional_strings=False):
+def define_op(name, body, head, n_results=2, mutates_args=(), optional_strings=False,
+              tail=None):
     """The operator ``torch.ops.sdpa_numba.<name>`` on Python function ``body``, its schema
-    the op's own arguments ``head``, the variants' (:func:`op_schema`) and ``n_results``
-    tensors."""
+    the op's own arguments ``head``, the variants' (:func:`op_schema`), then ``tail`` (text:
+    arguments added later, optional so that positional callers keep working), and
+    ``n_results`` tensors."""
     results = "(" + ", ".join(["Tensor"] * n_results) + ")"
+    schema = op_schema(head, results, optional_strings)
+    if tail:
+        args, results = schema.rsplit(") -> ", 1)
+        schema = f"{args}, {tail}) -> {results}"
     return torch.library.custom_op(f"sdpa_numba::{name}", body, mutates_args=mutates_args,
-                                   schema=op_schema(head, results, optional_strings))
+                                   schema=schema)
 
 
 def op_variants(values, optional_strings=False):
