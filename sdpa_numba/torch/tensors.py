@@ -62,9 +62,13 @@ def cache_operand(t, name):
                                   f"quantized caches run on the CPU only")
     if t.dtype == torch.int8:
         return t.detach().numpy()
-    from ..quant import _fp8_dtype
-
-    return t.detach().view(torch.uint8).numpy().view(_fp8_dtype(QUANT_CACHES[t.dtype]))
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(f"{name} is a {t.dtype} cache, which needs the ml_dtypes package "
+                        f"(pip install ml_dtypes)") from None
+    fp8 = getattr(ml_dtypes, "float8_" + QUANT_CACHES[t.dtype])
+    return t.detach().view(torch.uint8).numpy().view(fp8)
 
 
 def as_tensor(x):
