@@ -194,7 +194,7 @@ def _pair_grads(blocks, mask_kind, ct):
 def _recipe_constants(parts):
     """``(HAS_BM, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, ELEMENT_MASK)`` of compile key
     ``parts`` (:func:`.variants.compile_key`)."""
-    return parts[2], parts[3], parts[4], parts[5], parts[4] is not None
+    return (parts.has("block_mask"), *parts.functions, parts.mask_mod is not None)
 
 
 def _make_dq_kernel(dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_grad=False):
@@ -420,7 +420,7 @@ def _kernel(which, dtype, mask_kind, blocks, parts=compile_key(DENSE), mask_grad
     key = (which, np.dtype(dtype), mask_kind, blocks, parts, mask_grad)
     if key not in _kernels:
         _kernels[key] = _FACTORIES[which](*key[1:5], *((mask_grad,) if which == "dq" else ()))
-    refuse_raising(_kernels[key], parts[3:6])  # the user's functions: see .raising
+    refuse_raising(_kernels[key], parts.functions)  # the user's functions: see .raising
     return _kernels[key]
 
 

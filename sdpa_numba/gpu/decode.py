@@ -51,7 +51,7 @@ _kernels = {}
 def _make_kernels(ct, rows, bn, parts):
     CT = ct
     RB, NB = rows, bn
-    SCORE_MOD, MASK_MOD = parts[3], parts[4]
+    SCORE_MOD, MASK_MOD = parts.score_mod, parts.mask_mod
     ELEMENT_MASK = MASK_MOD is not None
 
     @cuda.jit(fastmath=FASTMATH)
@@ -281,7 +281,7 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     tc = cuda.to_device(task_c.astype(np.int64), stream=stream)
     args = (q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk),
             float(scale), part_out, part_lse, r_arg)
-    refuse_raising(chunk_kernel, compile_key(rc)[3:6], args)  # user functions: see .raising
+    refuse_raising(chunk_kernel, compile_key(rc).functions, args)  # user functions: see .raising
     chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](*args)
     n = B * hq * lq
     mt = 32 if is_simulated_mode() else 128

@@ -110,8 +110,8 @@ def _make_kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
     VP = DC * TC  # V tile row length: zero-padded to whole thread columns
     SP = BN + 1  # score and Kᵀ tile row lengths
     CT = ct
-    HAS_SINKS, HAS_BM, SCORE_MOD, MASK_MOD = parts[1], parts[2], parts[3], parts[4]
-    SCORE_MOD_GRAD = parts[5]
+    HAS_SINKS, HAS_BM = parts.has("sinks"), parts.has("block_mask")
+    SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD = parts.functions
     ELEMENT_MASK = MASK_MOD is not None  # a mask_mod: tested per element unless a block is full
 
     @cuda.jit(sig, fastmath=FASTMATH, **jit_options(NT))
@@ -258,7 +258,7 @@ def _kernel(dtype, mask_kind, blocks, dc, parts=compile_key(DENSE)):
     key = (np.dtype(dtype), mask_kind, blocks, dc, parts)
     if key not in _kernels:
         _kernels[key] = _make_kernel(*key)
-    refuse_raising(_kernels[key], parts[3:6])  # the user's functions: see .raising
+    refuse_raising(_kernels[key], parts.functions)  # the user's functions: see .raising
     return _kernels[key]
 
 

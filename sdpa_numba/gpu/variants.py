@@ -1,25 +1,30 @@
 """The score recipe (:mod:`sdpa_numba.score.recipe`) on the GPU: one kernel argument and back.
 
 A CUDA kernel cannot take None or a function as an argument. So a host
-:class:`~sdpa_numba.score.recipe.Recipe` travels as one :class:`RecipeArg`, a named tuple of
+:class:`~sdpa_numba.score.recipe.Recipe` travels as one :class:`RecipeArg`, a named tuple made
+from the recipe's own fields:
 
-* six run-time numbers (offset, left, right, chunk, softcap, batch offset): dense, causal,
-  windowed, chunked, bottom-right and soft-capped attention share one compiled kernel;
-* each optional array (ALiBi slopes, sinks, block mask) as a tuple of zero or one array, and the
+* its run-time numbers (:data:`~sdpa_numba.score.recipe.NUMBERS`: offset, window, chunk, soft
+  cap, batch offset): dense, causal, windowed, chunked, bottom-right and soft-capped attention
+  share one compiled kernel;
+* each optional array (every field that is neither a number, a user function nor
+  ``mod_args``: ALiBi slopes, sinks, block mask) as a tuple of zero or one array, and the
   block mask's block sizes as two more numbers; ``mod_args`` as the tuple it is (an empty tuple
   is no kernel argument at all);
 
 while the user's functions (``score_mod``, ``mask_mod``, ``score_mod_grad``) are closed over by
 the kernel factory, which is cached per :func:`compile_key`. Numba passes a named tuple as its
-fields, so the kernel's parameters are the same as if each were its own.
+fields, so the kernel's parameters are the same as if each were its own. Because every part of
+this module is derived from the recipe's fields, an array-valued variant added to the recipe
+reaches the CUDA kernels with no change here.
+
 :func:`recipe_of` rebuilds the Recipe inside the kernel, so that the kernels call the same
-jitted score functions as the CPU; a kernel that takes the fields as parameters of its own
-(``*kernel_args(r)``) rebuilds it with :func:`unpack`. The attention mask travels the same way
-(:func:`masked`): an empty tuple is "no mask", the one encoding of it (no operand stands in for
-it); the backward's mask gradient likewise (:func:`store_grad`).
+jitted score functions as the CPU. The attention mask travels the same way (:func:`masked`): an
+empty tuple is "no mask", the one encoding of it (no operand stands in for it); the backward's
+mask gradient likewise (:func:`store_grad`).
 
 On Numba's CUDA simulator the kernels run as Python and call the score functions as CPU-jitted
-code, which cannot take the simulator's arrays: :func:`unpack` hands them their NumPy arrays.
+code, which cannot take the simulator's arrays: :func:`recipe_of` hands them their NumPy arrays.
 """
 
 from collections import namedtuple
@@ -30,24 +35,48 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..options import INLINE
-from ..score.recipe import BLOCK_FULL, BLOCK_PARTIAL, Recipe, covered_block_state, \
+from ..score.recipe import BLOCK_FULL, BLOCK_PARTIAL, NUMBERS, Recipe, covered_block_state, \
     modifies_scores, sink_logit, window_covers
 from .storage import load
 
-__all__ = ["RecipeArg", "compile_key", "arg_type", "kernel_args", "recipe_of", "unpack",
+__all__ = ["RecipeArg", "Parts", "compile_key", "arg_type", "kernel_args", "recipe_of",
            "copy_to_device", "device_recipe", "masked", "store_grad", "tile_state", "tile_visit",
            "sink_of", "modifies", "NO_MASK"]
 
 #: The attention-mask argument of a kernel without a mask.
 NO_MASK = ()
 
-#: A host recipe as one kernel argument (see the module doc; :func:`kernel_args`).
-RecipeArg = namedtuple("RecipeArg", [
-    "offset", "left", "right", "chunk", "softcap", "batch_offset",  # the recipe's numbers
-    "alibi", "sinks", "block_mask",  # () or (array,) each
-    "bq", "bk",  # the block mask's query rows and keys per block
-    "mod_args",  # the tuple of mod_args
-])
+#: The recipe's user functions: compiled into a kernel, never passed to it.
+FUNCTIONS = ("score_mod", "mask_mod", "score_mod_grad")
+
+#: The recipe's numbers that are floats (the others are int64).
+_FLOAT_NUMBERS = ("softcap",)
+
+#: The recipe's optional arrays: every field that is not a number, a function or mod_args.
+ARRAYS = tuple(f for f in Recipe._fields if f not in NUMBERS + FUNCTIONS + ("mod_args",))
+
+#: A host recipe as one kernel argument (see the module doc; :func:`kernel_args`):
+#: the numbers, then () or (array,) for each optional array, the block mask's query rows and
+#: keys per block, and the tuple of mod_args.
+RecipeArg = namedtuple("RecipeArg", NUMBERS + ARRAYS + ("bq", "bk", "mod_args"))
+
+
+class Parts(namedtuple("Parts", ["arrays", "score_mod", "mask_mod", "score_mod_grad",
+                                 "mod_types"])):
+    """What of a recipe a compiled kernel depends on (hashable; :func:`compile_key`):
+    ``arrays``, ``(name, ndim, dtype)`` of each optional array present; the user's functions
+    (by identity); ``mod_types``, the Numba types of ``mod_args``."""
+
+    __slots__ = ()
+
+    def has(self, name):
+        """Whether the optional array ``name`` (a recipe field) is present."""
+        return any(a[0] == name for a in self.arrays)
+
+    @property
+    def functions(self):
+        """The user's functions, ``(score_mod, mask_mod, score_mod_grad)``."""
+        return self.score_mod, self.mask_mod, self.score_mod_grad
 
 
 def _a(t):
@@ -67,25 +96,30 @@ def _type_of(x):
 
 
 def compile_key(r):
-    """What of recipe ``r`` a compiled kernel depends on (hashable): which optional arrays are
-    present, the user's functions (by identity) and the types of ``mod_args``."""
-    return (r.alibi is not None, r.sinks is not None, r.block_mask is not None, r.score_mod,
-            r.mask_mod, r.score_mod_grad, tuple(_type_of(x) for x in r.mod_args))
+    """The :class:`Parts` of recipe ``r``: which optional arrays are present (with their rank
+    and dtype), the user's functions and the types of ``mod_args``."""
+    arrays = tuple((f, getattr(r, f).ndim, np.dtype(getattr(r, f).dtype)) for f in ARRAYS
+                   if getattr(r, f) is not None)
+    return Parts(arrays, r.score_mod, r.mask_mod, r.score_mod_grad,
+                 tuple(_type_of(x) for x in r.mod_args))
 
 
-def arg_type(key, ct):
-    """The Numba type of :func:`kernel_args` for compile key ``key`` and compute type ``ct``:
-    a named tuple of :class:`RecipeArg`."""
-    has_alibi, has_sinks, has_bm = key[:3]
+def arg_type(parts, ct=None):
+    """The Numba type of :func:`kernel_args` for compile key ``parts`` (a :class:`Parts`): a
+    named tuple of :class:`RecipeArg`. ``ct``, the compute type, is not needed (each array
+    carries its own dtype) and kept for callers that pass it."""
+    present = {name: (ndim, dtype) for name, ndim, dtype in parts.arrays}
 
-    def opt(present, t):
-        return types.UniTuple(t, 1) if present else types.Tuple(())
+    def opt(f):
+        if f not in present:
+            return types.Tuple(())
+        ndim, dtype = present[f]
+        return types.UniTuple(types.Array(numba.from_dtype(dtype), ndim, "A"), 1)
 
     return types.NamedTuple(
-        (types.int64, types.int64, types.int64, types.int64, types.float64, types.int64,
-         opt(has_alibi, types.Array(ct, 2, "A")), opt(has_sinks, types.Array(ct, 1, "A")),
-         opt(has_bm, types.Array(types.int8, 3 + 1, "A")), types.int64, types.int64,
-         types.Tuple(key[6])), RecipeArg)
+        tuple(types.float64 if f in _FLOAT_NUMBERS else types.int64 for f in NUMBERS)
+        + tuple(opt(f) for f in ARRAYS) + (types.int64, types.int64, types.Tuple(parts.mod_types)),
+        RecipeArg)
 
 
 def _device(x, to_device):
@@ -95,8 +129,8 @@ def _device(x, to_device):
 def kernel_args(r, block_sizes=(1, 1), to_device=None):
     """The kernel argument of host recipe ``r``: a :class:`RecipeArg` (see the module doc), of
     :func:`arg_type`'s type. ``block_sizes``: the block mask's (query rows, keys) per block.
-    ``to_device``: copies NumPy arrays (slopes, sinks, block mask, ``mod_args``) to the
-    device (default :func:`numba.cuda.to_device`)."""
+    ``to_device``: copies NumPy arrays (the optional arrays and ``mod_args``) to the device
+    (default :func:`numba.cuda.to_device`)."""
     if to_device is None:
         from numba import cuda
         to_device = cuda.to_device
@@ -109,15 +143,15 @@ def kernel_args(r, block_sizes=(1, 1), to_device=None):
                       int(x) if isinstance(x, (int, np.integer)) else
                       float(x) if isinstance(x, (float, np.floating)) else x)
                      for x in r.mod_args)
-    return RecipeArg(np.int64(r.offset), np.int64(r.left), np.int64(r.right),
-                     np.int64(r.chunk), float(r.softcap), np.int64(r.batch_offset), opt(r.alibi), opt(r.sinks), opt(r.block_mask),
+    numbers = tuple(float(getattr(r, f)) if f in _FLOAT_NUMBERS else np.int64(getattr(r, f))
+                    for f in NUMBERS)
+    return RecipeArg(*numbers, *(opt(getattr(r, f)) for f in ARRAYS),
                      np.int64(block_sizes[0]), np.int64(block_sizes[1]), mod_args)
 
 
 def copy_to_device(r):
-    """Recipe ``r`` with its NumPy arrays (any optional part: slopes, sinks, block mask; and
-    ``mod_args``) copied to the device: a launcher's, once per call rather than once per
-    launch."""
+    """Recipe ``r`` with its NumPy arrays (any optional array, and ``mod_args``) copied to the
+    device: a launcher's, once per call rather than once per launch."""
     from numba import cuda
 
     def dev(x):
@@ -135,50 +169,31 @@ def _host(x):
     return getattr(x, "_ary", x)
 
 
-def unpack(offset, left, right, chunk, softcap, batch_offset, alibi_t, sinks_t, bm_t,
-           score_mod, mask_mod, score_mod_grad, mod_args):
-    """The :class:`~sdpa_numba.score.recipe.Recipe` of a kernel's arguments (see the module
-    doc); the functions are the kernel factory's. Device code (and simulator Python)."""
-    return Recipe(offset, left, right, chunk, softcap, batch_offset,
-                  _host(alibi_t[0]) if alibi_t else None, _host(sinks_t[0]) if sinks_t else None,
-                  score_mod, mask_mod, score_mod_grad, tuple(_host(x) for x in mod_args),
-                  _host(bm_t[0]) if bm_t else None)
-
-
-@overload(unpack, target="generic")
-def _unpack(offset, left, right, chunk, softcap, batch_offset, alibi_t, sinks_t, bm_t,
-            score_mod, mask_mod, score_mod_grad, mod_args):
-    # Resolved by type: an absent part is None in the recipe, so the score functions drop it
-    # at compile time.
-    has_alibi, has_sinks, has_bm = (len(t.types) > 0 for t in (alibi_t, sinks_t, bm_t))
-    # Branches on constants are not pruned before typing: one implementation per case.
-    a = "alibi_t[0]" if has_alibi else "None"
-    s = "sinks_t[0]" if has_sinks else "None"
-    m = "bm_t[0]" if has_bm else "None"
-    src = (f"def impl(offset, left, right, chunk, softcap, batch_offset, alibi_t, sinks_t, "
-           f"bm_t, score_mod, mask_mod, score_mod_grad, mod_args):\n"
-           f"    return Recipe(offset, left, right, chunk, softcap, batch_offset, {a}, {s}, "
-           f"score_mod, mask_mod, score_mod_grad, mod_args, {m})\n")
-    ns = {"Recipe": Recipe}
-    exec(src, ns)  # noqa: S102 - fixed source, chosen among eight by type
-    return ns["impl"]
-
-
 def recipe_of(ra, offset, score_mod, mask_mod, score_mod_grad):
     """The :class:`~sdpa_numba.score.recipe.Recipe` of kernel argument ``ra`` (a
     :class:`RecipeArg`) at ``offset`` (the work item's: per sequence in a packed batch); the
     functions are the kernel factory's. Device code (and simulator Python)."""
-    return unpack(offset, ra.left, ra.right, ra.chunk, ra.softcap, ra.batch_offset, ra.alibi,
-                  ra.sinks, ra.block_mask, score_mod, mask_mod, score_mod_grad, ra.mod_args)
+    fields = {f: getattr(ra, f) for f in NUMBERS}
+    fields.update({f: _host(getattr(ra, f)[0]) if getattr(ra, f) else None for f in ARRAYS})
+    fields.update(offset=offset, score_mod=score_mod, mask_mod=mask_mod,
+                  score_mod_grad=score_mod_grad, mod_args=tuple(_host(x) for x in ra.mod_args))
+    return Recipe(**fields)
 
 
 @overload(recipe_of, target="generic")
 def _recipe_of(ra, offset, score_mod, mask_mod, score_mod_grad):
-    def impl(ra, offset, score_mod, mask_mod, score_mod_grad):
-        return unpack(offset, ra.left, ra.right, ra.chunk, ra.softcap, ra.batch_offset,
-                      ra.alibi, ra.sinks, ra.block_mask, score_mod, mask_mod, score_mod_grad,
-                      ra.mod_args)
-    return impl
+    # Resolved by type: an absent array is None in the recipe, so the score functions drop it
+    # at compile time. Branches on constants are not pruned before typing, so the recipe's
+    # constructor call is written out for the parts present.
+    present = {f: len(t.types) > 0 for f, t in zip(ra.fields, ra.types) if f in ARRAYS}
+    parts = ["offset" if f == "offset" else f if f in FUNCTIONS else
+             (f"ra.{f}[0]" if present[f] else "None") if f in ARRAYS else f"ra.{f}"
+             for f in Recipe._fields]
+    src = (f"def impl(ra, offset, score_mod, mask_mod, score_mod_grad):\n"
+           f"    return Recipe({', '.join(parts)})\n")
+    ns = {"Recipe": Recipe}
+    exec(src, ns)  # noqa: S102 - source made from the recipe's field names and types
+    return ns["impl"]
 
 
 def masked(s, mask_t, b, h, i, j, neg_inf):
