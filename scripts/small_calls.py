@@ -1,4 +1,7 @@
-"""The small-call benchmark, for ``python -m sdpa_numba bench --preset small-call``.
+#!/usr/bin/env python
+"""The small-call benchmark: the host cost of one call, above its kernel.
+
+    python scripts/small_calls.py [--repeats 3] [--pause 0.02] [--threads N] [--json]
 
 Issue 33's small calls: one query row against 512 keys (B1 H1 L1 S512 D64, float32), where the
 kernel's arithmetic takes microseconds and the host's work around it (validation, views,
@@ -7,7 +10,9 @@ one process, side by side:
 
 * ``call``: the public function, as a user calls it;
 * ``kernel``: the compiled kernel alone, called with the very arguments the launcher passed it
-  on its last call (the launcher's ``_entry`` is wrapped to record them);
+  on its last call (the launcher's ``_entry`` is wrapped to record them: this reaches into the
+  CPU launchers, which is why it is a script and not a preset of the CLI, whose benchmarks
+  call the public functions only);
 * ``host``: ``call - kernel`` (the difference of the medians: noisy where the kernel's own
   time moves);
 * ``host only``: the public function with every kernel replaced by a Python no-op (the host
@@ -19,20 +24,21 @@ block by block for ``rounds`` rounds with ``pause`` seconds of rest before each 
 median of all calls is kept (after a warm-up of each).
 """
 
+import argparse
+import json
+import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 
 import numpy as np
 
-from .timing import torch_available
-
-#: Calls per block (back to back), and rounds per repeat of the CLI's ``--repeats``.
+#: Calls per block (back to back), and rounds per repeat of ``--repeats``.
 CALLS = 50
 ROUNDS_PER_REPEAT = 4
 #: The case: batch, heads, query rows, keys, head dim.
 B, H, L, S, D = 1, 1, 1, 512, 64
-PRESETS = {"small-call": None}
 
 
 def _inputs(seed=0):
@@ -48,7 +54,7 @@ def cases():
     """``{name: (call, launch_module)}``: the public calls of the preset, each a zero-argument
     callable, and the launcher module whose ``_entry`` gives its kernels."""
     import sdpa_numba as sn
-    from ..cpu import launch, launch_backward, launch_merge, launch_varlen
+    from sdpa_numba.cpu import launch, launch_backward, launch_merge, launch_varlen
 
     f = _inputs()
     q, k, v = f(B, H, L, D), f(B, H, S, D), f(B, H, S, D)
@@ -133,7 +139,7 @@ def _as_noop(entry):
 
 
 def _patch_cost():
-    from ..cpu import launch
+    from sdpa_numba.cpu import launch
 
     def run():
         with _patched_entry(launch, _as_noop):
@@ -169,9 +175,11 @@ def run(repeats, pause):
     fns_by_case, (q, k, v) = cases()
     rounds = max(1, repeats * ROUNDS_PER_REPEAT)
     torch_fn = None
-    if torch_available():
+    try:
         import torch
-
+    except ImportError:
+        torch = None
+    if torch is not None:
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -206,3 +214,40 @@ def format_result(res):
         lines.append(f"{r['function']:<10} {us(r['call_s']):>8} {us(r['kernel_s']):>8} "
                      f"{us(r['host_s']):>8} {us(r['host_only_s']):>10} {us(r['torch_s']):>8}")
     return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3,
+                    help=f"rounds, in units of {ROUNDS_PER_REPEAT} (default 3)")
+    ap.add_argument("--pause", type=float, default=0.02,
+                    help="seconds of rest before each block of calls (default 0.02)")
+    ap.add_argument("--threads", type=int, help="Numba's (and torch's) thread count")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        import numba
+
+        numba.set_num_threads(args.threads)
+        try:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        except ImportError:
+            pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if load is not None and load > 1.0:
+        print(f"warning: load average {load:.1f} before the run: timings will be noisy",
+              file=sys.stderr)
+    res = run(args.repeats, args.pause)
+    res["load_average_1min_before"] = load
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(f"{res['threads']} threads")
+        print(format_result(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

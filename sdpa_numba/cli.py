@@ -24,7 +24,6 @@ import numpy as np
 from . import bench
 from .bench import decode as bench_decode
 from .bench import report
-from .bench import small_calls as bench_small
 from .bench import varlen as bench_varlen
 from .problem import flops as count_flops
 
@@ -131,8 +130,7 @@ def build_parser():
                     "a grid (--batch --heads --seq --dim --dtype --causal) unless --preset or "
                     "--case is given.",
 )
-    presets = {*bench.PRESETS, *bench_decode.PRESETS, *bench_varlen.PRESETS,
-               *bench_small.PRESETS}
+    presets = {*bench.PRESETS, *bench_decode.PRESETS, *bench_varlen.PRESETS}
     p.add_argument("--preset", choices=sorted(presets),
                    action="append", default=[],
                    help="a named case list; headline: B1 H8 L2048 D64 float32 non-causal and "
@@ -149,11 +147,8 @@ def build_parser():
                         "float32 against torch's flex_attention and SDPA (a table of its own); "
                         "varlen: varlen_attention and its backward on 8 causal sequences of "
                         "100..2000 tokens, H8 D64 float32, against torch's SDPA padded with a "
-                        "mask and in a loop over the sequences (a table of its own); small-call: "
-                        "one query row against 512 keys (B1 H1 L1 S512 D64 float32) through "
-                        "the forward, backward, varlen_attention and merge_attention_states: "
-                        "the call, the kernel alone, the host cost, and torch's SDPA (a table "
-                        "of its own)")
+                        "mask and in a loop over the sequences (a table of its own). The host "
+                        "cost of small calls is scripts/small_calls.py's")
     p.add_argument("--case", type=_case_spec, action="append", default=[], metavar="SPEC",
                    help="one case BxHxLxD[:dtype][:causal], e.g. 1x8x2048x64:float32:causal "
                         "(repeatable)")
@@ -355,7 +350,7 @@ def cmd_bench_decode(args, cases, out):
 
 #: The presets that run alone, in the order they are looked for in ``--preset``, each with a
 #: table of its own.
-ALONE = ("varlen", "variants", "small-call")
+ALONE = ("varlen", "variants")
 
 
 def cmd_bench_alone(args, preset, out):
@@ -363,8 +358,6 @@ def cmd_bench_alone(args, preset, out):
     or ``varlen`` (:func:`sdpa_numba.bench.varlen.run`, its table headed by the threads)."""
     if preset == "variants":
         run, table, headed = bench.run_variants, bench.format_variants, False
-    elif preset == "small-call":
-        run, table, headed = bench_small.run, bench_small.format_result, True
     else:
         run, table, headed = bench_varlen.run, bench_varlen.format_result, True
     threads = _set_threads(args, torch_too=True)

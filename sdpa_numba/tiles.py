@@ -1,14 +1,17 @@
 """The CPU forward's tiles, for tools that model its work without importing the kernels (the
 ``variants`` benchmark, scripts/variant_ratios.py): the block sizes of
 :func:`sdpa_numba.cpu.forward.forward` and the fraction of the scores it computes under a
-window and chunks."""
+window and chunks.
 
-from .cpu.forward import BM, BN
+The sizes come from the score seam (:mod:`sdpa_numba.score.blocks`), which owns them: the CPU
+forward refuses to import unless its tile (``BM`` x ``BN``) is the seam's block."""
+
+from .score.blocks import K_BLOCK, Q_BLOCK
 
 #: Query rows per score tile of the CPU forward.
-QUERY_BLOCK = BM
+QUERY_BLOCK = Q_BLOCK
 #: Keys per key/value block of the CPU forward.
-KEY_BLOCK = BN
+KEY_BLOCK = K_BLOCK
 
 
 def visited_fraction(L, S, left, right, offset=0, chunk=None):

@@ -1,7 +1,7 @@
 """The small-call fast paths (issue 33): cached plans, NumPy-only dispatch, the plain recipe's
 compiled entries. Correctness only (against the float64 reference, and calls that must still
 be refused after a plan for the same shapes was cached); speed lives in
-``python -m sdpa_numba bench --preset small-call``."""
+``python scripts/small_calls.py``."""
 
 import importlib
 
