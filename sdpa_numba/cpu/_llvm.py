@@ -589,11 +589,14 @@ def by_symbol(dispatcher):
     kernel), half of the first call's 16 s. Called by symbol, it is compiled once, in its own
     library; the callers only declare it, and the JIT resolves the symbol to that library.
     Cached callers carry a reload hook (Numba's ``reload_init``, run before a cached function
-    is loaded) that loads the callee first, from its own cache entry. The callee's code is the
-    same machine code either way (it was a call of its own before too, where not inlined):
-    nothing of the arithmetic changes, only how many times LLVM builds it.
+    is loaded) that loads the callee first, from its own cache entry. The callee is compiled
+    as before, from the same IR; only the callers no longer inline it (it is called once per
+    task of rows, so the call costs nothing measurable), and the results keep their bits.
     """
-    module, name = dispatcher.py_func.__module__, dispatcher.py_func.__name__
+    # Under NUMBA_DISABLE_JIT, njit gives back the Python function (the kernels refuse to
+    # run then, see sdpa_numba._runtime.check_jit, but the package imports).
+    py_func = getattr(dispatcher, "py_func", dispatcher)
+    module, name = py_func.__module__, py_func.__name__
 
     def typer(typingctx, args):
         argtypes = tuple(types.unliteral(a) for a in args)
@@ -609,7 +612,7 @@ def by_symbol(dispatcher):
         return cres.signature.return_type(*argtypes), codegen
 
     # Every parameter by name (Numba's intrinsics take no *args), all passed.
-    params = ", ".join(inspect.signature(dispatcher.py_func).parameters)
+    params = ", ".join(inspect.signature(py_func).parameters)
     scope = {"typer": typer}
     exec(f"def {name}_by_symbol(typingctx, {params}):\n"
          f"    return typer(typingctx, ({params},))\n", scope)
