@@ -308,6 +308,21 @@ def test_truncated_cache_file_is_recompiled(tmp_path, rng, damaged):
     assert out.strip() == "WARN []"
 
 
+def test_cached_forward_without_its_row_kernel_in_the_cache(tmp_path, rng):
+    # The cached forward calls attend_rows by symbol (cpu/_llvm.by_symbol): with attend_rows's
+    # cache entries gone, the subprocess compiles it again, under another name than the one
+    # the cached forward was compiled against; the call must still resolve (not abort).
+    _copy_cache(rng, tmp_path, leave_out=["forward.attend_rows-*"])
+    assert list(tmp_path.rglob("forward.forward-*.nbi"))
+    assert not list(tmp_path.rglob("forward.attend_rows-*"))
+    code = textwrap.dedent(_FORWARD_CALL) + """
+from sdpa_numba.cpu import forward
+print("HITS", sum(forward.stats.cache_hits.values()))
+"""
+    out = ok(run_python(code, timeout=300, NUMBA_CACHE_DIR=str(tmp_path)))
+    assert "WARN []" in out and "HITS 1" in out
+
+
 def test_full_disk_while_saving_the_cache_is_a_warning(tmp_path, rng):
     # Without the forward in the cache, the subprocess compiles it and fails to save it: a
     # file size limit stands in for a full disk (both are OSErrors from write()).

@@ -17,6 +17,7 @@
 """
 
 import functools
+import inspect
 
 import numpy as np
 from llvmlite import ir
@@ -554,3 +555,65 @@ def rows_pv(n_rows, n_vec, width):
 
     return _rows_pv
 
+
+
+def _load_compiled(module, name, argtypes, symbol):
+    """Compile (or load from Numba's cache) ``module.name`` for ``argtypes``: run before a
+    cached function that calls it by symbol (:func:`by_symbol`) is loaded.
+
+    ``symbol`` is the name the caller was compiled against. Numba's names carry a number
+    given per process: one loaded from the callee's cache entry saved with the caller's
+    is the same, but a callee compiled again (its cache entry lost, or the process compiled
+    it first) has another, so that name is made to point at it too (else the JIT could not
+    resolve the caller's call, and aborts the process).
+    """
+    import importlib
+
+    from llvmlite import binding
+
+    disp = getattr(importlib.import_module(module), name)
+    disp.compile(argtypes)
+    cres = disp.overloads[argtypes]
+    own = cres.fndesc.llvm_func_name
+    if own != symbol:
+        binding.add_symbol(symbol, cres.library.get_pointer_to_function(own))
+
+
+def by_symbol(dispatcher):
+    """A function of jitted code that calls ``dispatcher`` (a cached ``@njit`` function) as
+    an external symbol, instead of linking a copy of its code into the caller.
+
+    Numba links a callee's whole module into every caller's, and optimizes and emits machine
+    code for it again there, at every level: the forward's row kernel went through LLVM eight
+    times on a first call (its task, the task runner, the parfor's three wrappers, the
+    kernel), half of the first call's 16 s. Called by symbol, it is compiled once, in its own
+    library; the callers only declare it, and the JIT resolves the symbol to that library.
+    Cached callers carry a reload hook (Numba's ``reload_init``, run before a cached function
+    is loaded) that loads the callee first, from its own cache entry. The callee is compiled
+    as before, from the same IR; only the callers no longer inline it (it is called once per
+    task of rows, so the call costs nothing measurable), and the results keep their bits.
+    """
+    # Under NUMBA_DISABLE_JIT, njit gives back the Python function (the kernels refuse to
+    # run then, see sdpa_numba._runtime.check_jit, but the package imports).
+    py_func = getattr(dispatcher, "py_func", dispatcher)
+    module, name = py_func.__module__, py_func.__name__
+
+    def typer(typingctx, args):
+        argtypes = tuple(types.unliteral(a) for a in args)
+        dispatcher.compile(argtypes)
+        cres = dispatcher.overloads[argtypes]
+        hook = functools.partial(_load_compiled, module, name, argtypes,
+                                 cres.fndesc.llvm_func_name)
+
+        def codegen(context, builder, signature, llargs):
+            context.active_code_library._reload_init.add(hook)
+            return context.call_internal(builder, cres.fndesc, cres.signature, llargs)
+
+        return cres.signature.return_type(*argtypes), codegen
+
+    # Every parameter by name (Numba's intrinsics take no *args), all passed.
+    params = ", ".join(inspect.signature(py_func).parameters)
+    scope = {"typer": typer}
+    exec(f"def {name}_by_symbol(typingctx, {params}):\n"
+         f"    return typer(typingctx, ({params},))\n", scope)
+    return intrinsic(scope[f"{name}_by_symbol"])

@@ -28,8 +28,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._llvm import (data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stack_buffer,
-                    stash, unstash)
+from ._llvm import (by_symbol, data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add,
+                    stack_buffer, stash, unstash)
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
@@ -580,6 +580,11 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     keep_alive((qt, ks, vs, st, acc, m, l, alpha, acc_o, m_o, l_o))
 
 
+#: attend_rows called by symbol: compiled once, not again in each of the parallel kernel's
+#: layers (see _llvm.by_symbol).
+_attend_rows_by_symbol = by_symbol(attend_rows)
+
+
 @njit(**INLINE)
 def _task_rows(e_len, ev, itemsize):
     """Query rows of a task whose scratch fits SCRATCH_BYTES: CHUNK halved, down to BM."""
@@ -618,11 +623,11 @@ def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk
     kh = h // group
     dh = head_dropout(dropout, b, h)
     if mask is None:
-        attend_rows(q[b, h], k[b, kh], v[b, kh], None, r, scale,
-                    out[b, h], lse[b, h], i0, i1, dh, b, h)
+        _attend_rows_by_symbol(q[b, h], k[b, kh], v[b, kh], None, r, scale,
+                               out[b, h], lse[b, h], i0, i1, dh, b, h)
     else:
-        attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], r, scale,
-                    out[b, h], lse[b, h], i0, i1, dh, b, h)
+        _attend_rows_by_symbol(q[b, h], k[b, kh], v[b, kh], mask[b, h], r, scale,
+                               out[b, h], lse[b, h], i0, i1, dh, b, h)
 
 
 #: _forward_task that reports a user function's exception (see .tasks).

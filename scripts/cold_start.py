@@ -1,0 +1,77 @@
+"""The README's run command (``python -m sdpa_numba``: the default check) on a cold Numba cache,
+as a fresh clone sees it, and then warm (a second process on that cache).
+
+Each run is a new process with ``NUMBA_CACHE_DIR`` set to a new empty folder, so nothing
+compiled before is reused; the figures are the check's own "first call" (compile or cache
+load, then the call) and the whole process's wall time. ``--vs ROOT`` runs a second source
+tree's command in turn with this one's (A B A B ...), for a comparison that holds while the
+machine's speed drifts.
+
+    python scripts/cold_start.py --runs 3
+    python scripts/cold_start.py --runs 3 --vs /path/to/other/checkout
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_run(root, cache_dir, args):
+    """One process of ``python -m sdpa_numba check --json`` in ``root`` on ``cache_dir``:
+    (first call s, process wall s, process CPU s). On a busy machine the CPU time (user +
+    system) moves much less than the wall times: compiling runs on one thread."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=root)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "sdpa_numba", "check", "--json", *args],
+                         cwd=root, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if res.returncode != 0:
+        raise SystemExit(f"{root}: exit {res.returncode}\n{res.stdout}\n{res.stderr}")
+    return json.loads(res.stdout)["first_call_s"], wall, cpu
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="cold runs per tree (default 3)")
+    p.add_argument("--vs", default=None, help="a second source tree, run in turn with this one")
+    p.add_argument("check_args", nargs="*", help="arguments of the check (default: none)")
+    a = p.parse_args()
+    roots = [HERE] + ([os.path.abspath(a.vs)] if a.vs else [])
+    cold = {r: [] for r in roots}
+    warm = {r: [] for r in roots}
+    for i in range(a.runs):
+        for r in roots:
+            with tempfile.TemporaryDirectory(prefix="cold_start_") as d:
+                cold[r].append(one_run(r, d, a.check_args))
+                warm[r].append(one_run(r, d, a.check_args))
+            c, w = cold[r][-1], warm[r][-1]
+            print(f"run {i + 1} {r}: cold first call {c[0]:.2f} s (process {c[1]:.2f} s wall, "
+                  f"{c[2]:.2f} s CPU), warm first call {w[0]:.3f} s (process {w[1]:.2f} s "
+                  f"wall, {w[2]:.2f} s CPU)", flush=True)
+    for r in roots:
+        c, w = ([statistics.median(x[k] for x in runs) for k in range(3)]
+                for runs in (cold[r], warm[r]))
+        print(f"{r}: median of {a.runs}: cold first call {c[0]:.2f} s (process {c[1]:.2f} s "
+              f"wall, {c[2]:.2f} s CPU); warm first call {w[0]:.3f} s (process {w[1]:.2f} s "
+              f"wall, {w[2]:.2f} s CPU)")
+    if a.vs:
+        for k, what in ((0, "first call"), (2, "process CPU")):
+            ratios = [x[k] / y[k] for x, y in zip(cold[roots[0]], cold[roots[1]])]
+            print(f"cold {what}, this tree / --vs, per pair: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
