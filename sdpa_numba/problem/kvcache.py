@@ -28,25 +28,30 @@ from .rope import rope_problem
 from .variants import check_alignment, variants_recipe
 
 
-def key_bounds_loop(key_range, first_key):
+def key_bounds_loop(key_range, first_key, rows_of):
     """The one rule of the keys a sequence's kernel reads, as a function ``bounds(r, kv_lens,
     kv_begin, lq, lo, hi)`` that writes ``lo[b]``, ``hi[b]``: the keys ``[lo[b], hi[b])``
     that some query token of sequence ``b`` sees under recipe ``r`` (causality folded in;
-    tokens at positions ``kv_lens[b] - lq .. kv_lens[b] - 1``), from ``first_key(kv_begin,
-    b)`` on (the left padding).
+    tokens at positions ``kv_lens[b] - lq .. kv_lens[b] - 1``, or for a ragged batch where
+    :func:`query_rows` puts them), from ``first_key(kv_begin, b)`` on (the left padding).
 
-    Built with the score seam's ``key_range`` and a ``first_key``: on the host with their
-    Python forms (:func:`key_bounds`), in the CPU kernel compiled with the jitted ones
-    (:func:`sdpa_numba.cpu.decode._plan`), so that the host's bounds (the CUDA launch's
-    chunks, the CPU launch's choice of kernel) and the CPU kernel's are the same rule.
+    Built with the score seam's ``key_range``, a ``first_key`` and a ``rows_of`` (the rule of
+    :func:`query_rows`): on the host with their Python forms (:func:`key_bounds`), in the CPU
+    kernel compiled with the jitted ones (:func:`sdpa_numba.cpu.decode._plan`), so that the
+    host's bounds (the CUDA launch's chunks, the CPU launch's choice of kernel) and the CPU
+    kernel's are the same rule.
     """
 
     def bounds(r, kv_lens, kv_begin, lq, lo, hi):
-        for b in range(len(kv_lens)):
+        n_seq = len(kv_lens)
+        for b in range(n_seq):
             n = kv_lens[b]
-            j_begin, j_end = key_range(r, n - lq, n - 1, n)
+            _, _, lq_b, i0, off = rows_of(kv_begin, n_seq, b, n, lq)
+            j_begin, j_end = key_range(r, i0 + off, i0 + off + lq_b - 1, n)
             lo[b] = max(j_begin, first_key(kv_begin, b))
             hi[b] = max(j_end, lo[b])
+            if lq_b == 0:  # a sequence of a ragged batch without query rows reads nothing
+                hi[b] = lo[b]
 
     return bounds
 
@@ -55,14 +60,58 @@ def _first_key(kv_begin, b):
     return 0 if kv_begin is None else kv_begin[b]
 
 
+#: Numbers per sequence in a ragged batch's table (:func:`ragged_table`).
+RAGGED_FIELDS = 6
+
+
+def query_rows(kv_begin, n_seq, b, kv_len, lq):
+    """``(qb, q0, lq_b, i0, off)`` of sequence ``b`` (of ``n_seq``): its query rows are
+    ``q[qb, q0 .. q0 + lq_b - 1]``, the first at position ``i0`` (token ``t`` at ``i0 + t``:
+    what ``score_mod`` / ``mask_mod`` see as ``i``), and the recipe's offset is moved by
+    ``off`` for it (windows, causality, chunks and ALiBi see ``i + off``). The decode
+    kernels' ``kv_begin`` carries them: of ``n_seq`` entries (or None), the left padding
+    alone and a rectangular batch, ``(b, 0, lq, kv_len - lq, 0)``: the tokens are the
+    sequence's last (bottom-right, the cache's frame); of ``6 * n_seq``, a ragged batch's
+    table (:func:`ragged_table`). The host's form (the kernels compile their own of this
+    rule, :func:`sdpa_numba.cpu.decode.query_rows`)."""
+    if kv_begin is None or len(kv_begin) == n_seq:
+        return b, 0, lq, kv_len - lq, 0
+    x = kv_begin
+    return (x[n_seq + b], x[2 * n_seq + b], x[3 * n_seq + b], x[4 * n_seq + b],
+            x[5 * n_seq + b])
+
+
+def ragged_table(kv_begin, cu_q, kv_lens, sequence_frame=False, bottom_right=True):
+    """The decode kernels' ``kv_begin`` of a ragged batch (:func:`query_rows`), int64 ``(6 *
+    B,)``: the first key of each sequence (``kv_begin``, None: 0), then for the packed query
+    rows ``cu_q`` (int64 ``(B + 1,)``, rows of a ``(1, total_q, ..)`` view): batch index 0,
+    first row ``cu_q[b]``, rows ``lq_b``, and the frame. The cache's frame
+    (``attention_with_kvcache``): token ``t`` at position ``kv_len - lq_b + t``, offset 0.
+    The sequence's frame (``varlen_attention`` over a cache): token ``t`` at ``t``, offset
+    ``kv_len - lq_b`` with ``bottom_right``, else 0 (as varlen's per-sequence recipe)."""
+    n_seq = len(kv_lens)
+    lq = np.diff(cu_q).astype(np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    begin = np.zeros(n_seq, np.int64) if kv_begin is None else np.asarray(kv_begin, np.int64)
+    zero = np.zeros(n_seq, np.int64)
+    if sequence_frame:
+        i0, off = zero, (kv_lens - lq if bottom_right else zero)
+    else:
+        i0, off = kv_lens - lq, zero
+    return np.ascontiguousarray(np.concatenate(
+        [begin, zero, np.asarray(cu_q[:-1], np.int64), lq, i0, off]))
+
+
 # (key_range itself where NUMBA_DISABLE_JIT leaves it a plain function)
-_host_bounds = key_bounds_loop(getattr(key_range, "py_func", key_range), _first_key)
+_host_bounds = key_bounds_loop(getattr(key_range, "py_func", key_range), _first_key,
+                               query_rows)
 
 
 def key_bounds(r, is_causal, kv_lens, leftpad, lq):
     """``(lo, hi)``, int64 arrays (B,): the keys ``[lo[b], hi[b])`` that some query token of
     sequence ``b`` sees under recipe ``r`` (tokens at positions ``kv_lens[b] - lq ..
-    kv_lens[b] - 1``) from ``leftpad[b]`` on: the keys a kernel reads
+    kv_lens[b] - 1``, or for a ragged batch's table in ``leftpad`` (:func:`ragged_table`)
+    where it puts them) from ``leftpad[b]`` on: the keys a kernel reads
     (:func:`key_bounds_loop`'s rule, on the host)."""
     if is_causal:
         r = r._replace(right=min(r.right, 0))
