@@ -166,6 +166,19 @@ class KVCacheProblem:
     #: The rotation of q and the new keys (:class:`sdpa_numba.problem.rope.RopeProblem`), or
     #: None.
     rope: object = None
+    #: A ragged batch (``cu_seqlens_q``): its cumulative query rows, int64 (B + 1,); None for
+    #: q of shape (B, Lq, Hq, E).
+    cu_q: np.ndarray | None = None
+    #: The kernels' ``kv_begin`` of a ragged batch (:func:`ragged_table`, its first keys
+    #: ``lo``); None: ``lo``.
+    begin: np.ndarray | None = None
+    #: The sequence of each appended row (``pages``, ``slots``), or None.
+    append_b: np.ndarray | None = None
+
+    @property
+    def n_seq(self):
+        """The batch's sequences, B."""
+        return len(self.kv_lens)
 
     @property
     def appending(self):
@@ -212,7 +225,8 @@ def check_writeable(named):
 def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                     is_causal, scale, *, alignment="bottom_right", k_scale=None, v_scale=None,
                     cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
-                    rotary_interleaved=False, **variants):
+                    rotary_interleaved=False, cu_seqlens_q=None, sequence_frame=None,
+                    **variants):
     """Validate one decode step's operands and return its :class:`KVCacheProblem`.
 
     ``q``, the caches, ``k`` and ``v`` (None: no append): the target's arrays (anything with
@@ -222,8 +236,12 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     quantized cache's scales (:mod:`.quant`), arrays of the caches' kind; ``cache_batch_idx``
     (None or a NumPy array) the cache row of each sequence of a contiguous cache;
     ``rotary_cos``, ``rotary_sin`` (None or NumPy arrays) and ``rotary_interleaved`` the
-    rotation (:mod:`.rope`). Raises TypeError /
-    ValueError naming the argument, as documented by
+    rotation (:mod:`.rope`); ``cu_seqlens_q`` (None or an array, read on the host) a ragged
+    batch: ``q`` ``(total_q, Hq, E)``, ``k`` and ``v`` ``(total_q, H, E / Ev)``, sequence
+    ``b`` the rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1``; ``sequence_frame`` (None:
+    the cache's frame, tokens at the sequence's last positions) True or False: the frame of
+    ``varlen_attention`` over a cache (:func:`ragged_table`), bottom-right aligned or not.
+    Raises TypeError / ValueError naming the argument, as documented by
     :func:`sdpa_numba.attention_with_kvcache`.
     """
     if isinstance(alignment, str) and alignment == "top_left":
@@ -236,13 +254,31 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     is_causal = check_flag("is_causal", is_causal)
     appending = k is not None
 
-    _check_ndim("q", q, 4, "(B, Lq, Hq, E)")
+    ragged = cu_seqlens_q is not None
+    if ragged:
+        _check_ndim("q", q, 3, "(total_q, Hq, E) with cu_seqlens_q")
+    else:
+        _check_ndim("q", q, 4, "(B, Lq, Hq, E)")
     dtype = check_storage_dtype("q", q)
     paged = block_table is not None
     dims = "(num_pages, page_size, H, E)" if paged else "(B, S_max, H, E)"
     _check_ndim("k_cache", k_cache, 4, dims)
     _check_ndim("v_cache", v_cache, 4, dims.replace("E)", "Ev)"))
-    B, Lq, Hq, E = q.shape
+    if ragged:
+        from .varlen import check_cu_seqlens
+
+        total_q, Hq, E = q.shape
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "q")
+        B = len(cu_q) - 1
+        lqs = np.diff(cu_q)
+        Lq = int(lqs.max()) if B else 0
+        if rotary_cos is not None or rotary_sin is not None:
+            raise NotImplementedError(
+                "rotary_cos / rotary_sin with cu_seqlens_q (a ragged batch) are not built: "
+                "rotate q and k before the call, or pass a (B, Lq, Hq, E) batch")
+    else:
+        B, Lq, Hq, E = q.shape
+        cu_q = None
     quant = quant_spec(k_cache, v_cache, k_scale, v_scale, B)
     if quant is None:
         check_storage_dtype("k_cache", k_cache, ("q's", dtype))
@@ -277,7 +313,20 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
 
     lq_new = 0
-    if appending:
+    new = np.zeros(B, np.int64)  # the appended keys of each sequence
+    if appending and ragged:
+        _check_ndim("k", k, 3, "(total_q, H, E) with cu_seqlens_q")
+        _check_ndim("v", v, 3, "(total_q, H, Ev) with cu_seqlens_q")
+        check_storage_dtype("k", k, ("q's", dtype))
+        check_storage_dtype("v", v, ("q's", dtype))
+        if k.shape != (total_q, H, E) or v.shape != (total_q, H, Ev):
+            raise ValueError(f"with cu_seqlens_q, k and v must have shapes (total_q, H, E) = "
+                             f"({total_q}, {H}, {E}) and (total_q, H, Ev) = ({total_q}, {H}, "
+                             f"{Ev}) (each sequence's new keys are its query tokens), got "
+                             f"{shape_str(k)} and {shape_str(v)}")
+        new = lqs
+        lq_new = int(lqs.max()) if B else 0
+    elif appending:
         _check_ndim("k", k, 4, "(B, Lq_new, H, E)")
         _check_ndim("v", v, 4, "(B, Lq_new, H, Ev)")
         check_storage_dtype("k", k, ("q's", dtype))
@@ -288,7 +337,8 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
                              f"({B}, {lq_new}, {H}, {E}) and (B, Lq_new, H, Ev) = "
                              f"({B}, {lq_new}, {H}, {Ev}), got {shape_str(k)} and "
                              f"{shape_str(v)}")
-    kv_lens = seqlens + lq_new
+        new = np.full(B, lq_new, np.int64)
+    kv_lens = seqlens + new
     leftpad = None
     if cache_leftpad is not None:
         _check_int("cache_leftpad", cache_leftpad)
@@ -300,7 +350,9 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         if bad.any():
             b = int(np.argmax(bad))
             raise ValueError(f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, "
-                             f"cache_seqlens[{b}] + Lq_new] = [0, {kv_lens[b]}]")
+                             f"cache_seqlens[{b}] + Lq_new] = [0, {kv_lens[b]}]"
+                             + (" (Lq_new: the sequence's rows in cu_seqlens_q)"
+                                if ragged and appending else ""))
 
     if paged:
         _check_ndim("block_table", block_table, 2, "(B, max_pages)")
@@ -313,8 +365,10 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         capacity = page_size  # S_max
     if B and kv_lens.max() > capacity:
         b = int(np.argmax(kv_lens))
-        what = (f"cache_seqlens[{b}] + Lq_new = {seqlens[b]} + {lq_new}" if appending
+        what = (f"cache_seqlens[{b}] + Lq_new = {seqlens[b]} + {new[b]}" if appending
                 else f"cache_seqlens[{b}] = {seqlens[b]}")
+        if sequence_frame is not None:
+            what = f"seqused_k[{b}] = {seqlens[b]}"
         raise ValueError(f"{what} is beyond the cache's {capacity} slots per sequence"
                          + (" (max_pages * page_size)" if paged else " (S_max)"))
     if paged:
@@ -330,6 +384,8 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
             # change what another sequence (or another slot of the same one) reads.
             first_written = seqlens // page_size
             written = used & (np.arange(block_table.shape[1])[None, :] >= first_written[:, None])
+            if ragged:  # a sequence without new keys writes no page
+                written &= (new > 0)[:, None]
             counts = np.bincount(entries.astype(np.int64), minlength=n_pages)
             shared = counts[block_table[written].astype(np.int64)] > 1
             if shared.any():
@@ -371,15 +427,31 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal,
                         alignment="top_left", **variants)
 
-    pages = slots = None
-    if appending and lq_new and B:
+    pages = slots = bidx = None
+    if appending and ragged and int(new.sum()):
+        bidx = np.repeat(np.arange(B), lqs)
+        pos = seqlens[bidx] + (np.arange(total_q) - cu_q[bidx])
+        if paged:
+            pages, slots = table[bidx, pos // page_size], pos % page_size
+        else:
+            pages, slots = table[bidx, 0].astype(np.int64), pos
+    elif appending and lq_new and B and not ragged:
         bidx = np.repeat(np.arange(B), lq_new)
         pos = (seqlens[:, None] + np.arange(lq_new)[None, :]).ravel()
         if paged:
             pages, slots = table[bidx, pos // page_size], pos % page_size
         else:
             pages, slots = table[bidx, 0].astype(np.int64), pos
-    lo, hi = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
+    begin = None
+    if ragged:
+        frame = (sequence_frame is not None, bool(sequence_frame))
+        lo, hi = key_bounds(r, is_causal, kv_lens, ragged_table(leftpad, cu_q, kv_lens, *frame),
+                            Lq)
+        begin = ragged_table(lo, cu_q, kv_lens, *frame)
+        out_shape, lse_shape = (total_q, Hq, Ev), (Hq, total_q)
+    else:
+        lo, hi = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
+        out_shape, lse_shape = (B, Lq, Hq, Ev), (B, Hq, Lq)
     return KVCacheProblem(
         q_shape=tuple(q.shape), k_cache_shape=tuple(k_cache.shape),
         v_cache_shape=tuple(v_cache.shape),
@@ -387,11 +459,12 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         v_shape=tuple(v.shape) if appending else None, dtype=dtype,
         compute_dtype=compute_dtype(dtype), paged=paged, table=table, seqlens=seqlens,
         kv_lens=kv_lens, leftpad=leftpad, lo=lo, hi=hi, pages=pages, slots=slots,
-        is_causal=is_causal, scale=scale, recipe=r, out_shape=(B, Lq, Hq, Ev),
-        lse_shape=(B, Hq, Lq), quant=quant, rope=rope,
+        is_causal=is_causal, scale=scale, recipe=r, out_shape=out_shape,
+        lse_shape=lse_shape, quant=quant, rope=rope, cu_q=cu_q, begin=begin, append_b=bidx,
         given=given_arrays(variants, cache_seqlens=cache_seqlens, block_table=block_table,
                            cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-                           rotary_cos=rotary_cos, rotary_sin=rotary_sin))
+                           rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                           cu_seqlens_q=cu_seqlens_q))
 
 
 def _mismatch(name, x, expect, dtype):
