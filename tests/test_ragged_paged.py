@@ -252,6 +252,11 @@ def test_ragged_split_kv_and_parallel_kernel(rng):
     np.testing.assert_allclose(lse, ref_lse, **TOL)
     kv = attention_with_kvcache(q, kc, vc, np.array(used), block_table=table, cu_seqlens_q=cu)
     np.testing.assert_array_equal(kv, got)
+    # each request alone runs on the calling thread (under 8 MiB): the same bits
+    for b in range(len(lq)):
+        one = attention_with_kvcache(q[None, cu[b]:cu[b + 1]], kc, vc, np.array(used[b:b + 1]),
+                                     block_table=table[b:b + 1])
+        np.testing.assert_array_equal(one[0], got[cu[b]:cu[b + 1]])
 
 
 # --- refused: nothing written -------------------------------------------------------------
