@@ -82,10 +82,6 @@ def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_l
           is_causal, scale, variants, k_scale=None, v_scale=None, rotary=None,
           cu_seqlens_q=None, sequence_frame=None):
     if cu_seqlens_q is not None:
-        if target is CUDA:
-            raise NotImplementedError(
-                "cu_seqlens_q (a ragged batch against a cache) runs on the CPU only for now: "
-                "pass NumPy (host) arrays, or one call per query length on CUDA")
         if is_device_array(cu_seqlens_q):  # read on the host (checked by the problem)
             cu_seqlens_q = _host("cu_seqlens_q", cu_seqlens_q)
         shape = np.shape(cu_seqlens_q)
@@ -418,8 +414,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         ``(Hq, total_q)`` (varlen's layout). Starts at 0, never decreases, ends at
         ``total_q``; read on the host. Equal, bit for bit, to one call per sequence with its
         rows as ``q[None]``. One compiled kernel with the rectangular calls (the rows are a
-        run-time table). Not with ``rotary_cos`` / ``rotary_sin`` (NotImplementedError), and
-        CPU only for now (CUDA arrays: NotImplementedError).
+        run-time table). Not with ``rotary_cos`` / ``rotary_sin`` (NotImplementedError).
+        CUDA arrays run the CUDA twin (the partial results then take ``Hq * max(Lq_b)`` rows
+        per chunk of keys).
 
     Other Parameters
     ----------------
@@ -468,7 +465,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     TypeError, ValueError
         For bad input, naming the argument, before anything is read or written.
     NotImplementedError
-        For ``block_mask``; ``cu_seqlens_q`` with a rotation or CUDA arrays.
+        For ``block_mask``; ``cu_seqlens_q`` with a rotation.
 
     Notes
     -----

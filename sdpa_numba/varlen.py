@@ -119,7 +119,8 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         ``alignment="bottom_right"`` and no ``score_mod`` / ``mask_mod`` bit for bit its
         result with ``cu_seqlens_q`` and ``cache_seqlens=seqused_k``). Forward only:
         :func:`varlen_attention_backward` refuses it (NotImplementedError); no dropout
-        (NotImplementedError); CPU only for now (CUDA arrays: NotImplementedError).
+        (NotImplementedError). CUDA arrays run the decode kernel's CUDA twin (tested on
+        Numba's CUDA simulator, not yet timed on a GPU).
     seqused_k : array of ints, shape (B,), keyword-only, optional
         The keys of each sequence (FlashAttention's ``seqused_k``): with ``block_table``,
         the first ``seqused_k[b]`` tokens through its pages (at most ``max_pages *
@@ -156,7 +157,7 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         ``seqused_k`` negative, beyond the pages or the sequence, ``block_table`` entries
         out of range), naming the argument, before any kernel runs.
     NotImplementedError
-        With ``block_table`` or ``seqused_k``: dropout, CUDA arrays.
+        With ``block_table`` or ``seqused_k``: dropout.
 
     Notes
     -----
@@ -200,17 +201,18 @@ def _over_cache(target, q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table, s
     from .problem.varlen import cache_varlen_problem
     from .targets import CUDA
 
-    if target is CUDA:
-        raise NotImplementedError(
-            "varlen_attention with block_table / seqused_k runs on the CPU only for now: pass "
-            "NumPy (host) arrays, or gather the keys into a packed k on CUDA")
     arrays, restore = target.adopt([("q", q), ("k", k), ("v", v)], out)
     q, k, v = arrays[:3]
     out = arrays[3] if out is not None else None
     check_names("varlen_attention", variants, target=target)
+    strided = None
+    if target is CUDA:
+        from .gpu.arrays import as_strided as strided
+    target.check_strides([("q", q), ("k", k), ("v", v), ("out", out)])
     k_cache, v_cache, p = cache_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, **variants)
+        max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, as_strided=strided,
+        **variants)
     if check_dropout(dropout_p) > 0:
         raise NotImplementedError("dropout_p > 0 with block_table / seqused_k is not built "
                                   "(the decode kernel draws no dropout mask)")

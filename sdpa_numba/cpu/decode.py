@@ -564,29 +564,36 @@ _key_bounds = njit(**INLINE)(key_bounds_loop(key_range, leftpad, query_rows))
 
 
 @njit(**INLINE)
-def _plan(kv_lens, kv_begin, r, lq, hq):
-    """``(first, lo, hi, prow, mrow)``: the keys ``[lo[b], hi[b])`` any query token of
-    sequence ``b`` sees (:data:`_key_bounds`), and ``first[b]``, the first task (chunk of those
-    keys) of sequence ``b`` (``first[B]``: the number of tasks); ``prow[b]``, the first
-    partial row of sequence ``b``'s tasks (each has ``Hq * Lq_b`` rows; ``prow[B]``: all) and
-    ``mrow[b]``, its first row to merge (``mrow[B] = Hq * total_q``). Depends on the lengths
-    only."""
+def _plan(kv_lens, kv_begin, r, lq):
+    """``(first, lo, hi)``: the keys ``[lo[b], hi[b])`` any query token of sequence ``b`` sees
+    (:data:`_key_bounds`), and ``first[b]``, the first task (chunk of those keys) of sequence
+    ``b`` (``first[B]``: the number of tasks). Depends on the lengths only."""
     b_len = kv_lens.shape[0]
     first = np.empty(b_len + 1, np.int64)
-    prow = np.empty(b_len + 1, np.int64)
-    mrow = np.empty(b_len + 1, np.int64)
     lo = np.empty(b_len, np.int64)
     hi = np.empty(b_len, np.int64)
     _key_bounds(r, kv_lens, kv_begin, lq, lo, hi)
     first[0] = 0
+    for b in range(b_len):
+        first[b + 1] = first[b] + n_chunks(hi[b] - lo[b])
+    return first, lo, hi
+
+
+@njit(**INLINE)
+def _rows_plan(kv_lens, kv_begin, lq, hq, first):
+    """``(prow, mrow)``: ``prow[b]``, the first partial row of sequence ``b``'s tasks (each
+    has ``Hq * Lq_b`` rows; ``prow[B]``: all) and ``mrow[b]``, its first row to merge
+    (``mrow[B] = Hq * total_q``), for the tasks ``first`` of :func:`_plan`."""
+    b_len = kv_lens.shape[0]
+    prow = np.empty(b_len + 1, np.int64)
+    mrow = np.empty(b_len + 1, np.int64)
     prow[0] = 0
     mrow[0] = 0
     for b in range(b_len):
-        first[b + 1] = first[b] + n_chunks(hi[b] - lo[b])
         rows = hq * query_rows(kv_begin, b_len, b, kv_lens[b], lq)[2]
         prow[b + 1] = prow[b] + (first[b + 1] - first[b]) * rows
         mrow[b + 1] = mrow[b] + rows
-    return first, lo, hi, prow, mrow
+    return prow, mrow
 
 
 @njit(**INLINE)
@@ -653,7 +660,8 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     :func:`decode_serial`'s bitwise.
     """
     rc = kernel_recipe(recipe, is_causal)
-    first, lo, hi, prow, mrow = _plan(kv_lens, kv_begin, rc, q.shape[1], q.shape[2])
+    first, lo, hi = _plan(kv_lens, kv_begin, rc, q.shape[1])
+    prow, mrow = _rows_plan(kv_lens, kv_begin, q.shape[1], q.shape[2], first)
     n_tasks = first[-1]
     part_out, part_lse = _partials(prow, out, lse)
     # The recipe crosses into the parallel loops by address (see _llvm.stash).
@@ -685,7 +693,8 @@ def decode_serial(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, o
                   recipe=None, kv_begin=None, quant=None):
     """:func:`decode` on the calling thread (the same arguments; bitwise the same result)."""
     r = kernel_recipe(recipe, is_causal)
-    first, lo, hi, prow, mrow = _plan(kv_lens, kv_begin, r, q.shape[1], q.shape[2])
+    first, lo, hi = _plan(kv_lens, kv_begin, r, q.shape[1])
+    prow, mrow = _rows_plan(kv_lens, kv_begin, q.shape[1], q.shape[2], first)
     part_out, part_lse = _partials(prow, out, lse)
     for t in range(first[-1]):
         _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,

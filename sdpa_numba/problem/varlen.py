@@ -156,7 +156,8 @@ def _cu_lengths(name, x, n_seq):
 
 def cache_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, *,
                          max_seqlen_q=None, max_seqlen_k=None, is_causal=False, scale=None,
-                         alignment="top_left", block_mask=None, **variants):
+                         alignment="top_left", block_mask=None, as_strided=None,
+                         **variants):
     """Validate :func:`sdpa_numba.varlen_attention` with ``block_table`` and / or
     ``seqused_k`` (keys read through a paged cache, or the first keys of each packed
     sequence): ``(k_cache, v_cache, problem)``, the caches the decode kernels read and their
@@ -170,7 +171,8 @@ def cache_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, sequs
     ``v`` are packed ``(total_k, H, E / Ev)``, ``cu_seqlens_k`` is required and sequence
     ``b``'s keys are the first ``seqused_k[b]`` of its range, seen as pages of ``g`` rows
     (``g`` the gcd of ``cu_seqlens_k``: a strided view, no copy) with a block table made
-    here. TypeError / ValueError naming the argument.
+    here (``as_strided(x, shape, strides)``: the target's view; None: NumPy's). TypeError /
+    ValueError naming the argument.
     """
     from .kvcache import _check_cache_strides, kvcache_problem
 
@@ -194,17 +196,22 @@ def cache_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, sequs
     for name, x in (("k", k), ("v", v)):
         check_storage_dtype(name, x, ("q", dtype))
     total_q, hq, E = (int(n) for n in q.shape)
-    if int(k.shape[-1]) != E:
+    if int(k.shape[kd - 1]) != E:
         raise ValueError(f"k's last dim must equal q's: q {shape_str(q)}, k {shape_str(k)}")
-    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+    if tuple(v.shape[:kd - 1]) != tuple(k.shape[:kd - 1]):
         raise ValueError(f"v must have k's dims but the last: k {shape_str(k)}, v "
                          f"{shape_str(v)}")
-    h = int(k.shape[-2])
+    h = int(k.shape[kd - 2])
     if h == 0 or hq % h:
         raise ValueError(f"q's heads must be a multiple of k's (grouped-query attention), and "
                          f"k must have at least one: q {shape_str(q)}, k {shape_str(k)}")
     for name, x in (("k", k), ("v", v)):
-        _check_cache_strides(name, x if paged else x[:, None])
+        if paged:
+            _check_cache_strides(name, x)
+        elif x.shape[2] > 1 and x.strides[2] != x.dtype.itemsize and x.size:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride "
+                             f"{x.dtype.itemsize} bytes) with seqused_k, got strides "
+                             f"{tuple(x.strides)}")
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "q")
     n_seq = len(cu_q) - 1
     used = None
@@ -254,8 +261,10 @@ def cache_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, sequs
 
         def pages(x):
             s0, s1, s2 = x.strides
-            return np.lib.stride_tricks.as_strided(x, (n_pages, g, x.shape[1], x.shape[2]),
-                                                   (g * s0, s0, s1, s2), writeable=False)
+            shape, strides = (n_pages, g, x.shape[1], x.shape[2]), (g * s0, s0, s1, s2)
+            if as_strided is not None:
+                return as_strided(x, shape, strides)
+            return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=False)
         k_cache, v_cache = pages(k), pages(v)
         width = max(1, int(-(-used.max() // g)) if n_seq else 1)
         table = np.minimum(cu_k[:-1, None] // g + np.arange(width)[None, :],
