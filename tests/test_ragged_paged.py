@@ -368,3 +368,43 @@ def test_kvcache_ragged_refused_nothing_written(rng):
             attention_with_kvcache(args.pop("q"), kc, vc, args.pop("cache_seqlens"), **args)
         assert (out == 7.0).all()
         np.testing.assert_array_equal(kc, kc0)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_kvcache_ragged_quantized_append_equals_per_request(rng, fmt):
+    """An 8-bit cache (int8 with per-token scales, or fp8 with a descale per sequence and
+    head): the ragged call with appends gives the bits of one call per request, results and
+    caches."""
+    lq = [1, 5, 0, 3]
+    lens = np.array([20, 7, 4, 0])
+    cu = _cu(lq)
+    ps = 16
+    n_pages = 8
+    table = rng.permutation(n_pages)[:8].reshape(4, 2).astype(np.int32)
+    if fmt == "int8":
+        kc = rng.integers(-127, 128, (n_pages, ps, H, E)).astype(np.int8)
+        vc = rng.integers(-127, 128, (n_pages, ps, H, E)).astype(np.int8)
+        ks = rng.uniform(0.01, 0.02, (n_pages, ps, H)).astype(np.float32)
+        vs = rng.uniform(0.01, 0.02, (n_pages, ps, H)).astype(np.float32)
+    else:
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        kc = rng.standard_normal((n_pages, ps, H, E)).astype(ml_dtypes.float8_e4m3fn)
+        vc = rng.standard_normal((n_pages, ps, H, E)).astype(ml_dtypes.float8_e4m3fn)
+        ks = rng.uniform(0.5, 2, (len(lq), H)).astype(np.float32)
+        vs = rng.uniform(0.5, 2, (len(lq), H)).astype(np.float32)
+    q = rng.standard_normal((cu[-1], HQ, E)).astype(np.float32)
+    k = rng.standard_normal((cu[-1], H, E)).astype(np.float32)
+    v = rng.standard_normal((cu[-1], H, E)).astype(np.float32)
+    caches = [x.copy() for x in (kc, vc, ks, vs)]
+    got = attention_with_kvcache(q, kc, vc, lens, k=k, v=v, block_table=table,
+                                 cu_seqlens_q=cu, k_scale=ks, v_scale=vs)
+    kc1, vc1, ks1, vs1 = caches
+    for b in range(len(lq)):
+        r = slice(cu[b], cu[b + 1])
+        sc = dict(k_scale=ks1, v_scale=vs1) if fmt == "int8" else dict(
+            k_scale=ks1[b:b + 1], v_scale=vs1[b:b + 1])
+        o = attention_with_kvcache(q[None, r], kc1, vc1, lens[b:b + 1], k=k[None, r],
+                                   v=v[None, r], block_table=table[b:b + 1], **sc)
+        np.testing.assert_array_equal(o[0], got[r])
+    for x, y in zip((kc, vc, ks, vs), (kc1, vc1, ks1, vs1)):
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))

@@ -20,6 +20,11 @@ once per call, for every query head of its GQA group and every query token at on
   page_size], j % page_size)`` of a cache ``(num_pages, page_size, H, E)``. A contiguous cache
   ``(B, S_max, H, E)`` is the paged cache with ``page_size = S_max`` and ``block_table[b] = [b]``:
   one kernel body serves both (:func:`block_offsets`).
+* **Ragged batches** (``cu_seqlens_q``; ``varlen_attention`` over a cache): each sequence's
+  query rows, their number, the first one's position and its frame's offset come from a
+  run-time table (:func:`query_rows`, carried in ``kv_begin``), the packed rows seen as one
+  batch entry; a rectangular batch is the table the kernel derives itself, so both share one
+  compiled kernel. The partial results are flat, each sequence's chunks ``Hq * Lq_b`` rows.
 * **Scores** of float32 caches are summed lane-wise over E, four query rows against
   ``LANES / 4`` keys per pass (one row against ``LANES`` keys where a key/value head has fewer
   than four rows, as MHA), the ``LANES`` dot products reduced together

@@ -60,10 +60,6 @@ def _first_key(kv_begin, b):
     return 0 if kv_begin is None else kv_begin[b]
 
 
-#: Numbers per sequence in a ragged batch's table (:func:`ragged_table`).
-RAGGED_FIELDS = 6
-
-
 def query_rows(kv_begin, n_seq, b, kv_len, lq):
     """``(qb, q0, lq_b, i0, off)`` of sequence ``b`` (of ``n_seq``): its query rows are
     ``q[qb, q0 .. q0 + lq_b - 1]``, the first at position ``i0`` (token ``t`` at ``i0 + t``:
