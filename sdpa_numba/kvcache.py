@@ -414,7 +414,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         ``(Hq, total_q)`` (varlen's layout). Starts at 0, never decreases, ends at
         ``total_q``; read on the host. Equal, bit for bit, to one call per sequence with its
         rows as ``q[None]``. One compiled kernel with the rectangular calls (the rows are a
-        run-time table). Not with ``rotary_cos`` / ``rotary_sin`` (NotImplementedError).
+        run-time table). With ``rotary_cos`` / ``rotary_sin``, token ``t`` of sequence ``b``
+        and its new key rotate at ``cache_seqlens[b] + t`` (the query tokens at
+        ``cache_seqlens[b]`` when not causal and without a window or chunk, as above).
         CUDA arrays run the CUDA twin (the partial results then take ``Hq * max(Lq_b)`` rows
         per chunk of keys).
 
@@ -465,7 +467,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     TypeError, ValueError
         For bad input, naming the argument, before anything is read or written.
     NotImplementedError
-        For ``block_mask``; ``cu_seqlens_q`` with a rotation.
+        For ``block_mask``.
 
     Notes
     -----

@@ -357,8 +357,8 @@ def test_kvcache_ragged_refused_nothing_written(rng):
          r"cache_seqlens must have shape \(3,\)"),
         (dict(q=q[None]), ValueError, r"q must have 3 dims \(total_q, Hq, E\) with cu_seqlens_q"),
         (dict(cache_seqlens=np.array([10, 10, 50, 9])), ValueError, "is beyond the cache"),
-        (dict(rotary_cos=np.ones((100, 4)), rotary_sin=np.ones((100, 4))),
-         NotImplementedError, "rotary_cos / rotary_sin with cu_seqlens_q"),
+        (dict(rotary_cos=np.ones((40, 4)), rotary_sin=np.ones((40, 4))), ValueError,
+         "rotary_cos has 40 rows"),
     ]
     for change, exc, match in bad:
         args = dict(q=q, k=k, v=k, cache_seqlens=lens, cu_seqlens_q=cu, block_table=table,
@@ -408,3 +408,29 @@ def test_kvcache_ragged_quantized_append_equals_per_request(rng, fmt):
         np.testing.assert_array_equal(o[0], got[r])
     for x, y in zip((kc, vc, ks, vs), (kc1, vc1, ks1, vs1)):
         np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_kvcache_ragged_rotary_equals_per_request(rng, is_causal):
+    """Rotary embedding on append in a ragged batch: each token at its own position (all of
+    a sequence's query tokens at cache_seqlens[b] when not causal), as one call per
+    request."""
+    lq = [1, 5, 0, 3]
+    lens = np.array([20, 7, 4, 0])
+    cu = _cu(lq)
+    cos = rng.standard_normal((40, 8))
+    sin = rng.standard_normal((40, 8))
+    kc, vc, table = _paged(rng, list(lens + np.array(lq)), 16)
+    q = rng.standard_normal((cu[-1], HQ, E)).astype(np.float32)
+    k = rng.standard_normal((cu[-1], H, E)).astype(np.float32)
+    v = rng.standard_normal((cu[-1], H, E)).astype(np.float32)
+    kc1, vc1 = kc.copy(), vc.copy()
+    got = attention_with_kvcache(q, kc, vc, lens, k=k, v=v, block_table=table, cu_seqlens_q=cu,
+                                 rotary_cos=cos, rotary_sin=sin, is_causal=is_causal)
+    for b in range(len(lq)):
+        r = slice(cu[b], cu[b + 1])
+        o = attention_with_kvcache(q[None, r], kc1, vc1, lens[b:b + 1], k=k[None, r],
+                                   v=v[None, r], block_table=table[b:b + 1], rotary_cos=cos,
+                                   rotary_sin=sin, is_causal=is_causal)
+        np.testing.assert_array_equal(o[0], got[r])
+    np.testing.assert_array_equal(kc, kc1)

@@ -159,8 +159,12 @@ def prepare(p):
             from .rope import rotate
 
             check_jit()
-            q = rotate(q, rope.q_cos, rope.q_sin, rope.interleaved)
-            k = rotate(k, rope.k_cos, rope.k_sin, rope.interleaved)
+            if ragged:  # each token its own sequence of one row (the problem's rows)
+                q = rotate(q[:, None], rope.q_cos, rope.q_sin, rope.interleaved)[:, 0]
+                k = rotate(k[:, None], rope.k_cos, rope.k_sin, rope.interleaved)[:, 0]
+            else:
+                q = rotate(q, rope.q_cos, rope.q_sin, rope.interleaved)
+                k = rotate(k, rope.k_cos, rope.k_sin, rope.interleaved)
         if k is not None:
             if quant is None:
                 append(p, k, v, k_cache, v_cache)

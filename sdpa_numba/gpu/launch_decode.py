@@ -20,6 +20,18 @@ def _one(x):
     return as_strided(x, (1, *x.shape), (0, *x.strides))
 
 
+def _per_row(x):
+    """Packed ``(total, H, E)`` device array ``x`` as ``(total, 1, H, E)``, a view."""
+    s0, s1, s2 = x.strides
+    return as_strided(x, (x.shape[0], 1, x.shape[1], x.shape[2]), (s0, 0, s1, s2))
+
+
+def _rows_back(x):
+    """``(total, 1, H, E)`` device array ``x`` as ``(total, H, E)``, a view."""
+    s0, _, s2, s3 = x.strides
+    return as_strided(x, (x.shape[0], x.shape[2], x.shape[3]), (s0, s2, s3))
+
+
 def prepare(p):
     """The launch of problem ``p``: ``launch(q, k_cache, v_cache, k, v, out) -> (out, lse)``
     on device arrays checked against ``p`` (``k``, ``v`` None: no append; ``out`` None: a new
@@ -41,8 +53,12 @@ def prepare(p):
     def launch(q, k_cache, v_cache, k, v, out):
         if rope is not None:
             # Into scratch: the caller's q and k are inputs, never written.
-            q = rotate(q, rows[0], rows[1], rope.interleaved)
-            k = rotate(k, rows[2], rows[3], rope.interleaved)
+            if ragged:  # each token its own sequence of one row (the problem's rows)
+                q = _rows_back(rotate(_per_row(q), rows[0], rows[1], rope.interleaved))
+                k = _rows_back(rotate(_per_row(k), rows[2], rows[3], rope.interleaved))
+            else:
+                q = rotate(q, rows[0], rows[1], rope.interleaved)
+                k = rotate(k, rows[2], rows[3], rope.interleaved)
         if p.pages is not None:
             append(_one(k) if ragged else k, _one(v) if ragged else v, k_cache, v_cache,
                    p.pages, p.slots)

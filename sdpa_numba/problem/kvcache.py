@@ -268,10 +268,6 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         B = len(cu_q) - 1
         lqs = np.diff(cu_q)
         Lq = int(lqs.max()) if B else 0
-        if rotary_cos is not None or rotary_sin is not None:
-            raise NotImplementedError(
-                "rotary_cos / rotary_sin with cu_seqlens_q (a ragged batch) are not built: "
-                "rotate q and k before the call, or pass a (B, Lq, Hq, E) batch")
     else:
         B, Lq, Hq, E = q.shape
         cu_q = None
@@ -416,8 +412,12 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     window = variants.get("window")
     per_token = (is_causal or variants.get("chunk") is not None
                  or not (window is None or tuple(window) == (None, None)))
-    rope = rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, Lq,
-                        lq_new if appending else None, per_token)
+    if ragged and (rotary_cos is not None or rotary_sin is not None):
+        rope = _ragged_rope(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, cu_q,
+                            appending, per_token)
+    else:
+        rope = rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, Lq,
+                            lq_new if appending else None, per_token)
     scale = check_scale(scale, E)
     # Positions go to the kernels in the cache's frame (offset 0): top-left is that frame.
     r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal,
@@ -461,6 +461,22 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
                            cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
                            rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                            cu_seqlens_q=cu_seqlens_q))
+
+
+def _ragged_rope(cos, sin, interleaved, E, seqlens, cu_q, appending, per_token):
+    """The rotation of a ragged batch, as :func:`.rope.rope_problem`'s with each token its own
+    sequence of one row (rows ``(total_q, 1, rotary_dim / 2)``, for q and k seen as
+    ``(total_q, 1, H, E)``): new key / token ``t`` of sequence ``b`` at ``cache_seqlens[b] +
+    t``; query tokens at ``cache_seqlens[b]`` when not ``per_token``."""
+    from dataclasses import replace
+
+    b_of = np.repeat(np.arange(len(seqlens)), np.diff(cu_q))
+    pos = seqlens[b_of] + (np.arange(int(cu_q[-1])) - cu_q[b_of])
+    keys = rope_problem(cos, sin, interleaved, E, pos, 1, 1 if appending else None, True)
+    if keys is None or per_token:
+        return keys
+    first = rope_problem(cos, sin, interleaved, E, seqlens[b_of], 1, 1, True)
+    return replace(keys, q_pos=first.q_pos, q_cos=first.q_cos, q_sin=first.q_sin)
 
 
 def _mismatch(name, x, expect, dtype):

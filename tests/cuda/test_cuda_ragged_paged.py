@@ -95,3 +95,27 @@ def test_kvcache_ragged_append_on_device(rng):
                                   alignment="bottom_right")
     np.testing.assert_allclose(got, ref_out, **TOL)
     np.testing.assert_allclose(lse, ref_lse, **TOL)
+
+
+def test_kvcache_ragged_rotary_on_device(rng):
+    lq = [1, 5, 0, 3]
+    lens = np.array([20, 7, 4, 0])
+    cu = _cu(lq)
+    cos = rng.standard_normal((40, 3))
+    sin = rng.standard_normal((40, 3))
+    kc, vc, table = _cache(rng, list(lens + np.array(lq)), 16)
+    q = rng.standard_normal((cu[-1], HQ, E))
+    k = rng.standard_normal((cu[-1], H, E))
+    v = rng.standard_normal((cu[-1], H, E))
+    d_kc, d_vc = dev(kc), dev(vc)
+    got = attention_with_kvcache(dev(q), d_kc, d_vc, lens, k=dev(k), v=dev(v),
+                                 block_table=table, cu_seqlens_q=cu, rotary_cos=cos,
+                                 rotary_sin=sin).copy_to_host()
+    kc1, vc1 = dev(kc), dev(vc)
+    for b in range(len(lq)):
+        r = slice(cu[b], cu[b + 1])
+        o = attention_with_kvcache(dev(q[None, r]), kc1, vc1, lens[b:b + 1],
+                                   k=dev(k[None, r]), v=dev(v[None, r]),
+                                   block_table=table[b:b + 1], rotary_cos=cos, rotary_sin=sin)
+        np.testing.assert_array_equal(o.copy_to_host()[0], got[r])
+    np.testing.assert_array_equal(d_kc.copy_to_host(), kc1.copy_to_host())
