@@ -161,9 +161,10 @@ class KVCachePlan:
 
     def __repr__(self):
         p = self.problem
+        new = p.k_shape[0 if p.cu_q is not None else 1] if p.appending else None
         return (f"KVCachePlan(q {p.q_shape}, k_cache {p.k_cache_shape}, "
                 f"{'paged, ' if p.paged else ''}dtype {p.dtype}, "
-                f"{'append ' + str(p.k_shape[0 if p.cu_q is not None else 1]) if p.appending else 'no append'}, "
+                f"{'no append' if new is None else f'append {new}'}, "
                 + (f"ragged ({p.n_seq} sequences), " if p.cu_q is not None else "")
                 + (f"rotary_dim {p.rope.rotary_dim}"
                    f"{' interleaved' if p.rope.interleaved else ''}, " if p.rope else "")

@@ -96,7 +96,8 @@ def _make_kernels(ct, rows, bn, parts):
         for x in range(tid, nr * e_len, NT):
             r, e = x // e_len, x % e_len
             rr = r0 + r
-            sm[q_at + r * e_len + e] = CT(load(q[qb, q0 + rr % lq, h * g + rr // lq, e])) * CT(scale)
+            sm[q_at + r * e_len + e] = (CT(load(q[qb, q0 + rr % lq, h * g + rr // lq, e]))
+                                        * CT(scale))
         # Queries that overflowed times scale: restaged times scale / w, scores times w.
         w = split_power(sm, q_at, nr, e_len, e_len, scale, tid, NT)
         if w != 1.0:

@@ -190,8 +190,8 @@ def cache_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, sequs
             else "(total_k, H, E)")
     for name, x in (("k", k), ("v", v)):
         if x.ndim != kd:
-            raise ValueError(f"{name} must have {kd} dims {dims.replace('E)', 'Ev)') if name == 'v' else dims}, "
-                             f"got shape {shape_str(x)}")
+            what = dims.replace("E)", "Ev)") if name == "v" else dims
+            raise ValueError(f"{name} must have {kd} dims {what}, got shape {shape_str(x)}")
     dtype = check_storage_dtype("q", q)
     for name, x in (("k", k), ("v", v)):
         check_storage_dtype(name, x, ("q", dtype))
