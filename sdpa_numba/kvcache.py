@@ -79,9 +79,17 @@ def _adopt(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
 
 
 def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-          is_causal, scale, variants, k_scale=None, v_scale=None, rotary=None):
+          is_causal, scale, variants, k_scale=None, v_scale=None, rotary=None,
+          cu_seqlens_q=None, sequence_frame=None):
+    if cu_seqlens_q is not None:
+        if is_device_array(cu_seqlens_q):  # read on the host (checked by the problem)
+            cu_seqlens_q = _host("cu_seqlens_q", cu_seqlens_q)
+        shape = np.shape(cu_seqlens_q)
+        n_seq = max(shape[0] - 1, 0) if len(shape) == 1 else 0
+    else:
+        n_seq = q.shape[0]
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = np.full(q.shape[:1], int(cache_seqlens), np.int64)
+        cache_seqlens = np.full((n_seq,), int(cache_seqlens), np.int64)
     # cache_seqlens, cache_leftpad and block_table are read on the host (checks, and the split
     # into chunks), whichever device they are on.
     cache_seqlens = _host("cache_seqlens", cache_seqlens)
@@ -102,7 +110,8 @@ def _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_l
     p = kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                         is_causal, scale, k_scale=k_scale, v_scale=v_scale,
                         cache_batch_idx=batch_idx, rotary_cos=cos, rotary_sin=sin,
-                        rotary_interleaved=interleaved, **variants)
+                        rotary_interleaved=interleaved, cu_seqlens_q=cu_seqlens_q,
+                        sequence_frame=sequence_frame, **variants)
     return KVCachePlan(p, target, target.prepare_decode(p))
 
 
@@ -152,9 +161,11 @@ class KVCachePlan:
 
     def __repr__(self):
         p = self.problem
+        new = p.k_shape[0 if p.cu_q is not None else 1] if p.appending else None
         return (f"KVCachePlan(q {p.q_shape}, k_cache {p.k_cache_shape}, "
                 f"{'paged, ' if p.paged else ''}dtype {p.dtype}, "
-                f"{'append ' + str(p.k_shape[1]) if p.appending else 'no append'}, "
+                f"{'no append' if new is None else f'append {new}'}, "
+                + (f"ragged ({p.n_seq} sequences), " if p.cu_q is not None else "")
                 + (f"rotary_dim {p.rope.rotary_dim}"
                    f"{' interleaved' if p.rope.interleaved else ''}, " if p.rope else "")
                 + f"on {self.target.name})")
@@ -239,7 +250,7 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
                  is_causal: bool = True, scale: float | None = None, k_scale: Any = None,
                  v_scale: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
                  rotary_interleaved: bool = False, cache_batch_idx: Any = None,
-                 **variants: Any) -> KVCachePlan:
+                 cu_seqlens_q: Any = None, **variants: Any) -> KVCachePlan:
     """Plan one decode step once, for every layer of a model: the checks and the work of
     :func:`attention_with_kvcache` that depend only on shapes, dtype, layout, cache lengths,
     left padding, variants and scale, done now; each layer then calls
@@ -257,6 +268,8 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
     k, v : arrays, keyword-only, optional
         One layer's new keys and values: given, every run appends (and must be given its own
         ``k`` and ``v`` of these shapes).
+    cu_seqlens_q : array of ints, shape (B + 1,), keyword-only, optional
+        A ragged batch, as for :func:`attention_with_kvcache`; copied.
     rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx : keyword-only, optional
         As for :func:`attention_with_kvcache`: part of the step (the same for its layers).
         The table rows the step's tokens use are copied now, and every run rotates its own
@@ -297,7 +310,7 @@ def kvcache_plan(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, k: A
     _check_variants("kvcache_plan", variants, target)
     return _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                  is_causal, scale, variants, k_scale, v_scale,
-                 (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx))
+                 (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx), cu_seqlens_q)
 
 
 @takes_variants(exclude=_NOT_TAKEN, defaults=_DEFAULTS)
@@ -307,7 +320,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                            scale: float | None = None, return_lse: bool = False, out: Any = None,
                            k_scale: Any = None, v_scale: Any = None, rotary_cos: Any = None,
                            rotary_sin: Any = None, rotary_interleaved: bool = False,
-                           cache_batch_idx: Any = None, **variants: Any) -> Any:
+                           cache_batch_idx: Any = None, cu_seqlens_q: Any = None,
+                           **variants: Any) -> Any:
     """Attention of new query tokens against a key/value cache (decode, chunked prefill,
     speculative decoding), with FlashAttention's ``flash_attn_with_kvcache`` layouts.
 
@@ -388,6 +402,24 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         reads and appends into: ``cache_batch_idx[b]``, in ``[0, N)``; distinct when
         appending (rows may repeat without ``k`` and ``v``). Not with ``block_table``
         (ValueError: a paged cache's sequences pick their pages there). Read on the host.
+    cu_seqlens_q : array of ints, shape (B + 1,), keyword-only, optional
+        A ragged (mixed) batch: chunked prefill and decode of many sequences in one launch
+        (vLLM's and SGLang's batches; FlashAttention 3's ``cu_seqlens_q``). ``q`` is then
+        ``(total_q, Hq, E)``, sequence ``b`` its rows ``cu_seqlens_q[b] ..
+        cu_seqlens_q[b + 1] - 1`` (``Lq_b`` of them, 0 allowed), ``k`` and ``v`` (if given)
+        ``(total_q, H, E)`` and ``(total_q, H, Ev)``, the same rows: each sequence's new
+        keys are its query tokens, appended at ``cache_seqlens[b] .. cache_seqlens[b] +
+        Lq_b - 1``. Everything else as above with ``Lq`` and ``Lq_new`` per sequence
+        (``Lq_b``): token ``t`` of sequence ``b`` sits at position ``n_b - Lq_b + t``, ``n_b
+        = cache_seqlens[b] (+ Lq_b when appending)``. ``out`` ``(total_q, Hq, Ev)``, ``lse``
+        ``(Hq, total_q)`` (varlen's layout). Starts at 0, never decreases, ends at
+        ``total_q``; read on the host. Equal, bit for bit, to one call per sequence with its
+        rows as ``q[None]``. One compiled kernel with the rectangular calls (the rows are a
+        run-time table). With ``rotary_cos`` / ``rotary_sin``, token ``t`` of sequence ``b``
+        and its new key rotate at ``cache_seqlens[b] + t`` (the query tokens at
+        ``cache_seqlens[b]`` when not causal and without a window or chunk, as above).
+        CUDA arrays run the CUDA twin (the partial results then take ``Hq * max(Lq_b)`` rows
+        per chunk of keys).
 
     Other Parameters
     ----------------
@@ -427,7 +459,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     Returns
     -------
     out : ndarray of q's dtype, shape (B, Lq, Hq, Ev)
+        ``(total_q, Hq, Ev)`` with ``cu_seqlens_q``.
     lse : ndarray, shape (B, Hq, Lq), only with ``return_lse=True``
+        ``(Hq, total_q)`` with ``cu_seqlens_q``.
 
     Raises
     ------
@@ -449,7 +483,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     return_lse = check_flag("return_lse", return_lse)
     plan = _plan(target, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                  is_causal, scale, variants, k_scale, v_scale,
-                 (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx))
+                 (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx), cu_seqlens_q)
     result, lse = plan._run(q, k_cache, v_cache, k, v, out, True, k_scale, v_scale)
     result, lse = restore(result), restore(lse)
     return (result, lse) if return_lse else result

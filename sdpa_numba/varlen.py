@@ -26,37 +26,44 @@ __all__ = ["varlen_attention", "varlen_attention_backward"]
 
 
 @overload
-def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any,
+                     cu_seqlens_k: Any = ..., *,
                      max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
                      is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
                      seed: int | None = ..., return_lse: Literal[False] = ...,
-                     out: ArrayT | None = ...,
+                     out: ArrayT | None = ..., block_table: Any = ...,
+                     seqused_k: Any = ...,
                      **variants: "Unpack[ForwardVariants]") -> ArrayT: ...
 
 
 @overload
-def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any,
+                     cu_seqlens_k: Any = ..., *,
                      max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
                      is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
                      seed: int | None = ..., return_lse: Literal[True],
-                     out: ArrayT | None = ...,
+                     out: ArrayT | None = ..., block_table: Any = ...,
+                     seqused_k: Any = ...,
                      **variants: "Unpack[ForwardVariants]") -> tuple[ArrayT, Any]: ...
 
 
 @overload
-def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+def varlen_attention(q: ArrayT, k: ArrayT, v: ArrayT, cu_seqlens_q: Any,
+                     cu_seqlens_k: Any = ..., *,
                      max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
                      is_causal: bool = ..., scale: float | None = ..., dropout_p: float = ...,
                      seed: int | None = ..., return_lse: bool, out: ArrayT | None = ...,
+                     block_table: Any = ..., seqused_k: Any = ...,
                      **variants: "Unpack[ForwardVariants]") -> ArrayT | tuple[ArrayT, Any]: ...
 
 
 @takes_variants()
-def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any = None, *,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                      is_causal: bool = False, scale: float | None = None,
                      dropout_p: float = 0.0, seed: int | None = None,
-                     return_lse: bool = False, out: Any = None, **variants: Any) -> Any:
+                     return_lse: bool = False, out: Any = None, block_table: Any = None,
+                     seqused_k: Any = None, **variants: Any) -> Any:
     """Attention over a ragged batch of sequences packed back to back.
 
     Sequence ``b`` is query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of ``q`` and keys
@@ -76,7 +83,10 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     cu_seqlens_q, cu_seqlens_k : array of int32 or int64, shape (B + 1,)
         Cumulative sequence lengths: start at 0, never decrease, end at ``total_q`` and
         ``total_k``. Read on the host (a CUDA array is copied). Sequences of length 0 are allowed (a query row of a sequence without
-        keys gets zeros and ``lse = -inf``).
+        keys gets zeros and ``lse = -inf``). ``cu_seqlens_k`` is required but with
+        ``block_table``; with it, it may be given and gives lengths only (FlashAttention
+        2's paged varlen): its last entry is free, and ``seqused_k`` defaults to its
+        lengths and may not exceed them.
     max_seqlen_q, max_seqlen_k : int, optional
         FlashAttention's hints: not needed here; if given, checked to be at least the longest
         sequence.
@@ -96,6 +106,28 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         varlen layout), in the compute dtype.
     out : ndarray, optional
         Buffer of shape ``(total_q, Hq, Ev)`` and the inputs' dtype, written and returned.
+    block_table : array of ints, shape (B, max_pages), keyword-only, optional
+        Keys through a paged cache (FlashAttention's ``block_table``; vLLM's and SGLang's
+        mixed prefill + decode batches): ``k`` and ``v`` are then caches ``(num_pages,
+        page_size, H, E)`` and ``(num_pages, page_size, H, Ev)`` (any ``page_size >= 1``,
+        last dim contiguous), and key ``j`` of sequence ``b`` is slot ``j % page_size`` of
+        page ``block_table[b, j // page_size]``, for its first ``seqused_k[b]`` keys (the
+        entries of the pages in use in ``[0, num_pages)``; the rest are not read). Read on
+        the host. Everything else (alignment, variants, ``lse``) as without it: the result
+        is that of the keys gathered into a packed ``k``. Runs the decode kernel
+        (:func:`sdpa_numba.attention_with_kvcache`'s, one launch; with
+        ``alignment="bottom_right"`` and no ``score_mod`` / ``mask_mod`` bit for bit its
+        result with ``cu_seqlens_q`` and ``cache_seqlens=seqused_k``). Forward only:
+        :func:`varlen_attention_backward` refuses it (NotImplementedError); no dropout
+        (NotImplementedError). CUDA arrays run the decode kernel's CUDA twin (tested on
+        Numba's CUDA simulator, not yet timed on a GPU).
+    seqused_k : array of ints, shape (B,), keyword-only, optional
+        The keys of each sequence (FlashAttention's ``seqused_k``): with ``block_table``,
+        the first ``seqused_k[b]`` tokens through its pages (at most ``max_pages *
+        page_size``); without it, the first ``seqused_k[b]`` of the sequence's range of ``k``
+        in ``cu_seqlens_k`` (at most its length; ``k``, ``v`` read in place as pages, no
+        copy), with the same kernel, limits and guarantees as ``block_table``. ``>= 0``;
+        read on the host.
 
     Other Parameters
     ----------------
@@ -121,8 +153,11 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     ------
     TypeError, ValueError
         For bad input (cu_seqlens of a float dtype, not starting at 0, decreasing, not ending
-        at the totals, of different lengths for q and k; shapes, dtypes, variants), naming the
-        argument, before any kernel runs.
+        at the totals, of different lengths for q and k; shapes, dtypes, variants;
+        ``seqused_k`` negative, beyond the pages or the sequence, ``block_table`` entries
+        out of range), naming the argument, before any kernel runs.
+    NotImplementedError
+        With ``block_table`` or ``seqused_k``: dropout.
 
     Notes
     -----
@@ -134,6 +169,10 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     """
     named = [("q", q), ("k", k), ("v", v), ("out", out)]
     target = target_of(named, ("q", "k", "v"))
+    if block_table is not None or seqused_k is not None:
+        return _over_cache(target, q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
+                           seqused_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                           dropout_p, return_lse, variants)
     arrays, restore = target.adopt(named[:3], out)
     q, k, v = arrays[:3]
     out = arrays[3] if out is not None else None
@@ -154,12 +193,44 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     return (result, lse) if return_lse else result
 
 
+def _over_cache(target, q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p, return_lse, variants):
+    """:func:`varlen_attention` with ``block_table`` / ``seqused_k``: the keys read where they
+    are, by the decode kernel (one launch; the ragged batch's rows placed by its table, see
+    :func:`sdpa_numba.problem.kvcache.ragged_table`), in the sequences' own frame."""
+    from .problem.varlen import cache_varlen_problem
+    from .targets import CUDA
+
+    arrays, restore = target.adopt([("q", q), ("k", k), ("v", v)], out)
+    q, k, v = arrays[:3]
+    out = arrays[3] if out is not None else None
+    check_names("varlen_attention", variants, target=target)
+    strided = None
+    if target is CUDA:
+        from .gpu.arrays import as_strided as strided
+    target.check_strides([("q", q), ("k", k), ("v", v), ("out", out)])
+    k_cache, v_cache, p = cache_varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, as_strided=strided,
+        **variants)
+    if check_dropout(dropout_p) > 0:
+        raise NotImplementedError("dropout_p > 0 with block_table / seqused_k is not built "
+                                  "(the decode kernel draws no dropout mask)")
+    return_lse = check_flag("return_lse", return_lse)
+    if out is not None:
+        check_out(p, out, [("q", q), ("k", k), ("v", v)], target.address)
+    result, lse = target.prepare_decode(p)(q, k_cache, v_cache, None, None, out)
+    result, lse = restore(result), restore(lse)
+    return (result, lse) if return_lse else result
+
+
 @overload
 def varlen_attention_backward(grad_out: ArrayT, q: ArrayT, k: ArrayT, v: ArrayT, out: ArrayT,
                               lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
                               max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ...,
                               is_causal: bool = ..., scale: float | None = ...,
                               dropout_p: float = ..., seed: int | None = ..., sinks: None = ...,
+                              block_table: None = ..., seqused_k: None = ...,
                               **variants: "Unpack[Variants]") -> tuple[ArrayT, ArrayT, ArrayT]:
     ...
 
@@ -170,6 +241,7 @@ def varlen_attention_backward(
         cu_seqlens_q: Any, cu_seqlens_k: Any, *, sinks: Any = ...,
         max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., is_causal: bool = ...,
         scale: float | None = ..., dropout_p: float = ..., seed: int | None = ...,
+        block_table: None = ..., seqused_k: None = ...,
         **variants: "Unpack[Variants]") -> tuple[Any, ...]: ...
 
 
@@ -179,7 +251,8 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
                               max_seqlen_q: int | None = None,
                               max_seqlen_k: int | None = None, is_causal: bool = False,
                               scale: float | None = None, dropout_p: float = 0.0,
-                              seed: int | None = None, **variants: Any) -> tuple[Any, ...]:
+                              seed: int | None = None, block_table: Any = None,
+                              seqused_k: Any = None, **variants: Any) -> tuple[Any, ...]:
     """Gradients of :func:`varlen_attention` (FlashAttention-2's backward, per sequence).
 
     Parameters
@@ -194,6 +267,11 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
         ``lse`` ``(Hq, total_q)`` in the compute dtype.
     seed : int
         The forward's seed; required when ``dropout_p > 0``.
+
+    block_table, seqused_k : None
+        Refused (NotImplementedError): the backward over keys read through a paged cache
+        (or the first ``seqused_k`` keys of each sequence) is not built; the forward takes
+        them.
 
     Other Parameters
     ----------------
@@ -218,6 +296,11 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     Deterministic: bitwise the same for any thread count (no atomics; a sequence whose keys
     are split into groups sums its partial dQs in group order).
     """
+    if block_table is not None or seqused_k is not None:
+        raise NotImplementedError(
+            "varlen_attention_backward over a paged cache (block_table) or the first keys of "
+            "each sequence (seqused_k) is not built: the forward takes them; for gradients, "
+            "gather the keys into a packed k and call both without them")
     named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
     target = target_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
     (q, grad_out, k, v, out, lse), restore = target.adopt(named)

@@ -20,6 +20,11 @@ once per call, for every query head of its GQA group and every query token at on
   page_size], j % page_size)`` of a cache ``(num_pages, page_size, H, E)``. A contiguous cache
   ``(B, S_max, H, E)`` is the paged cache with ``page_size = S_max`` and ``block_table[b] = [b]``:
   one kernel body serves both (:func:`block_offsets`).
+* **Ragged batches** (``cu_seqlens_q``; ``varlen_attention`` over a cache): each sequence's
+  query rows, their number, the first one's position and its frame's offset come from a
+  run-time table (:func:`query_rows`, carried in ``kv_begin``), the packed rows seen as one
+  batch entry; a rectangular batch is the table the kernel derives itself, so both share one
+  compiled kernel. The partial results are flat, each sequence's chunks ``Hq * Lq_b`` rows.
 * **Scores** of float32 caches are summed lane-wise over E, four query rows against
   ``LANES / 4`` keys per pass (one row against ``LANES`` keys where a key/value head has fewer
   than four rows, as MHA), the ``LANES`` dot products reduced together
@@ -50,8 +55,8 @@ from numba import types
 from numba.extending import overload
 
 from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_range,
-                            modified_score, modifies_scores, sink_logit, user_keeps,
-                            window_covers)
+                            modified_score, modifies_scores, sequence_recipe, sink_logit,
+                            user_keeps, window_covers)
 from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
                     prefer_512_bit, prefetch, ptr_add, rows_pv, stack_buffer, stash, unstash)
 from ..problem.kvcache import key_bounds_loop
@@ -116,10 +121,30 @@ def _leftpad(kv_begin, b):
     return lambda kv_begin, b: kv_begin[b]
 
 
+def query_rows(kv_begin, n_seq, b, kv_len, lq):
+    """``(qb, q0, lq_b, i0, off)``: where sequence ``b``'s query rows are and where they sit
+    (:func:`sdpa_numba.problem.kvcache.query_rows`'s rule, jitted code only)."""
+    raise NotImplementedError("query_rows is only callable from jitted code")
+
+
+@overload(query_rows)
+def _query_rows(kv_begin, n_seq, b, kv_len, lq):
+    if isinstance(kv_begin, (types.NoneType, types.Omitted)):
+        return lambda kv_begin, n_seq, b, kv_len, lq: (b, 0, lq, kv_len - lq, 0)
+
+    def rows(kv_begin, n_seq, b, kv_len, lq):
+        if kv_begin.shape[0] == n_seq:  # left padding alone: q (B, Lq, Hq, E)
+            return b, 0, lq, kv_len - lq, 0
+        x = kv_begin  # a ragged batch's table (see the problem layer)
+        return (x[n_seq + b], x[2 * n_seq + b], x[3 * n_seq + b], x[4 * n_seq + b],
+                x[5 * n_seq + b])
+    return rows
+
+
 @njit(**CALLED)
-def _recipe_block(s, r, b, h, g, lq, kv_len, b0, n, cut):
+def _recipe_block(s, r, b, h, g, lq, i0, b0, n, cut):
     """The score seam on a block's scores ``s`` (rows of key/value head ``h``; row ``rr`` is
-    query head ``h * g + rr // lq`` at position ``kv_len - lq + rr % lq``, keys ``b0 ..
+    query head ``h * g + rr // lq`` at position ``i0 + rr % lq``, keys ``b0 ..
     b0 + n - 1``): soft cap, ALiBi, score_mod, then -inf where mask_mod is False or, if
     ``cut``, outside the window. A call of its own, not inlined: the plain kernel's loops
     around it compile as without it (inlined, the GQA decode lost ~20% on one thread)."""
@@ -128,7 +153,7 @@ def _recipe_block(s, r, b, h, g, lq, kv_len, b0, n, cut):
     if modifies_scores(r) or element:
         for rr in range(g * lq):
             hq = h * g + rr // lq
-            i = kv_len - lq + rr % lq
+            i = i0 + rr % lq
             for j in range(n):
                 x = modified_score(r, s[rr * BN + j], b, hq, i, b0 + j)
                 if element and not user_keeps(r, b, hq, i, b0 + j):
@@ -136,7 +161,7 @@ def _recipe_block(s, r, b, h, g, lq, kv_len, b0, n, cut):
                 s[rr * BN + j] = x
     if cut:
         for rr in range(g * lq):
-            i = kv_len - lq + rr % lq
+            i = i0 + rr % lq
             for j in range(n):
                 if not in_window(r, i, b0 + j):
                     s[rr * BN + j] = -np.inf
@@ -317,23 +342,24 @@ def _registers_pv(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff
 
 
 @njit(**INLINE)
-def _pack_queries(q, b, scale, qs, zero):
-    """``qs`` (Hq * Lq rows of E, row ``h * Lq + t``) = ``scale`` · ``q[b, t, h]``, in the
-    compute dtype of ``zero``."""
-    lq, hq, e_len = q.shape[1], q.shape[2], q.shape[3]
+def _pack_queries(q, qb, q0, lq, scale, qs, zero):
+    """``qs`` (Hq * Lq rows of E, row ``h * Lq + t``) = ``scale`` · ``q[qb, q0 + t, h]``, in
+    the compute dtype of ``zero``."""
+    hq, e_len = q.shape[2], q.shape[3]
     for h in range(hq):
         for t in range(lq):
             x = h * lq + t
             for e in range(e_len):
-                qs[x * e_len + e] = cast(load(q[b, t, h, e]) * scale, zero)
+                qs[x * e_len + e] = cast(load(q[qb, q0 + t, h, e]) * scale, zero)
 
 
 @njit(**CALLED)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
-           part_lse, qz):
+           part_lse, qz, kv_begin):
     """Attention of all query rows of sequence ``b`` over its keys ``[j0, j1)`` under recipe
     ``r`` (causality folded in): normalized partial output ``part_out (Hq * Lq, Ev)`` (row
-    ``hq * Lq + t``) and ``part_lse``."""
+    ``hq * Lq + t``) and ``part_lse``; the rows, their positions and the recipe's offset of
+    the sequence from ``kv_begin`` (:func:`query_rows`)."""
     # One compiled body for the serial and the parallel kernel: inlined into each, LLVM may
     # vectorize (and contract to FMAs) differently, and the two would differ in the last bit.
     no_inline()
@@ -341,7 +367,11 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     # Rapids: B1 H32 S256 D128 in cache 5.3 -> 11.3 GFLOP/s; S8192 from memory 16.4 GB/s,
     # NumPy's read 16-17 GB/s in the same run)
     prefer_512_bit()
-    lq, hq, e_len = q.shape[1], q.shape[2], q.shape[3]
+    hq, e_len = q.shape[2], q.shape[3]
+    kv_len = kv_lens[b]
+    qb, q0, lq, i0, off = query_rows(kv_begin, kv_lens.shape[0], b, kv_len, q.shape[1])
+    # The sequence's recipe: its offset moved by off (0 but for a varlen call's alignment).
+    r = sequence_recipe(r, b - b, 0, r.offset + off, True)
     h_len = k_cache.shape[2]
     ev = v_cache.shape[3]
     g = hq // h_len
@@ -350,7 +380,6 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     ksz, vsz = k_cache.itemsize, v_cache.itemsize
     kps, kss, khs = k_cache.strides[0] // ksz, k_cache.strides[1] // ksz, k_cache.strides[2] // ksz
     vps, vss, vhs = v_cache.strides[0] // vsz, v_cache.strides[1] // vsz, v_cache.strides[2] // vsz
-    kv_len = kv_lens[b]
     # Address order: where a key's heads lie nearer than the next key (the FlashAttention
     # layout, pages), a block is done for all heads at once, key j of every head, then key
     # j + 1; else (transformers' (B, H, S, E) viewed as (B, S, H, E)) the chunk is done head
@@ -363,10 +392,10 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     # Queries of all rows, scaled, in the compute dtype, E contiguous; those that overflowed
     # with scale are packed with scale / w, and the scores are then multiplied by w.
     qs = aligned_empty(hq * lq * e_len, part_lse.dtype)
-    _pack_queries(q, b, scale, qs, zero)
+    _pack_queries(q, qb, q0, lq, scale, qs, zero)
     w = split_power(qs, hq * lq * e_len, scale)
     if w != 1:
-        _pack_queries(q, b, scale / w, qs, zero)
+        _pack_queries(q, qb, q0, lq, scale / w, qs, zero)
     score_w = cast(w, zero)
     acc = aligned_empty(hq * lq * max(ev, 1), part_lse.dtype)
     acc[:] = 0
@@ -393,7 +422,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                                                      b0, n, page_size, h_lo, h_hi, kbase, vbase,
                                                      koff, voff, khs, vhs)
             # The window (and causality) per element only where it cuts the block.
-            cut = not window_covers(r, kv_len - lq, kv_len - 1, b0, b0 + n - 1)
+            cut = not window_covers(r, i0, i0 + lq - 1, b0, b0 + n - 1)
             # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
             j = lanewise_scores(qp, kb, data_ptr(ko), ko, s, sp, rows, h_lo, h_hi, kh_s, e_len, n,
@@ -407,7 +436,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                     times(ptr_add(sp, i * BN), n, score_w)
             for h in range(h_lo, h_hi):
                 if cut or modifies_scores(r) or has_element_mask(r):
-                    _recipe_block(s[h * rows * BN:(h + 1) * rows * BN], r, b, h, g, lq, kv_len,
+                    _recipe_block(s[h * rows * BN:(h + 1) * rows * BN], r, b, h, g, lq, i0,
                                   b0, n, cut)
             for i in range(h_lo * rows, h_hi * rows):
                 m_new, alpha, total = softmax_row(ptr_add(sp, i * BN), n, m[i])
@@ -480,50 +509,63 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
         part_lse[i] = finalize_row(m[i], l[i], acc[i * ev:(i + 1) * ev], part_out[i])
 
 
+@njit(**INLINE)
+def _parts_of(part_out, part_lse, first, prow, b, ev):
+    """Sequence ``b``'s partial results: views ``(n_b, R_b, Ev)`` and ``(n_b, R_b)`` of the
+    flat buffers (its ``n_b`` chunks, ``R_b = Hq * Lq_b`` rows each, from row ``prow[b]``)."""
+    n_b = first[b + 1] - first[b]
+    rows = (prow[b + 1] - prow[b]) // n_b
+    return (part_out[prow[b] * ev:prow[b + 1] * ev].reshape((n_b, rows, ev)),
+            part_lse[prow[b]:prow[b + 1]].reshape((n_b, rows)))
+
+
 @njit(**CALLED)  # not inline: called through a task runner (.tasks)
 def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t, part_out,
-          part_lse, qz):
+          part_lse, qz, kv_begin, prow):
     """Task ``t``: chunk ``t - first[b]`` of the keys ``[lo[b], hi[b])`` of the sequence ``b``
     it belongs to."""
     b = np.searchsorted(first, t, side="right") - 1
     c = t - first[b]
     j0 = lo[b] + c * CHUNK
     j1 = min(hi[b], j0 + CHUNK)
+    po, pl = _parts_of(part_out, part_lse, first, prow, b, v_cache.shape[3])
     _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, max(j0, j1),
-           part_out[t], part_lse[t], qz)
+           po[c], pl[c], qz, kv_begin)
 
 
 @njit(**CALLED)
-def _merge(first, part_out, part_lse, out, lse, b, i, r):
+def _merge(first, part_out, part_lse, out, lse, b, i, r, prow, kv_begin, kv_lens):
     """Row ``i = hq * Lq + t`` of sequence ``b``: its chunks merged by lse, in chunk order,
     with the weights of :func:`.merge.part_weights` (query head ``hq``'s sink logit, recipe
-    ``r``, as one more part of output 0)."""
+    ``r``, as one more part of output 0), written to its place in ``out`` and ``lse``
+    (:func:`query_rows`)."""
     no_inline()  # as _chunk
-    lq = out.shape[1]
+    qb, q0, lq, _, _ = query_rows(kv_begin, kv_lens.shape[0], b, kv_lens[b], out.shape[1])
     ev = out.shape[3]
-    h, t = i // lq, i % lq
-    c0, c1 = first[b], first[b + 1]
+    h, t = i // lq, q0 + i % lq
+    po, pl = _parts_of(part_out, part_lse, first, prow, b, ev)
+    n_b = po.shape[0]
     sink = sink_logit(r, h)
-    if c1 - c0 == 1 and sink == -np.inf:  # one chunk: already the result
+    if n_b == 1 and sink == -np.inf:  # one chunk: already the result
         for d in range(ev):
-            out[b, t, h, d] = store(part_out[c0, i, d], out)
-        lse[b, h, t] = part_lse[c0, i]
+            out[qb, t, h, d] = store(po[0, i, d], out)
+        lse[qb, h, t] = pl[0, i]
         return
-    w = np.empty(c1 - c0, lse.dtype)
-    lse[b, h, t] = part_weights(part_lse, c0, c1, i, sink, w)
+    w = np.empty(n_b, lse.dtype)
+    lse[qb, h, t] = part_weights(pl, 0, n_b, i, sink, w)
     # Element by element over the chunks (merge_attention_states goes chunk by chunk): each
     # loop order compiles to its own sums, and each keeps its own results bit for bit.
     for d in range(ev):
         a = cast(0.0, lse)
-        for c in range(c0, c1):
-            if w[c - c0] != 0:  # a chunk of weight 0 is skipped, as merge_attention_states does
-                a += w[c - c0] * part_out[c, i, d]
-        out[b, t, h, d] = store(a, out)
+        for c in range(n_b):
+            if w[c] != 0:  # a chunk of weight 0 is skipped, as merge_attention_states does
+                a += w[c] * po[c, i, d]
+        out[qb, t, h, d] = store(a, out)
 
 
 #: The keys each sequence's kernel reads: the problem layer's rule
 #: (:func:`sdpa_numba.problem.kvcache.key_bounds_loop`), the host's bounds, compiled here.
-_key_bounds = njit(**INLINE)(key_bounds_loop(key_range, leftpad))
+_key_bounds = njit(**INLINE)(key_bounds_loop(key_range, leftpad, query_rows))
 
 
 @njit(**INLINE)
@@ -543,12 +585,27 @@ def _plan(kv_lens, kv_begin, r, lq):
 
 
 @njit(**INLINE)
-def _partials(n_tasks, q, out, lse):
+def _rows_plan(kv_lens, kv_begin, lq, hq, first):
+    """``(prow, mrow)``: ``prow[b]``, the first partial row of sequence ``b``'s tasks (each
+    has ``Hq * Lq_b`` rows; ``prow[B]``: all) and ``mrow[b]``, its first row to merge
+    (``mrow[B] = Hq * total_q``), for the tasks ``first`` of :func:`_plan`."""
+    b_len = kv_lens.shape[0]
+    prow = np.empty(b_len + 1, np.int64)
+    mrow = np.empty(b_len + 1, np.int64)
+    prow[0] = 0
+    mrow[0] = 0
+    for b in range(b_len):
+        rows = hq * query_rows(kv_begin, b_len, b, kv_lens[b], lq)[2]
+        prow[b + 1] = prow[b] + (first[b + 1] - first[b]) * rows
+        mrow[b + 1] = mrow[b] + rows
+    return prow, mrow
+
+
+@njit(**INLINE)
+def _partials(prow, out, lse):
     """``(part_out, part_lse)``: the tasks' partial results, unwritten, in the compute dtype,
-    ``(n_tasks, Hq * Lq, Ev)`` and ``(n_tasks, Hq * Lq)`` (row ``hq * Lq + t``)."""
-    rows = q.shape[2] * q.shape[1]
-    return (np.empty((n_tasks, rows, out.shape[3]), lse.dtype),
-            np.empty((n_tasks, rows), lse.dtype))
+    flat: ``prow[-1] * Ev`` and ``prow[-1]`` numbers (:func:`_parts_of`'s views)."""
+    return (np.empty(prow[-1] * out.shape[3], lse.dtype), np.empty(prow[-1], lse.dtype))
 
 
 #: _task that reports a user function's exception (see .tasks).
@@ -586,9 +643,14 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         ``t`` is row ``i = kv_lens[b] - Lq + t`` (plus the recipe's ``offset``, which the
         public layer leaves 0), key ``j`` is ``j``; ``b`` the batch index, ``h`` the query
         head. ALiBi slopes and sinks in the compute dtype; no block mask. None: plain.
-    kv_begin : None or ndarray of int64, shape (B,), optional
+    kv_begin : None or ndarray of int64, shape (B,) or (6 * B,), optional
         The first key of each sequence (left padding, ``<= kv_lens[b]``): keys before it are
-        neither read nor attended. None: 0.
+        neither read nor attended. None: 0. Of ``6 * B`` entries, a ragged batch's table
+        (:func:`sdpa_numba.problem.kvcache.ragged_table`): the left padding, then where each
+        sequence's query rows are (``q`` and ``out`` then ``(1, total_q, Hq, E)`` views of
+        the packed rows, ``lse`` ``(1, Hq, total_q)``), how many, the position of its first
+        row and its recipe offset. A run-time array in one argument, so that ragged and
+        rectangular batches share one compiled kernel (and this signature).
     quant : None or tuple, optional
         A quantized cache (:func:`.quant.quant_block`): the caches hold int8 values or fp8
         bits (as int8), and ``quant = (k_scale, v_scale, k_descale, v_descale, fmt)``, the
@@ -604,8 +666,9 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     """
     rc = kernel_recipe(recipe, is_causal)
     first, lo, hi = _plan(kv_lens, kv_begin, rc, q.shape[1])
+    prow, mrow = _rows_plan(kv_lens, kv_begin, q.shape[1], q.shape[2], first)
     n_tasks = first[-1]
-    part_out, part_lse = _partials(n_tasks, q, out, lse)
+    part_out, part_lse = _partials(prow, out, lse)
     # The recipe crosses into the parallel loops by address (see _llvm.stash).
     p_r = stash(rc)
     queue = task_queue()
@@ -614,19 +677,19 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         t = next_task(queue, n_tasks)
         while t >= 0:
             if not _run_task(r, q, k_cache, v_cache, block_table, kv_lens, r, scale, first,
-                            lo, hi, t, part_out, part_lse, quant):
+                            lo, hi, t, part_out, part_lse, quant, kv_begin, prow):
                 record_failure(queue, t)
             t = next_task(queue, n_tasks)
     t = failed_task(queue)
     if t >= 0:  # a user function raised in the loop: again here, where it reaches the caller
         _task(q, k_cache, v_cache, block_table, kv_lens, rc, scale, first, lo, hi, t, part_out,
-              part_lse, quant)
+              part_lse, quant, kv_begin, prow)
         raise_lost()
-    b_len = kv_lens.shape[0]
-    rows = part_lse.shape[1]
-    for br in prange(b_len * rows):
+    for br in prange(mrow[-1]):
         r = unstash(p_r)
-        _merge(first, part_out, part_lse, out, lse, br // rows, br % rows, r)
+        b = np.searchsorted(mrow, br, side="right") - 1
+        _merge(first, part_out, part_lse, out, lse, b, br - mrow[b], r, prow, kv_begin,
+               kv_lens)
     keep_alive(rc)
 
 
@@ -636,10 +699,11 @@ def decode_serial(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, o
     """:func:`decode` on the calling thread (the same arguments; bitwise the same result)."""
     r = kernel_recipe(recipe, is_causal)
     first, lo, hi = _plan(kv_lens, kv_begin, r, q.shape[1])
-    part_out, part_lse = _partials(first[-1], q, out, lse)
+    prow, mrow = _rows_plan(kv_lens, kv_begin, q.shape[1], q.shape[2], first)
+    part_out, part_lse = _partials(prow, out, lse)
     for t in range(first[-1]):
         _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
-              part_out, part_lse, quant)
+              part_out, part_lse, quant, kv_begin, prow)
     for b in range(kv_lens.shape[0]):
-        for i in range(part_lse.shape[1]):
-            _merge(first, part_out, part_lse, out, lse, b, i, r)
+        for i in range(mrow[b + 1] - mrow[b]):
+            _merge(first, part_out, part_lse, out, lse, b, i, r, prow, kv_begin, kv_lens)

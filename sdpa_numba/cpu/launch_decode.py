@@ -73,7 +73,7 @@ def append(p, k, v, k_cache, v_cache):
     """Write the new keys and values into the cache slots of problem ``p`` (checked)."""
     if p.pages is None:
         return
-    n, (_, _, h, e), ev = len(p.pages), p.k_shape, p.v_shape[3]
+    n, (h, e), ev = len(p.pages), p.k_shape[-2:], p.v_shape[-1]
     k_cache[p.pages, p.slots] = k.reshape(n, h, e)
     v_cache[p.pages, p.slots] = v.reshape(n, h, ev)
 
@@ -83,7 +83,7 @@ def _quant_args(p, k_scale, v_scale):
     ``(N, S, H, n_blocks)`` (ones for fp8), the descales as ``(B, H)`` (ones for int8), the
     format's code; views, no copies."""
     n, s, h = p.k_cache_shape[:3]
-    b = p.q_shape[0]
+    b = p.n_seq
     spec = p.quant
     if spec.fp8:
         ones = np.broadcast_to(np.ones((1, 1, 1, 1), np.float32), (n, s, h, 1))
@@ -104,13 +104,12 @@ def _quantized_rows(p, x, scale, name):
     from .quant import quantize_blocks, quantize_fp8
 
     n = len(p.pages)
-    h, d = x.shape[2:]
+    h, d = x.shape[-2:]
     x = np.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
     x = x.reshape(n, 1, h, d)
     values = np.empty((n, 1, h, d), np.int8)
     if p.quant.fp8:
-        b_of_row = np.repeat(np.arange(p.q_shape[0]), p.k_shape[1])
-        descale = np.broadcast_to(scale, (p.q_shape[0], h))[b_of_row]
+        descale = np.broadcast_to(scale, (p.n_seq, h))[p.append_b]
         quantize_fp8(x, values, np.ascontiguousarray(descale, np.float32), p.quant.fmt)
         return values[:, 0], None
     nb = 1 if scale.ndim == 3 else scale.shape[3]
@@ -149,6 +148,10 @@ def prepare(p):
     table, kv_lens, is_causal, scale, r, lo = (p.table, p.kv_lens, p.is_causal, p.scale,
                                                p.recipe, p.lo)
     rope = p.rope
+    # A ragged batch: its packed rows as one batch entry, placed by its table (the kernel's
+    # kv_begin, see sdpa_numba.problem.kvcache.query_rows).
+    ragged = p.cu_q is not None
+    begin = lo if p.begin is None else p.begin
 
     def launch(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
         if rope is not None:
@@ -156,8 +159,12 @@ def prepare(p):
             from .rope import rotate
 
             check_jit()
-            q = rotate(q, rope.q_cos, rope.q_sin, rope.interleaved)
-            k = rotate(k, rope.k_cos, rope.k_sin, rope.interleaved)
+            if ragged:  # each token its own sequence of one row (the problem's rows)
+                q = rotate(q[:, None], rope.q_cos, rope.q_sin, rope.interleaved)[:, 0]
+                k = rotate(k[:, None], rope.k_cos, rope.k_sin, rope.interleaved)[:, 0]
+            else:
+                q = rotate(q, rope.q_cos, rope.q_sin, rope.interleaved)
+                k = rotate(k, rope.k_cos, rope.k_sin, rope.interleaved)
         if k is not None:
             if quant is None:
                 append(p, k, v, k_cache, v_cache)
@@ -167,17 +174,20 @@ def prepare(p):
         lse = np.empty(lse_shape, ct)
         if fn is None:
             return result, lse
+        res, lse_k = (result[None], lse[None]) if ragged else (result, lse)
+        if ragged:
+            q = q[None]
         if quant is not None:
             qv = q if sd is None else q.view(sd)
             args = (qv, k_cache.view(np.int8), v_cache.view(np.int8), table, kv_lens, is_causal,
-                    scale, result if sd is None else result.view(sd), lse, r, lo,
+                    scale, res if sd is None else res.view(sd), lse_k, r, begin,
                     _quant_args(p, k_scale, v_scale))
         elif sd is None:
-            args = (q, k_cache, v_cache, table, kv_lens, is_causal, scale, result, lse, r, lo,
+            args = (q, k_cache, v_cache, table, kv_lens, is_causal, scale, res, lse_k, r, begin,
                     None)
         else:
             args = (q.view(sd), k_cache.view(sd), v_cache.view(sd), table, kv_lens, is_causal,
-                    scale, result.view(sd), lse, r, lo, None)
+                    scale, res.view(sd), lse_k, r, begin, None)
         if parallel:
             with kernel_launch():
                 fn(*args)

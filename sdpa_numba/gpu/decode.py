@@ -56,26 +56,29 @@ def _make_kernels(ct, rows, bn, parts):
 
     @cuda.jit(fastmath=FASTMATH)
     def chunk_kernel(q, k_cache, v_cache, block_table, kv_lens, kv_lo, kv_hi, task_b, task_c,
-                     chunk, scale, part_out, part_lse, ra):
+                     chunk, scale, part_out, part_lse, ra, qrows, n_tiles):
         task = cuda.blockIdx.x
         b = task_b[task]
         c = task_c[task]
         tid = cuda.threadIdx.x
         NT = cuda.blockDim.x
-        lq, hq, e_len = q.shape[1], q.shape[2], q.shape[3]
+        hq, e_len = q.shape[2], q.shape[3]
+        # Where sequence b's query rows are, how many, the first's position and the frame's
+        # offset (sdpa_numba.problem.kvcache.query_rows).
+        qb, q0, lq, i0, off = qrows[0, b], qrows[1, b], qrows[2, b], qrows[3, b], qrows[4, b]
         h_len = k_cache.shape[2]
         ev = v_cache.shape[3]
         g = hq // h_len
         rows = g * lq
-        n_tiles = (rows + RB - 1) // RB
         h = cuda.blockIdx.y // n_tiles
         r0 = (cuda.blockIdx.y % n_tiles) * RB
+        if r0 >= rows:  # a tile past a shorter sequence's rows (the whole block leaves)
+            return
         nr = min(RB, rows - r0)
         page_size = k_cache.shape[1]
-        kv_len = kv_lens[b]
         j0 = kv_lo[b] + c * chunk
         j1 = min(kv_hi[b], j0 + chunk)
-        rc = recipe_of(ra, ra.offset, SCORE_MOD, MASK_MOD, None)
+        rc = recipe_of(ra, ra.offset + off, SCORE_MOD, MASK_MOD, None)
         mod_on = modifies(rc)
 
         sm = cuda.shared.array(0, CT)
@@ -93,14 +96,15 @@ def _make_kernels(ct, rows, bn, parts):
         for x in range(tid, nr * e_len, NT):
             r, e = x // e_len, x % e_len
             rr = r0 + r
-            sm[q_at + r * e_len + e] = CT(load(q[b, rr % lq, h * g + rr // lq, e])) * CT(scale)
+            sm[q_at + r * e_len + e] = (CT(load(q[qb, q0 + rr % lq, h * g + rr // lq, e]))
+                                        * CT(scale))
         # Queries that overflowed times scale: restaged times scale / w, scores times w.
         w = split_power(sm, q_at, nr, e_len, e_len, scale, tid, NT)
         if w != 1.0:
             for x in range(tid, nr * e_len, NT):
                 r, e = x // e_len, x % e_len
                 rr = r0 + r
-                sm[q_at + x] = CT(load(q[b, rr % lq, h * g + rr // lq, e])) * CT(scale / w)
+                sm[q_at + x] = CT(load(q[qb, q0 + rr % lq, h * g + rr // lq, e])) * CT(scale / w)
         score_w = CT(w)
         for x in range(tid, nr * ev, NT):
             sm[a_at + x] = zero
@@ -116,8 +120,8 @@ def _make_kernels(ct, rows, bn, parts):
                 slot[j] = (kb + j) % page_size
             cuda.syncthreads()
             # Per-element window tests only where the window cuts the block (token t sits at
-            # position kv_len - lq + t), or a mask_mod may mask.
-            test = ELEMENT_MASK or not window_covers(rc, kv_len - lq, kv_len - 1, kb, kb + n - 1)
+            # position i0 + t), or a mask_mod may mask.
+            test = ELEMENT_MASK or not window_covers(rc, i0, i0 + lq - 1, kb, kb + n - 1)
             for x in range(tid, nr * NB, NT):
                 r, j = x // NB, x % NB
                 if j < n:
@@ -128,7 +132,7 @@ def _make_kernels(ct, rows, bn, parts):
                         s *= score_w
                     rr = r0 + r
                     hq_r = h * g + rr // lq
-                    i = kv_len - lq + rr % lq
+                    i = i0 + rr % lq
                     if mod_on:  # (CT: the simulator's CPU-jitted calls return floats)
                         s = CT(modified_score(rc, s, b, hq_r, i, kb + j))
                     if test and not keeps(rc, b, hq_r, i, kb + j):
@@ -172,25 +176,35 @@ def _make_kernels(ct, rows, bn, parts):
             part_lse[task, i] = sm[m_at + r] + math.log(l) if l != zero else neg_inf
 
     @cuda.jit(fastmath=FASTMATH)
-    def merge_kernel(first, part_out, part_lse, out, lse, ra):
+    def merge_kernel(first, part_out, part_lse, out, lse, ra, qrows, mrow):
         x = cuda.grid(1)
-        lq, hq, ev = out.shape[1], out.shape[2], out.shape[3]
-        rows = hq * lq
-        if x >= (first.shape[0] - 1) * rows:
+        ev = out.shape[3]
+        n_seq = first.shape[0] - 1
+        if x >= mrow[n_seq]:
             return
-        b, i = x // rows, x % rows
+        # The sequence of merged row x: the last b with mrow[b] <= x (mrow: Hq * Lq_b each).
+        b = 0
+        top = n_seq
+        while top - b > 1:
+            mid = (b + top) // 2
+            if mrow[mid] <= x:
+                b = mid
+            else:
+                top = mid
+        i = x - mrow[b]
+        qb, q0, lq = qrows[0, b], qrows[1, b], qrows[2, b]
         c0, c1 = first[b], first[b + 1]
         # Merged in place into the first chunk's row (merge_rows allows that), then stored.
         x_lse = merge_rows(part_out[c0:c1, i], part_lse[c0:c1, i], part_out[c0, i])
-        h, t = i // lq, i % lq
+        h, t = i // lq, q0 + i % lq
         rc = recipe_of(ra, ra.offset, SCORE_MOD, MASK_MOD, None)
         sink = sink_of(rc, h)
         w = 1.0
         if sink != -math.inf:  # one more part, of output 0: it weighs in the lse only
             w, _, x_lse = merge_weights(x_lse, sink)
         for d in range(ev):
-            out[b, t, h, d] = store(part_out[c0, i, d] * w, out)
-        lse[b, h, t] = x_lse
+            out[qb, t, h, d] = store(part_out[c0, i, d] * w, out)
+        lse[qb, h, t] = x_lse
 
     return chunk_kernel, merge_kernel
 
@@ -215,7 +229,7 @@ def plan_chunks(n_keys, chunk=CHUNK):
 
 
 def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, stream=0,
-           chunk=None, threads=None, bounds=None, recipe=None):
+           chunk=None, threads=None, bounds=None, recipe=None, rows=None):
     """Launch attention of ``Lq`` new tokens against a paged key/value cache (device arrays).
 
     Parameters
@@ -246,6 +260,13 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         The variants (:func:`sdpa_numba.score.recipe.recipe`), in the cache's frame: token ``t``
         is row ``i = kv_lens[b] - Lq + t`` (plus the recipe's offset), key ``j`` is ``j``; its
         arrays (slopes, sinks, ``mod_args``) host or device arrays; no block mask. None: plain.
+    rows : host array of int64, shape (5, B), optional
+        A ragged batch (:func:`sdpa_numba.problem.kvcache.query_rows`): for each sequence
+        ``b``, ``(qb, q0, lq_b, i0, off)``, its query rows ``q[qb, q0 .. q0 + lq_b - 1]``
+        (``q``, ``out`` then ``(1, total_q, Hq, ..)`` views, ``lse`` ``(1, Hq, total_q)``),
+        the first one's position and the recipe's offset. None: the rectangular batch,
+        ``(b, 0, Lq, kv_lens[b] - Lq, 0)``. The partial results take ``Hq * max(lq_b)``
+        rows per chunk.
 
     Notes
     -----
@@ -254,13 +275,19 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     numbers per block. Asynchronous on ``stream``.
     """
     q, k_cache, v_cache, out = (storage_view(a) for a in (q, k_cache, v_cache, out))
-    B, lq, hq, e = q.shape
+    _, lq, hq, e = q.shape
     h, ev = k_cache.shape[2], v_cache.shape[3]
+    kv_lens = np.asarray(kv_lens, np.int64)
+    B = len(kv_lens)
+    if rows is None:
+        rows = np.stack([np.arange(B), np.zeros(B, np.int64), np.full(B, lq), kv_lens - lq,
+                         np.zeros(B, np.int64)]).astype(np.int64)
+    seq_rows = np.ascontiguousarray(rows, np.int64)
+    lq = int(seq_rows[2].max()) if B else 0
     if B == 0 or lq == 0 or hq == 0:
         return
     ct = np.dtype(lse.dtype)
     chunk = CHUNK if chunk is None else chunk
-    kv_lens = np.asarray(kv_lens, np.int64)
     if bounds is None:
         bounds = (np.zeros_like(kv_lens), kv_lens)
     lo, hi = (np.asarray(x, np.int64) for x in bounds)
@@ -279,14 +306,18 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     kv, d_lo, d_hi = (cuda.to_device(x, stream=stream) for x in (kv_lens, lo, hi))
     tb = cuda.to_device(task_b.astype(np.int64), stream=stream)
     tc = cuda.to_device(task_c.astype(np.int64), stream=stream)
+    d_rows = cuda.to_device(seq_rows, stream=stream)
+    mrow = np.zeros(B + 1, np.int64)
+    np.cumsum(hq * seq_rows[2], out=mrow[1:])
     args = (q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk),
-            float(scale), part_out, part_lse, r_arg)
+            float(scale), part_out, part_lse, r_arg, d_rows, int(n_tiles))
     refuse_raising(chunk_kernel, compile_key(rc).functions, args)  # user functions: see .raising
     chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](*args)
-    n = B * hq * lq
+    n = int(mrow[-1])
     mt = 32 if is_simulated_mode() else 128
     merge_kernel[-(-n // mt), mt, stream](
-        cuda.to_device(first, stream=stream), part_out, part_lse, out, lse, r_arg)
+        cuda.to_device(first, stream=stream), part_out, part_lse, out, lse, r_arg, d_rows,
+        cuda.to_device(mrow, stream=stream))
 
 
 @cuda.jit

@@ -10,9 +10,26 @@ asynchronously on the default stream.
 
 from numba import cuda
 
-from .arrays import device_array
+from .arrays import as_strided, device_array
 from .decode import append, decode
 from .rope import gather_rows, rotate
+
+
+def _one(x):
+    """Device array ``x`` as one batch entry: ``(1, *x.shape)``, a view."""
+    return as_strided(x, (1, *x.shape), (0, *x.strides))
+
+
+def _per_row(x):
+    """Packed ``(total, H, E)`` device array ``x`` as ``(total, 1, H, E)``, a view."""
+    s0, s1, s2 = x.strides
+    return as_strided(x, (x.shape[0], 1, x.shape[1], x.shape[2]), (s0, 0, s1, s2))
+
+
+def _rows_back(x):
+    """``(total, 1, H, E)`` device array ``x`` as ``(total, H, E)``, a view."""
+    s0, _, s2, s3 = x.strides
+    return as_strided(x, (x.shape[0], x.shape[2], x.shape[3]), (s0, s2, s3))
 
 
 def prepare(p):
@@ -21,6 +38,10 @@ def prepare(p):
     array)."""
     table = cuda.to_device(p.table)
     bounds = (p.lo, p.hi)
+    # A ragged batch: its packed rows as one batch entry, placed by its table's rows
+    # (sdpa_numba.problem.kvcache.query_rows): (qb, q0, lq_b, i0, off) per sequence.
+    ragged = p.cu_q is not None
+    seq_rows = p.begin[p.n_seq:].reshape(5, p.n_seq) if ragged else None
     rope = p.rope
     if rope is not None and rope.tables is None:  # rows gathered on the host: copied once
         rows = [cuda.to_device(x) for x in (rope.q_cos, rope.q_sin, rope.k_cos, rope.k_sin)]
@@ -32,14 +53,23 @@ def prepare(p):
     def launch(q, k_cache, v_cache, k, v, out):
         if rope is not None:
             # Into scratch: the caller's q and k are inputs, never written.
-            q = rotate(q, rows[0], rows[1], rope.interleaved)
-            k = rotate(k, rows[2], rows[3], rope.interleaved)
+            if ragged:  # each token its own sequence of one row (the problem's rows)
+                q = _rows_back(rotate(_per_row(q), rows[0], rows[1], rope.interleaved))
+                k = _rows_back(rotate(_per_row(k), rows[2], rows[3], rope.interleaved))
+            else:
+                q = rotate(q, rows[0], rows[1], rope.interleaved)
+                k = rotate(k, rows[2], rows[3], rope.interleaved)
         if p.pages is not None:
-            append(k, v, k_cache, v_cache, p.pages, p.slots)
+            append(_one(k) if ragged else k, _one(v) if ragged else v, k_cache, v_cache,
+                   p.pages, p.slots)
         result = device_array(p.out_shape, p.dtype) if out is None else out
         lse = device_array(p.lse_shape, p.compute_dtype)
-        decode(q, k_cache, v_cache, table, p.kv_lens, p.is_causal, p.scale, result, lse,
-               bounds=bounds, recipe=p.recipe)
+        if ragged:
+            decode(_one(q), k_cache, v_cache, table, p.kv_lens, p.is_causal, p.scale,
+                   _one(result), _one(lse), bounds=bounds, recipe=p.recipe, rows=seq_rows)
+        else:
+            decode(q, k_cache, v_cache, table, p.kv_lens, p.is_causal, p.scale, result, lse,
+                   bounds=bounds, recipe=p.recipe)
         return result, lse
 
     return launch

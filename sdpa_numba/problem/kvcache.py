@@ -28,25 +28,30 @@ from .rope import rope_problem
 from .variants import check_alignment, variants_recipe
 
 
-def key_bounds_loop(key_range, first_key):
+def key_bounds_loop(key_range, first_key, rows_of):
     """The one rule of the keys a sequence's kernel reads, as a function ``bounds(r, kv_lens,
     kv_begin, lq, lo, hi)`` that writes ``lo[b]``, ``hi[b]``: the keys ``[lo[b], hi[b])``
     that some query token of sequence ``b`` sees under recipe ``r`` (causality folded in;
-    tokens at positions ``kv_lens[b] - lq .. kv_lens[b] - 1``), from ``first_key(kv_begin,
-    b)`` on (the left padding).
+    tokens at positions ``kv_lens[b] - lq .. kv_lens[b] - 1``, or for a ragged batch where
+    :func:`query_rows` puts them), from ``first_key(kv_begin, b)`` on (the left padding).
 
-    Built with the score seam's ``key_range`` and a ``first_key``: on the host with their
-    Python forms (:func:`key_bounds`), in the CPU kernel compiled with the jitted ones
-    (:func:`sdpa_numba.cpu.decode._plan`), so that the host's bounds (the CUDA launch's
-    chunks, the CPU launch's choice of kernel) and the CPU kernel's are the same rule.
+    Built with the score seam's ``key_range``, a ``first_key`` and a ``rows_of`` (the rule of
+    :func:`query_rows`): on the host with their Python forms (:func:`key_bounds`), in the CPU
+    kernel compiled with the jitted ones (:func:`sdpa_numba.cpu.decode._plan`), so that the
+    host's bounds (the CUDA launch's chunks, the CPU launch's choice of kernel) and the CPU
+    kernel's are the same rule.
     """
 
     def bounds(r, kv_lens, kv_begin, lq, lo, hi):
-        for b in range(len(kv_lens)):
+        n_seq = len(kv_lens)
+        for b in range(n_seq):
             n = kv_lens[b]
-            j_begin, j_end = key_range(r, n - lq, n - 1, n)
+            _, _, lq_b, i0, off = rows_of(kv_begin, n_seq, b, n, lq)
+            j_begin, j_end = key_range(r, i0 + off, i0 + off + lq_b - 1, n)
             lo[b] = max(j_begin, first_key(kv_begin, b))
             hi[b] = max(j_end, lo[b])
+            if lq_b == 0:  # a sequence of a ragged batch without query rows reads nothing
+                hi[b] = lo[b]
 
     return bounds
 
@@ -55,14 +60,54 @@ def _first_key(kv_begin, b):
     return 0 if kv_begin is None else kv_begin[b]
 
 
+def query_rows(kv_begin, n_seq, b, kv_len, lq):
+    """``(qb, q0, lq_b, i0, off)`` of sequence ``b`` (of ``n_seq``): its query rows are
+    ``q[qb, q0 .. q0 + lq_b - 1]``, the first at position ``i0`` (token ``t`` at ``i0 + t``:
+    what ``score_mod`` / ``mask_mod`` see as ``i``), and the recipe's offset is moved by
+    ``off`` for it (windows, causality, chunks and ALiBi see ``i + off``). The decode
+    kernels' ``kv_begin`` carries them: of ``n_seq`` entries (or None), the left padding
+    alone and a rectangular batch, ``(b, 0, lq, kv_len - lq, 0)``: the tokens are the
+    sequence's last (bottom-right, the cache's frame); of ``6 * n_seq``, a ragged batch's
+    table (:func:`ragged_table`). The host's form (the kernels compile their own of this
+    rule, :func:`sdpa_numba.cpu.decode.query_rows`)."""
+    if kv_begin is None or len(kv_begin) == n_seq:
+        return b, 0, lq, kv_len - lq, 0
+    x = kv_begin
+    return (x[n_seq + b], x[2 * n_seq + b], x[3 * n_seq + b], x[4 * n_seq + b],
+            x[5 * n_seq + b])
+
+
+def ragged_table(kv_begin, cu_q, kv_lens, sequence_frame=False, bottom_right=True):
+    """The decode kernels' ``kv_begin`` of a ragged batch (:func:`query_rows`), int64 ``(6 *
+    B,)``: the first key of each sequence (``kv_begin``, None: 0), then for the packed query
+    rows ``cu_q`` (int64 ``(B + 1,)``, rows of a ``(1, total_q, ..)`` view): batch index 0,
+    first row ``cu_q[b]``, rows ``lq_b``, and the frame. The cache's frame
+    (``attention_with_kvcache``): token ``t`` at position ``kv_len - lq_b + t``, offset 0.
+    The sequence's frame (``varlen_attention`` over a cache): token ``t`` at ``t``, offset
+    ``kv_len - lq_b`` with ``bottom_right``, else 0 (as varlen's per-sequence recipe)."""
+    n_seq = len(kv_lens)
+    lq = np.diff(cu_q).astype(np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    begin = np.zeros(n_seq, np.int64) if kv_begin is None else np.asarray(kv_begin, np.int64)
+    zero = np.zeros(n_seq, np.int64)
+    if sequence_frame:
+        i0, off = zero, (kv_lens - lq if bottom_right else zero)
+    else:
+        i0, off = kv_lens - lq, zero
+    return np.ascontiguousarray(np.concatenate(
+        [begin, zero, np.asarray(cu_q[:-1], np.int64), lq, i0, off]))
+
+
 # (key_range itself where NUMBA_DISABLE_JIT leaves it a plain function)
-_host_bounds = key_bounds_loop(getattr(key_range, "py_func", key_range), _first_key)
+_host_bounds = key_bounds_loop(getattr(key_range, "py_func", key_range), _first_key,
+                               query_rows)
 
 
 def key_bounds(r, is_causal, kv_lens, leftpad, lq):
     """``(lo, hi)``, int64 arrays (B,): the keys ``[lo[b], hi[b])`` that some query token of
     sequence ``b`` sees under recipe ``r`` (tokens at positions ``kv_lens[b] - lq ..
-    kv_lens[b] - 1``) from ``leftpad[b]`` on: the keys a kernel reads
+    kv_lens[b] - 1``, or for a ragged batch's table in ``leftpad`` (:func:`ragged_table`)
+    where it puts them) from ``leftpad[b]`` on: the keys a kernel reads
     (:func:`key_bounds_loop`'s rule, on the host)."""
     if is_causal:
         r = r._replace(right=min(r.right, 0))
@@ -117,6 +162,19 @@ class KVCacheProblem:
     #: The rotation of q and the new keys (:class:`sdpa_numba.problem.rope.RopeProblem`), or
     #: None.
     rope: object = None
+    #: A ragged batch (``cu_seqlens_q``): its cumulative query rows, int64 (B + 1,); None for
+    #: q of shape (B, Lq, Hq, E).
+    cu_q: np.ndarray | None = None
+    #: The kernels' ``kv_begin`` of a ragged batch (:func:`ragged_table`, its first keys
+    #: ``lo``); None: ``lo``.
+    begin: np.ndarray | None = None
+    #: The sequence of each appended row (``pages``, ``slots``), or None.
+    append_b: np.ndarray | None = None
+
+    @property
+    def n_seq(self):
+        """The batch's sequences, B."""
+        return len(self.kv_lens)
 
     @property
     def appending(self):
@@ -163,7 +221,8 @@ def check_writeable(named):
 def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
                     is_causal, scale, *, alignment="bottom_right", k_scale=None, v_scale=None,
                     cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
-                    rotary_interleaved=False, **variants):
+                    rotary_interleaved=False, cu_seqlens_q=None, sequence_frame=None,
+                    **variants):
     """Validate one decode step's operands and return its :class:`KVCacheProblem`.
 
     ``q``, the caches, ``k`` and ``v`` (None: no append): the target's arrays (anything with
@@ -173,8 +232,12 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     quantized cache's scales (:mod:`.quant`), arrays of the caches' kind; ``cache_batch_idx``
     (None or a NumPy array) the cache row of each sequence of a contiguous cache;
     ``rotary_cos``, ``rotary_sin`` (None or NumPy arrays) and ``rotary_interleaved`` the
-    rotation (:mod:`.rope`). Raises TypeError /
-    ValueError naming the argument, as documented by
+    rotation (:mod:`.rope`); ``cu_seqlens_q`` (None or an array, read on the host) a ragged
+    batch: ``q`` ``(total_q, Hq, E)``, ``k`` and ``v`` ``(total_q, H, E / Ev)``, sequence
+    ``b`` the rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1``; ``sequence_frame`` (None:
+    the cache's frame, tokens at the sequence's last positions) True or False: the frame of
+    ``varlen_attention`` over a cache (:func:`ragged_table`), bottom-right aligned or not.
+    Raises TypeError / ValueError naming the argument, as documented by
     :func:`sdpa_numba.attention_with_kvcache`.
     """
     if isinstance(alignment, str) and alignment == "top_left":
@@ -187,13 +250,27 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     is_causal = check_flag("is_causal", is_causal)
     appending = k is not None
 
-    _check_ndim("q", q, 4, "(B, Lq, Hq, E)")
+    ragged = cu_seqlens_q is not None
+    if ragged:
+        _check_ndim("q", q, 3, "(total_q, Hq, E) with cu_seqlens_q")
+    else:
+        _check_ndim("q", q, 4, "(B, Lq, Hq, E)")
     dtype = check_storage_dtype("q", q)
     paged = block_table is not None
     dims = "(num_pages, page_size, H, E)" if paged else "(B, S_max, H, E)"
     _check_ndim("k_cache", k_cache, 4, dims)
     _check_ndim("v_cache", v_cache, 4, dims.replace("E)", "Ev)"))
-    B, Lq, Hq, E = q.shape
+    if ragged:
+        from .varlen import check_cu_seqlens
+
+        total_q, Hq, E = q.shape
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "q")
+        B = len(cu_q) - 1
+        lqs = np.diff(cu_q)
+        Lq = int(lqs.max()) if B else 0
+    else:
+        B, Lq, Hq, E = q.shape
+        cu_q = None
     quant = quant_spec(k_cache, v_cache, k_scale, v_scale, B)
     if quant is None:
         check_storage_dtype("k_cache", k_cache, ("q's", dtype))
@@ -228,7 +305,20 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
 
     lq_new = 0
-    if appending:
+    new = np.zeros(B, np.int64)  # the appended keys of each sequence
+    if appending and ragged:
+        _check_ndim("k", k, 3, "(total_q, H, E) with cu_seqlens_q")
+        _check_ndim("v", v, 3, "(total_q, H, Ev) with cu_seqlens_q")
+        check_storage_dtype("k", k, ("q's", dtype))
+        check_storage_dtype("v", v, ("q's", dtype))
+        if k.shape != (total_q, H, E) or v.shape != (total_q, H, Ev):
+            raise ValueError(f"with cu_seqlens_q, k and v must have shapes (total_q, H, E) = "
+                             f"({total_q}, {H}, {E}) and (total_q, H, Ev) = ({total_q}, {H}, "
+                             f"{Ev}) (each sequence's new keys are its query tokens), got "
+                             f"{shape_str(k)} and {shape_str(v)}")
+        new = lqs
+        lq_new = int(lqs.max()) if B else 0
+    elif appending:
         _check_ndim("k", k, 4, "(B, Lq_new, H, E)")
         _check_ndim("v", v, 4, "(B, Lq_new, H, Ev)")
         check_storage_dtype("k", k, ("q's", dtype))
@@ -239,7 +329,8 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
                              f"({B}, {lq_new}, {H}, {E}) and (B, Lq_new, H, Ev) = "
                              f"({B}, {lq_new}, {H}, {Ev}), got {shape_str(k)} and "
                              f"{shape_str(v)}")
-    kv_lens = seqlens + lq_new
+        new = np.full(B, lq_new, np.int64)
+    kv_lens = seqlens + new
     leftpad = None
     if cache_leftpad is not None:
         _check_int("cache_leftpad", cache_leftpad)
@@ -251,7 +342,9 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         if bad.any():
             b = int(np.argmax(bad))
             raise ValueError(f"cache_leftpad[{b}] = {leftpad[b]} must be in [0, "
-                             f"cache_seqlens[{b}] + Lq_new] = [0, {kv_lens[b]}]")
+                             f"cache_seqlens[{b}] + Lq_new] = [0, {kv_lens[b]}]"
+                             + (" (Lq_new: the sequence's rows in cu_seqlens_q)"
+                                if ragged and appending else ""))
 
     if paged:
         _check_ndim("block_table", block_table, 2, "(B, max_pages)")
@@ -264,8 +357,10 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         capacity = page_size  # S_max
     if B and kv_lens.max() > capacity:
         b = int(np.argmax(kv_lens))
-        what = (f"cache_seqlens[{b}] + Lq_new = {seqlens[b]} + {lq_new}" if appending
+        what = (f"cache_seqlens[{b}] + Lq_new = {seqlens[b]} + {new[b]}" if appending
                 else f"cache_seqlens[{b}] = {seqlens[b]}")
+        if sequence_frame is not None:
+            what = f"seqused_k[{b}] = {seqlens[b]}"
         raise ValueError(f"{what} is beyond the cache's {capacity} slots per sequence"
                          + (" (max_pages * page_size)" if paged else " (S_max)"))
     if paged:
@@ -281,6 +376,8 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
             # change what another sequence (or another slot of the same one) reads.
             first_written = seqlens // page_size
             written = used & (np.arange(block_table.shape[1])[None, :] >= first_written[:, None])
+            if ragged:  # a sequence without new keys writes no page
+                written &= (new > 0)[:, None]
             counts = np.bincount(entries.astype(np.int64), minlength=n_pages)
             shared = counts[block_table[written].astype(np.int64)] > 1
             if shared.any():
@@ -315,22 +412,42 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     window = variants.get("window")
     per_token = (is_causal or variants.get("chunk") is not None
                  or not (window is None or tuple(window) == (None, None)))
-    rope = rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, Lq,
-                        lq_new if appending else None, per_token)
+    if ragged and (rotary_cos is not None or rotary_sin is not None):
+        rope = _ragged_rope(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, cu_q,
+                            appending, per_token)
+    else:
+        rope = rope_problem(rotary_cos, rotary_sin, rotary_interleaved, E, seqlens, Lq,
+                            lq_new if appending else None, per_token)
     scale = check_scale(scale, E)
     # Positions go to the kernels in the cache's frame (offset 0): top-left is that frame.
     r = variants_recipe((B,), Hq, Lq, Lq, compute_dtype(dtype), is_causal,
                         alignment="top_left", **variants)
 
-    pages = slots = None
-    if appending and lq_new and B:
+    pages = slots = bidx = None
+    if appending and ragged and int(new.sum()):
+        bidx = np.repeat(np.arange(B), lqs)
+        pos = seqlens[bidx] + (np.arange(total_q) - cu_q[bidx])
+        if paged:
+            pages, slots = table[bidx, pos // page_size], pos % page_size
+        else:
+            pages, slots = table[bidx, 0].astype(np.int64), pos
+    elif appending and lq_new and B and not ragged:
         bidx = np.repeat(np.arange(B), lq_new)
         pos = (seqlens[:, None] + np.arange(lq_new)[None, :]).ravel()
         if paged:
             pages, slots = table[bidx, pos // page_size], pos % page_size
         else:
             pages, slots = table[bidx, 0].astype(np.int64), pos
-    lo, hi = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
+    begin = None
+    if ragged:
+        frame = (sequence_frame is not None, bool(sequence_frame))
+        lo, hi = key_bounds(r, is_causal, kv_lens, ragged_table(leftpad, cu_q, kv_lens, *frame),
+                            Lq)
+        begin = ragged_table(lo, cu_q, kv_lens, *frame)
+        out_shape, lse_shape = (total_q, Hq, Ev), (Hq, total_q)
+    else:
+        lo, hi = key_bounds(r, is_causal, kv_lens, leftpad, Lq)
+        out_shape, lse_shape = (B, Lq, Hq, Ev), (B, Hq, Lq)
     return KVCacheProblem(
         q_shape=tuple(q.shape), k_cache_shape=tuple(k_cache.shape),
         v_cache_shape=tuple(v_cache.shape),
@@ -338,11 +455,28 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
         v_shape=tuple(v.shape) if appending else None, dtype=dtype,
         compute_dtype=compute_dtype(dtype), paged=paged, table=table, seqlens=seqlens,
         kv_lens=kv_lens, leftpad=leftpad, lo=lo, hi=hi, pages=pages, slots=slots,
-        is_causal=is_causal, scale=scale, recipe=r, out_shape=(B, Lq, Hq, Ev),
-        lse_shape=(B, Hq, Lq), quant=quant, rope=rope,
+        is_causal=is_causal, scale=scale, recipe=r, out_shape=out_shape,
+        lse_shape=lse_shape, quant=quant, rope=rope, cu_q=cu_q, begin=begin, append_b=bidx,
         given=given_arrays(variants, cache_seqlens=cache_seqlens, block_table=block_table,
                            cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-                           rotary_cos=rotary_cos, rotary_sin=rotary_sin))
+                           rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                           cu_seqlens_q=cu_seqlens_q))
+
+
+def _ragged_rope(cos, sin, interleaved, E, seqlens, cu_q, appending, per_token):
+    """The rotation of a ragged batch, as :func:`.rope.rope_problem`'s with each token its own
+    sequence of one row (rows ``(total_q, 1, rotary_dim / 2)``, for q and k seen as
+    ``(total_q, 1, H, E)``): new key / token ``t`` of sequence ``b`` at ``cache_seqlens[b] +
+    t``; query tokens at ``cache_seqlens[b]`` when not ``per_token``."""
+    from dataclasses import replace
+
+    b_of = np.repeat(np.arange(len(seqlens)), np.diff(cu_q))
+    pos = seqlens[b_of] + (np.arange(int(cu_q[-1])) - cu_q[b_of])
+    keys = rope_problem(cos, sin, interleaved, E, pos, 1, 1 if appending else None, True)
+    if keys is None or per_token:
+        return keys
+    first = rope_problem(cos, sin, interleaved, E, seqlens[b_of], 1, 1, True)
+    return replace(keys, q_pos=first.q_pos, q_cos=first.q_cos, q_sin=first.q_sin)
 
 
 def _mismatch(name, x, expect, dtype):
