@@ -53,11 +53,11 @@ def _ints_at(buffer, o, n):
 
 
 @njit
-def _numbers(frame, i_ints, n_ints, i_floats):
+def _numbers(frame, i_ints, n_ints, i_floats, n_floats):
     """The ``ints`` (int64) and ``floats`` (scale, softcap; float64) operands, carried as
     uint32 bytes (JAX without ``jax_enable_x64`` has no 64-bit arrays)."""
     return (carray(as_pointer(data(argument(frame, i_ints))), (n_ints,), np.int64),
-            carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64))
+            carray(as_pointer(data(argument(frame, i_floats))), (n_floats,), np.float64))
 
 
 @njit
@@ -157,8 +157,26 @@ def _check_cu(cu, total, max_len):
 
 
 #: ints of a varlen call: is_causal, bottom_right, left, right, chunk, max_seqlen_q,
-#: max_seqlen_k (-1: not given)
-VARLEN_INTS = 7
+#: max_seqlen_k (-1: not given), dropout's threshold; floats: scale, softcap, inv_keep
+VARLEN_INTS, VARLEN_FLOATS = 8, 3
+
+
+def _varlen_dropout(dropout, i_seed):
+    """A jitted ``(frame, ints, floats, o) -> dropout``: the kernels' dropout tuple of
+    leading index ``o`` (the seed operand ``i_seed``, two uint32 words low first, broadcast
+    by ``vmap`` like every operand; batch offset 0: each index's sequences count from 0, as
+    the unmapped call's), or for ``dropout`` False the forward's None / the backward's
+    "off" tuple (``off``)."""
+    @njit
+    def on(frame, ints, floats, o, off):
+        seed = carray(as_pointer(data(argument(frame, i_seed)) + 8 * o), (1,), np.uint64)[0]
+        return (seed, np.uint64(ints[7]), floats[2], np.int64(0))
+
+    @njit
+    def not_on(frame, ints, floats, o, off):
+        return off
+
+    return on if dropout else not_on
 
 
 def _varlen_common(dtype):
@@ -204,24 +222,25 @@ def _varlen_common(dtype):
     return ct, st3, ct3, ct2, cu_seqlens, fail
 
 
-def _make_varlen_forward(dtype, alibi=False, sinks=False):
+def _make_varlen_forward(dtype, alibi=False, sinks=False, dropout=False):
     """The varlen forward's cfunc: operands q, k, v, cu_seqlens_q, cu_seqlens_k, ints,
-    floats, [ALiBi slopes], [sinks]; results out (q's dtype), lse (compute dtype,
-    ``(.., Hq, total_q)``)."""
+    floats, [ALiBi slopes], [sinks], [dropout's seed]; results out (q's dtype), lse (compute
+    dtype, ``(.., Hq, total_q)``)."""
     from ..cpu.launch_varlen import forward_signature
     from ..cpu.varlen import varlen_forward
     from ._handlers import _recipe_type
 
     ct, st3, ct3, ct2, cu_seqlens, fail = _varlen_common(dtype)
-    kernel = _native_call(varlen_forward, forward_signature(np.dtype(dtype), False,
+    kernel = _native_call(varlen_forward, forward_signature(np.dtype(dtype), dropout,
                                                             _recipe_type(ct, alibi, sinks)))
     get_alibi, get_sinks = _per_head(ct, alibi, sinks, 7)
+    get_drop = _varlen_dropout(dropout, 7 + alibi + sinks)
     failed = c_string("sdpa_numba.jax: the CPU varlen forward failed (out of memory?)")
 
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        ints, floats = _numbers(frame, 5, VARLEN_INTS, 6)
+        ints, floats = _numbers(frame, 5, VARLEN_INTS, 6, VARLEN_FLOATS)
         qd, kd = dims(argument(frame, 0)), dims(argument(frame, 1))
         nb = qd.shape[0] - 3
         n_outer = _size(qd, 0, nb)
@@ -239,7 +258,8 @@ def _make_varlen_forward(dtype, alibi=False, sinks=False):
                             get_sinks(frame, o))
                 kernel((st3(argument(frame, 0), o), st3(argument(frame, 1), o),
                         st3(argument(frame, 2), o), cu_q, cu_k, ints[0] != 0, floats[0],
-                        st3(result(frame, 0), o), ct2(result(frame, 1), o), None, r,
+                        st3(result(frame, 0), o), ct2(result(frame, 1), o),
+                        get_drop(frame, ints, floats, o, None), r,
                         ints[1] != 0))
         except Exception:  # (out of memory): the call fails with an XLA error
             return error(frame, failed)
@@ -248,10 +268,11 @@ def _make_varlen_forward(dtype, alibi=False, sinks=False):
     return handler
 
 
-def _make_varlen_backward(dtype, alibi=False, sinks=False):
+def _make_varlen_backward(dtype, alibi=False, sinks=False, dropout=False):
     """The varlen backward's cfunc: operands q, k, v, cu_seqlens_q, cu_seqlens_k, dout, out,
-    lse, ints, floats, [ALiBi slopes], [sinks]; results dq, dk, dv in the compute dtype
-    (sinks ride along in the recipe, as the NumPy API's: the kernel reads none of them)."""
+    lse, ints, floats, [ALiBi slopes], [sinks], [dropout's seed]; results dq, dk, dv in the
+    compute dtype (sinks ride along in the recipe, as the NumPy API's: the kernel reads none
+    of them; dropout is a run-time tuple, "off" without it: one kernel for both)."""
     from ..cpu.launch_varlen import backward_signature
     from ..cpu.varlen import varlen_backward
     from ..dropout import NO_DROPOUT
@@ -261,13 +282,14 @@ def _make_varlen_backward(dtype, alibi=False, sinks=False):
     kernel = _native_call(varlen_backward, backward_signature(np.dtype(dtype),
                                                               _recipe_type(ct, alibi, sinks)))
     get_alibi, get_sinks = _per_head(ct, alibi, sinks, 10)
+    get_drop = _varlen_dropout(dropout, 10 + alibi + sinks)
     no_drop = NO_DROPOUT
     failed = c_string("sdpa_numba.jax: the CPU varlen backward failed (out of memory?)")
 
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        ints, floats = _numbers(frame, 8, VARLEN_INTS, 9)
+        ints, floats = _numbers(frame, 8, VARLEN_INTS, 9, VARLEN_FLOATS)
         qd, kd = dims(argument(frame, 0)), dims(argument(frame, 1))
         nb = qd.shape[0] - 3
         n_outer = _size(qd, 0, nb)
@@ -285,7 +307,8 @@ def _make_varlen_backward(dtype, alibi=False, sinks=False):
                         st3(argument(frame, 2), o), cu_q, cu_k, ints[0] != 0, floats[0],
                         st3(argument(frame, 5), o), st3(argument(frame, 6), o),
                         ct2(argument(frame, 7), o), ct3(result(frame, 0), o),
-                        ct3(result(frame, 1), o), ct3(result(frame, 2), o), no_drop, r,
+                        ct3(result(frame, 1), o), ct3(result(frame, 2), o),
+                        get_drop(frame, ints, floats, o, no_drop), r,
                         ints[1] != 0))
         except Exception:
             return error(frame, failed)
@@ -294,16 +317,18 @@ def _make_varlen_backward(dtype, alibi=False, sinks=False):
     return handler
 
 
-def varlen_forward_target(dtype, alibi=False, sinks=False):
-    """The FFI target of the varlen forward for a storage dtype, ALiBi and sinks on/off."""
-    return _target("varlen_forward", (np.dtype(dtype), bool(alibi), bool(sinks)),
-                   _make_varlen_forward)
+def varlen_forward_target(dtype, alibi=False, sinks=False, dropout=False):
+    """The FFI target of the varlen forward for a storage dtype, ALiBi, sinks and dropout
+    on/off."""
+    return _target("varlen_forward", (np.dtype(dtype), bool(alibi), bool(sinks),
+                                      bool(dropout)), _make_varlen_forward)
 
 
-def varlen_backward_target(dtype, alibi=False, sinks=False):
-    """The FFI target of the varlen backward for a storage dtype, ALiBi and sinks on/off."""
-    return _target("varlen_backward", (np.dtype(dtype), bool(alibi), bool(sinks)),
-                   _make_varlen_backward)
+def varlen_backward_target(dtype, alibi=False, sinks=False, dropout=False):
+    """The FFI target of the varlen backward for a storage dtype, ALiBi, sinks and dropout
+    on/off."""
+    return _target("varlen_backward", (np.dtype(dtype), bool(alibi), bool(sinks),
+                                       bool(dropout)), _make_varlen_backward)
 
 
 # ---------------------------------------------------------------- KV cache
@@ -427,7 +452,7 @@ def _make_kvcache(dtype, appending, alibi=False, sinks=False):
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        ints, floats = _numbers(frame, i_ints, KVCACHE_INTS, i_floats)
+        ints, floats = _numbers(frame, i_ints, KVCACHE_INTS, i_floats, 2)
         q = st4(argument(frame, 0))
         k_cache, v_cache = st4(result(frame, 1)), st4(result(frame, 2))
         out = st4(result(frame, 0))

@@ -16,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from ..dropout import threshold
 from ..problem import check_dropout, check_flag
 from ..problem.varlen import varlen_plan
 from ..score.recipe import NO_LIMIT
 from ._serve_handlers import varlen_backward_target, varlen_forward_target
+from ._mods import seed_operand
 from .dense import _check_platform, _Spec, _stand_in
 
 __all__ = ["varlen_attention"]
@@ -81,48 +83,49 @@ def _numbers(ints, floats):
             jnp.asarray(np.array(floats, np.float64).view(np.uint32)))
 
 
-# cfg: (dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks), hashable
+# cfg: (dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout), hashable
 # (custom_vjp's nondiff arg)
 
-def _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks):
-    dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks = cfg
+def _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
+    dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout = cfg
     ct = np.float64 if dtype == np.float64 else np.float32
-    call = jax.ffi.ffi_call(varlen_forward_target(dtype, has_alibi, has_sinks),
+    call = jax.ffi.ffi_call(varlen_forward_target(dtype, has_alibi, has_sinks, dropout),
                             (jax.ShapeDtypeStruct(out_shape, dtype),
                              jax.ShapeDtypeStruct(lse_shape, ct)),
                             vmap_method="broadcast_all")
     return call(q, k, v, cu_q, cu_k, *_numbers(ints, floats),
-                *[x for x in (alibi, sinks) if x is not None])
+                *[x for x in (alibi, sinks, seed) if x is not None])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _varlen(cfg, q, k, v, cu_q, cu_k, alibi, sinks):
-    return _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks)
+def _varlen(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
+    return _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed)
 
 
-def _fwd(cfg, q, k, v, cu_q, cu_k, alibi, sinks):
+def _fwd(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
     if alibi is not None and alibi.perturbed:
         raise NotImplementedError("sdpa_numba.jax.varlen_attention has no gradient for "
                                   "alibi_slopes (the backward kernel does not compute it)")
-    vals = [None if x is None else x.value for x in (q, k, v, cu_q, cu_k, alibi, sinks)]
+    vals = [None if x is None else x.value
+            for x in (q, k, v, cu_q, cu_k, alibi, sinks, seed)]
     out, lse = _forward_call(cfg, *vals)
     return (out, lse), (vals, out, lse)
 
 
 def _bwd(cfg, res, cts):
-    (q, k, v, cu_q, cu_k, alibi, sinks), out, lse = res
+    (q, k, v, cu_q, cu_k, alibi, sinks, seed), out, lse = res
     g, g_lse = cts
-    dtype, ints, floats, out_shape, _, has_alibi, has_sinks = cfg
+    dtype, ints, floats, out_shape, _, has_alibi, has_sinks, dropout = cfg
     if not isinstance(g_lse, SymbolicZero):
         raise NotImplementedError("sdpa_numba.jax.varlen_attention has no gradient through "
                                   "lse (return_lse=True): differentiate the output only")
     g = jnp.zeros(out_shape, dtype) if isinstance(g, SymbolicZero) else g.astype(dtype)
     ct = np.float64 if dtype == np.float64 else np.float32
     results = [jax.ShapeDtypeStruct(x.shape, ct) for x in (q, k, v)]
-    grads = jax.ffi.ffi_call(varlen_backward_target(dtype, has_alibi, has_sinks), results,
-                             vmap_method="broadcast_all")(
+    grads = jax.ffi.ffi_call(varlen_backward_target(dtype, has_alibi, has_sinks, dropout),
+                             results, vmap_method="broadcast_all")(
         q, k, v, cu_q, cu_k, g, out, lse, *_numbers(ints, floats),
-        *[x for x in (alibi, sinks) if x is not None])
+        *[x for x in (alibi, sinks, seed) if x is not None])
     dsinks = None
     if sinks is not None:
         # d sink_h = -sum_i exp(sink_h - lse_{h,i}) * rowsum(dO * O)_{i,h} (the dense one's)
@@ -131,7 +134,7 @@ def _bwd(cfg, res, cts):
         w = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - lse))
         dsinks = (-(w * d).sum(axis=-1)).astype(sinks.dtype)
     # the NumPy API's: the compute dtype's gradients cast to the inputs' dtype
-    return tuple(d.astype(dtype) for d in grads) + (None, None, None, dsinks)
+    return tuple(d.astype(dtype) for d in grads) + (None, None, None, dsinks, None)
 
 
 _varlen.defvjp(_fwd, _bwd, symbolic_zeros=True)
@@ -139,7 +142,7 @@ _varlen.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                      max_seqlen_k=None, *, is_causal=False, scale=None, dropout_p=0.0,
-                     seed=None, return_lse=False, out=None, window=None, chunk=None,
+                     seed=None, dropout_rng=None, return_lse=False, out=None, window=None, chunk=None,
                      alignment="top_left", softcap=None, alibi_slopes=None, sinks=None,
                      score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None,
                      block_mask=None):
@@ -162,15 +165,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     is_causal, scale, window, chunk, alignment, softcap, return_lse
         As in the NumPy API. ``lse`` has shape ``(Hq, total_q)`` in the compute dtype; no
         gradient flows through it (NotImplementedError if one is asked).
-    dropout_p : float
-        Only 0 (NotImplementedError otherwise).
+    dropout_p, seed, dropout_rng
+        Dropout as in :func:`sdpa_numba.jax.scaled_dot_product_attention` (``dropout_rng`` a
+        JAX key, or ``seed`` an int or two uint32 words, traced): the NumPy API's mask (of
+        sequence index, head, row, key) for the same seed, bit for bit, redrawn by the
+        backward. Under ``vmap`` each index draws the unmapped call's mask (its own with
+        mapped keys).
     alibi_slopes, sinks : jax.Array, optional
         As in the NumPy API (``(Hq,)`` or ``(B, Hq)`` slopes; ``(Hq,)`` sinks): shapes and
         dtypes checked at trace time, values (finite; sinks finite or ``-inf``) the caller's
         to keep. ``sinks`` have a gradient; ``alibi_slopes`` none (NotImplementedError when
         one is asked). Each on/off is a specialization (a handler and a kernel compiled once
         per process).
-    seed, out, score_mod, mask_mod, mod_args, score_mod_grad
+    out, score_mod, mask_mod, mod_args, score_mod_grad
         Not taken under JAX yet (NotImplementedError when given). ``block_mask`` is refused as
         by the NumPy API (ValueError).
 
@@ -193,11 +200,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     bit its results). Under ``vmap`` every operand is broadcast to the mapped size and the
     kernel runs once per index.
     """
-    not_taken("varlen_attention", seed=seed, out=out, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
-              score_mod_grad=score_mod_grad)
-    if check_dropout(dropout_p) > 0:
-        raise NotImplementedError("sdpa_numba.jax.varlen_attention does not take dropout_p > "
-                                  "0 yet")
+    not_taken("varlen_attention", out=out, score_mod=score_mod, mask_mod=mask_mod,
+              mod_args=mod_args, score_mod_grad=score_mod_grad)
+    dropout_p = check_dropout(dropout_p)
+    seed_op = seed_operand(seed, dropout_rng) if dropout_p > 0 else None
     return_lse = check_flag("return_lse", return_lse)
     named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k)]
@@ -231,9 +237,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     if r.sinks is not None:
         sinks_ = sinks.astype(p.compute_dtype)
     ints = (int(p.is_causal), int(p.bottom_right), int(min(r.left, NO_LIMIT)),
-            int(min(r.right, NO_LIMIT)), int(r.chunk), max_q, max_k)
-    cfg = (p.dtype, ints, (float(p.scale), float(r.softcap)), p.out_shape, p.lse_shape,
-           alibi is not None, sinks_ is not None)
+            int(min(r.right, NO_LIMIT)), int(r.chunk), max_q, max_k, threshold(dropout_p))
+    cfg = (p.dtype, ints, (float(p.scale), float(r.softcap), 1.0 / (1.0 - dropout_p)),
+           p.out_shape, p.lse_shape, alibi is not None, sinks_ is not None, dropout_p > 0)
     result, lse = _varlen(cfg, q, k, v, int_operand(cu_seqlens_q), int_operand(cu_seqlens_k),
-                          alibi, sinks_)
+                          alibi, sinks_, seed_op)
     return (result, lse) if return_lse else result
