@@ -5,7 +5,8 @@ dims, broadcast ones included, from XLA's buffers).
 
 Validation runs at trace time, on shapes and dtypes alone, with the NumPy API's own checks
 (:func:`sdpa_numba.problem.plan`): bad input under ``jax.jit`` fails before anything is
-compiled, with the NumPy API's messages.
+compiled, with the NumPy API's messages. The user's functions and their ``mod_args``, and
+dropout's seed, are checked and made operands by :mod:`._mods`.
 """
 
 import functools

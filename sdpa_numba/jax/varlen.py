@@ -142,9 +142,9 @@ _varlen.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                      max_seqlen_k=None, *, is_causal=False, scale=None, dropout_p=0.0,
-                     seed=None, dropout_rng=None, return_lse=False, out=None, window=None, chunk=None,
-                     alignment="top_left", softcap=None, alibi_slopes=None, sinks=None,
-                     score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None,
+                     seed=None, dropout_rng=None, return_lse=False, out=None, window=None,
+                     chunk=None, alignment="top_left", softcap=None, alibi_slopes=None,
+                     sinks=None, score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None,
                      block_mask=None):
     """Attention over a ragged batch packed back to back, on JAX arrays, under ``jax.jit``,
     ``jax.grad`` and ``jax.vmap``: :func:`sdpa_numba.varlen_attention` (same arguments and
