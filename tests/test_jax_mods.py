@@ -217,3 +217,6 @@ def test_grad_through_score_mod_needs_its_grad(rng):
     args = (np.ones(3), np.zeros((2, 6), np.int32), 1.0)
     with pytest.raises(ValueError, match="score_mod_grad"):
         jax.grad(lambda q: jnp.sum(attention(q, k, v, score_mod=tilt, mod_args=args)))(q)
+    with pytest.raises(NotImplementedError, match="mod_args"):
+        jax.grad(lambda s: jnp.sum(attention(q, k, v, score_mod=tilt, score_mod_grad=tilt_grad,
+                                             mod_args=(s,) + args[1:])))(args[0])

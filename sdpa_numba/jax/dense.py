@@ -145,6 +145,9 @@ def _fwd(cfg, q, k, v, mask, alibi, sinks, seed, mod_args):
     if alibi is not None and alibi.perturbed:
         raise NotImplementedError("sdpa_numba.jax has no gradient for alibi_slopes (the "
                                   "backward kernel does not compute it)")
+    if any(x.perturbed for x in mod_args):  # rather than a silent zero
+        raise NotImplementedError("sdpa_numba.jax has no gradient for mod_args (numbers the "
+                                  "user's functions read): differentiate the other inputs")
     if cfg.mods is not None and cfg.mods[0] is not None and cfg.mods[2] is None:
         raise ValueError("the backward of a score_mod needs score_mod_grad(score, b, h, i, j, "
                          "*mod_args): d score_mod / d score (pass it to "
@@ -239,7 +242,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Arrays (1 to 4 dims; JAX or NumPy, may be traced) and numbers passed to the
         functions as their last arguments, as FFI operands: new values never recompile. A
         0-d array reaches them as a scalar of its dtype; a Python int as an int64, a float
-        as a float64 (as the NumPy API types them). No gradient flows to them.
+        as a float64 (as the NumPy API types them). No gradient flows to them
+        (NotImplementedError when one is asked).
     block_mask
         Not supported under JAX (NotImplementedError): pass its ``mask_mod``.
 

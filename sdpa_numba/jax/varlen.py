@@ -196,8 +196,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
 
     Notes
     -----
-    Gradients: q, k and v, by :func:`sdpa_numba.varlen_attention_backward`'s kernel (bit for
-    bit its results). Under ``vmap`` every operand is broadcast to the mapped size and the
+    Gradients: q, k, v (by :func:`sdpa_numba.varlen_attention_backward`'s kernel, bit for
+    bit its results) and sinks. Under ``vmap`` every operand is broadcast to the mapped size and the
     kernel runs once per index.
     """
     not_taken("varlen_attention", out=out, score_mod=score_mod, mask_mod=mask_mod,
