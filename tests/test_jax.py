@@ -272,12 +272,16 @@ def test_bad_input_at_trace_time(rng, bad):
     assert str(e.value) == msg
 
 
+@__import__("numba").njit
+def _all_keys(b, h, i, j):
+    return True
+
+
 def test_not_built_yet(rng):
     q, k, v = qkv(rng)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        attention(q, k, v, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="score_mod"):
-        attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
+    bm = sdpa_numba.create_block_mask(_all_keys, 1, 1, 5, 7)
+    with pytest.raises(NotImplementedError, match="block_mask"):
+        attention(q, k, v, block_mask=bm)
     with pytest.raises(NotImplementedError, match="lse"):
         jax.grad(lambda q: jnp.sum(attention(q, k, v, return_lse=True)[1]))(q)
 

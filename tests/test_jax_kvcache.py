@@ -226,11 +226,35 @@ def test_bad_values_when_the_kernel_runs(rng, bad, message):
         attention_with_kvcache(q, kc, vc, lens, k=k, v=v, cache_leftpad=pad, block_table=table)
 
 
+def test_alibi_and_sinks(rng):
+    # (B, Hq) slopes and sinks (one -inf), traced, with an append: the NumPy API's bits
+    q, kc, vc, k, v = arrays(rng)
+    lens = np.array([0, 4, 9], np.int32)
+    alibi = rng.random((B, HQ))
+    sinks = rng.standard_normal(HQ)
+    sinks[2] = -np.inf
+    f = jax.jit(lambda q, kc, vc, lens, k, v, a, s: attention_with_kvcache(
+        q, kc, vc, lens, k=k, v=v, return_lse=True, alibi_slopes=a, sinks=s))
+    out, kc2, vc2, lse = f(q, kc, vc, lens, k, v, alibi, sinks)
+    want, want_lse, wkc, wvc = numpy_call(q, kc, vc, lens, k=k, v=v, alibi_slopes=alibi,
+                                          sinks=sinks)
+    for got, exp in ((out, want), (lse, want_lse), (kc2, wkc), (vc2, wvc)):
+        np.testing.assert_array_equal(got, exp)
+    check_against_reference(q, wkc, wvc, lens + 2, np.asarray(out), np.asarray(lse), True,
+                            alibi_slopes=alibi, sinks=sinks)
+    # new values, the same compiled call
+    out2 = f(q, kc, vc, lens, k, v, 2 * alibi, sinks - 1)[0]
+    np.testing.assert_array_equal(out2, numpy_call(q, kc, vc, lens, k=k, v=v,
+                                                   alibi_slopes=2 * alibi,
+                                                   sinks=sinks - 1)[0])
+    with pytest.raises(ValueError, match="sinks of shape"):
+        jax.jit(lambda q: attention_with_kvcache(q, kc, vc, lens, sinks=sinks[:3])).trace(q)
+
+
 def test_not_taken_and_vmap(rng):
     q, kc, vc, k, v = arrays(rng)
     lens = np.array([1, 2, 3], np.int32)
     for kw, what in ((dict(out=np.empty((B, 2, HQ, EV))), "out"),
-                     (dict(sinks=np.zeros(HQ)), "sinks"),
                      (dict(k_scale=1.0), "k_scale")):
         with pytest.raises(NotImplementedError, match=what):
             attention_with_kvcache(q, kc, vc, lens, **kw)

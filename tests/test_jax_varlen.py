@@ -175,12 +175,87 @@ def test_bad_cu_seqlens_values_when_the_kernel_runs(rng, bad, name):
         varlen_attention(q, k, v, cq, ck, **kw)
 
 
+def test_alibi_and_sinks(rng):
+    # (B, Hq) slopes and sinks (one -inf): forward and grads bit for bit the NumPy API's,
+    # against the float64 reference; sinks' gradient; vmap over q, cu_seqlens and sinks
+    q, k, v = packed(rng, LQ, LK, HQ, H, E, EV)
+    cq, ck = cu(LQ), cu(LK, np.int64)
+    alibi = rng.random((len(LQ), HQ))
+    sinks = rng.standard_normal(HQ)
+    sinks[1] = -np.inf
+    kw = dict(is_causal=True, alignment="bottom_right")
+
+    def f(q, k, v, a, b, sinks):
+        return varlen_attention(q, k, v, a, b, alibi_slopes=alibi, sinks=sinks, **kw)
+
+    out = jax.jit(f)(q, k, v, cq, ck, sinks)
+    want, want_lse = sdpa_numba.varlen_attention(q, k, v, cq, ck, return_lse=True,
+                                                 alibi_slopes=alibi, sinks=sinks, **kw)
+    np.testing.assert_array_equal(out, want)
+    ro, _ = reference_forward(q, k, v, cq, ck, alibi_slopes=alibi, sinks=sinks, **kw)
+    np.testing.assert_allclose(out, ro, rtol=0, atol=1e-12)
+    g = rng.standard_normal(out.shape)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=(0, 1, 2, 5)))(
+        q, k, v, cq, ck, sinks)
+    exact = sdpa_numba.varlen_attention_backward(g, q, k, v, want, want_lse, cq, ck,
+                                                 alibi_slopes=alibi, sinks=sinks, **kw)
+    ref = reference_grads(g, q, k, v, cq, ck, alibi_slopes=alibi, sinks=sinks, **kw)
+    for got, e in zip(grads[:3], exact):
+        np.testing.assert_array_equal(got, e)
+    np.testing.assert_allclose(grads[3], exact[3], rtol=1e-13, atol=1e-14)
+    for got, r in zip(grads, ref):
+        np.testing.assert_allclose(got, r, rtol=0, atol=1e-12)
+    ds = np.asarray(grads[3])
+    assert ds[1] == 0 and np.all(ds[[0, 2, 3]] != 0)
+    # vmap: each entry as the unmapped call
+    qs, ss = np.stack([q, q[::-1]]), np.stack([sinks, sinks[::-1]])
+    mapped = jax.jit(jax.vmap(lambda q, s: f(q, k, v, cq, ck, s)))(qs, ss)
+    for n in range(2):
+        np.testing.assert_array_equal(mapped[n], sdpa_numba.varlen_attention(
+            qs[n], k, v, cq, ck, alibi_slopes=alibi, sinks=ss[n], **kw))
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        jax.grad(lambda a: jnp.sum(varlen_attention(q, k, v, cq, ck, alibi_slopes=a,
+                                                    sinks=sinks, **kw)))(alibi)
+    with pytest.raises(ValueError, match="alibi_slopes of shape"):
+        jax.jit(lambda q: varlen_attention(q, k, v, cq, ck, alibi_slopes=alibi[:, :2])).trace(q)
+
+
+def test_dropout(rng):
+    # a JAX key: the NumPy API's mask for its seed, forward and grads bit for bit; vmap with
+    # one key draws the unmapped call's mask in every entry
+    q, k, v = packed(rng, LQ, LK, HQ, H, E, EV)
+    cq, ck = cu(LQ), cu(LK)
+    key = jax.random.key(11)
+    seed = int(np.asarray(jax.random.bits(key, (2,), jnp.uint32)).view(np.uint64)[0])
+    kw = dict(is_causal=True, dropout_p=0.25)
+
+    def f(q, k, v, key):
+        return varlen_attention(q, k, v, cq, ck, dropout_rng=key, **kw)
+
+    out = jax.jit(f)(q, k, v, key)
+    want, lse = sdpa_numba.varlen_attention(q, k, v, cq, ck, seed=seed, return_lse=True, **kw)
+    np.testing.assert_array_equal(out, want)
+    assert not np.allclose(out, sdpa_numba.varlen_attention(q, k, v, cq, ck, is_causal=True))
+    g = rng.standard_normal(out.shape)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=(0, 1, 2)))(q, k, v, key)
+    for got, exp in zip(grads, sdpa_numba.varlen_attention_backward(
+            g, q, k, v, want, lse, cq, ck, seed=seed, **kw)):
+        np.testing.assert_array_equal(got, exp)
+    np.testing.assert_array_equal(
+        jax.jit(lambda q: varlen_attention(q, k, v, cq, ck, seed=seed, **kw))(q), want)
+    qs = np.stack([q, 2 * q])
+    mapped = jax.jit(jax.vmap(lambda q: f(q, k, v, key)))(qs)
+    for n in range(2):
+        np.testing.assert_array_equal(mapped[n], sdpa_numba.varlen_attention(
+            qs[n], k, v, cq, ck, seed=seed, **kw))
+    with pytest.raises(ValueError, match="dropout_rng"):
+        jax.jit(lambda q: varlen_attention(q, k, v, cq, ck, **kw)).trace(q)
+
+
 def test_not_taken(rng):
     q, k, v = packed(rng, LQ, LK, HQ, H, E, EV)
     cq, ck = cu(LQ), cu(LK)
-    for kw, what in ((dict(dropout_p=0.1), "dropout"), (dict(sinks=np.zeros(HQ)), "sinks"),
-                     (dict(alibi_slopes=np.ones(HQ)), "alibi_slopes"),
-                     (dict(out=np.empty((10, HQ, EV))), "out")):
+    for kw, what in ((dict(out=np.empty((10, HQ, EV))), "out"),):
         with pytest.raises(NotImplementedError, match=what):
             varlen_attention(q, k, v, cq, ck, **kw)
     with pytest.raises(NotImplementedError, match="lse"):

@@ -13,8 +13,17 @@ heads, rows, columns; the attention state ``lse`` rank ``R - 1``; ALiBi slopes a
 query's and the mask's heads, rows and columns. The last batch dim is the kernels' batch dim;
 the handler launches the kernel once per index of the batch dims before it (one launch
 without ``vmap``; ``vmap`` adds leading dims). Two small operands carry the numbers:
-``ints = (offset, left, right, is_causal)`` (int64) and ``floats = (scale, softcap)``
-(float64), in the kernels' encoding (:mod:`sdpa_numba.score.recipe`).
+``ints = (offset, left, right, is_causal, n_batch, threshold)`` (int64) and ``floats =
+(scale, softcap, inv_keep)`` (float64), in the kernels' encoding
+(:mod:`sdpa_numba.score.recipe`, :func:`sdpa_numba.dropout.params`). ``n_batch`` is the flat
+size of the caller's batch (without ``vmap``'s dims): the batch index that ``score_mod``,
+``mask_mod`` and dropout see is the flat index within it, so that every ``vmap`` slice is
+computed as the unmapped call would compute it.
+
+After the numbers come, when the specialization has them, the dropout seed (two uint32 words,
+low first) and the ``mod_args`` (arrays, or scalars carried as bytes in uint32 words): each
+may carry ``vmap``'s leading dims, which the handler indexes as the batch's
+(:func:`_lead_address`).
 """
 
 import threading
@@ -30,6 +39,9 @@ from ..score.recipe import Recipe, recipe
 from ..targets import HOST
 from ._frame import (CACHE, answer_metadata, argument, as_pointer, c_string, data, dims, error,
                      result)
+
+#: Entries of the ``ints`` and ``floats`` operands (see the module's docstring).
+N_INTS, N_FLOATS = 6, 3
 
 _lock = threading.Lock()
 _targets = {}
@@ -80,13 +92,6 @@ def _native_call(dispatcher, sig):
         return types.none(args), codegen
 
     return call
-
-
-def _recipe_type(ct, alibi, sinks):
-    """The Numba type of the NumPy API's recipe with (or without) ALiBi slopes and sinks
-    (C-contiguous arrays of the compute dtype, :func:`sdpa_numba.problem.variants.check_alibi`)."""
-    return typeof(recipe(alibi=np.zeros((1, 1), ct) if alibi else None,
-                         sinks=np.zeros(1, ct) if sinks else None))
 
 
 def _storage(dtype):
@@ -210,8 +215,8 @@ def _empty(full):
 @njit(cache=CACHE)
 def _numbers(frame, i_ints, i_floats):
     """The ``ints`` and ``floats`` operands (see the module's docstring)."""
-    return (carray(as_pointer(data(argument(frame, i_ints))), (4,), np.int64),
-            carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64))
+    return (carray(as_pointer(data(argument(frame, i_ints))), (N_INTS,), np.int64),
+            carray(as_pointer(data(argument(frame, i_floats))), (N_FLOATS,), np.float64))
 
 
 @njit(cache=CACHE)
@@ -254,8 +259,9 @@ def _optional(present, make):
     return make if present else _absent
 
 
-def _indices(mask_kind, alibi, sinks, tail):
-    """Operand numbers: (mask, alibi, sinks, then the ``tail`` names) after q, k, v."""
+def _indices(mask_kind, alibi, sinks, tail, dropout=False, n_mod_args=0):
+    """Operand numbers: (mask, alibi, sinks, then the ``tail`` names, then the dropout seed
+    and the ``mod_args``) after q, k, v; ``mod_args`` is the first mod_arg's."""
     n = 3
     out = {}
     for name, present in (("mask", mask_kind != "none"), ("alibi", alibi), ("sinks", sinks)):
@@ -264,27 +270,153 @@ def _indices(mask_kind, alibi, sinks, tail):
     for name in tail:
         out[name] = n
         n += 1
+    out["seed"] = n if dropout else -1
+    n += dropout
+    out["mod_args"] = n
     return out
 
 
-#: The launches' batch offset: each handler launches one batch index's views at a time.
-_BATCH0 = np.int64(0)
 #: No chunked local attention: sdpa_numba.jax does not take ``chunk``.
 _NO_CHUNK = np.int64(0)
 
 
-def _operands(dtype, mask_kind, alibi, sinks):
+@njit(cache=CACHE)
+def _lead_address(buffer, core_rank, itemsize, idx):
+    """The address of the entry of ``buffer`` (elements of ``itemsize`` bytes, rank
+    ``core_rank`` plus the leading dims ``vmap`` added) at outer batch indices ``idx``: the
+    leading dims are the batch's first (``vmap``'s), a dim of size 1 broadcast."""
+    d = dims(buffer)
+    rank = d.shape[0]
+    n_lead = rank - core_rank
+    off = 0
+    s = itemsize
+    for i in range(rank - 1, -1, -1):
+        if i < n_lead and d[i] != 1:
+            off += idx[i] * s
+        s *= d[i]
+    return data(buffer) + off
+
+
+@njit(cache=CACHE)
+def _launch_offset(batch, ints, o):
+    """The flat batch index, within the caller's batch (``ints[4]`` entries: ``vmap``'s dims
+    left out), of outer launch ``o``'s first entry."""
+    return (o * batch[batch.shape[0] - 1]) % max(ints[4], 1)
+
+
+def _mod_arg_getter(n, spec):
+    """A jitted ``get(frame, idx)``: mod_arg operand ``n`` of ``spec`` ``(dtype, ndim,
+    carried)`` at outer batch indices ``idx``: a C-contiguous array of ``ndim`` dims (the
+    type the NumPy API's ``typeof`` gives a C-contiguous array: one compiled kernel for both),
+    or for ``ndim`` 0 a scalar (``carried`` "bytes": in uint32 words; "array": a 0-d array)."""
+    dtype, ndim, carried = spec
+    dt = np.dtype(dtype).type
+    size = np.dtype(dtype).itemsize
+    if ndim == 0:
+        core, item = (1, 4) if carried == "bytes" else (0, size)
+
+        @njit
+        def scalar(frame, idx):
+            a = _lead_address(argument(frame, n), core, item, idx)
+            return carray(as_pointer(a), (1,), dt)[0]
+        return scalar
+    if ndim == 1:
+        @njit
+        def get1(frame, idx):
+            b = argument(frame, n)
+            d = dims(b)
+            r = d.shape[0]
+            return carray(as_pointer(_lead_address(b, 1, size, idx)), (d[r - 1],), dt)
+        return get1
+    if ndim == 2:
+        @njit
+        def get2(frame, idx):
+            b = argument(frame, n)
+            d = dims(b)
+            r = d.shape[0]
+            return carray(as_pointer(_lead_address(b, 2, size, idx)), (d[r - 2], d[r - 1]),
+                          dt)
+        return get2
+    if ndim == 3:
+        @njit
+        def get3(frame, idx):
+            b = argument(frame, n)
+            d = dims(b)
+            r = d.shape[0]
+            return carray(as_pointer(_lead_address(b, 3, size, idx)),
+                          (d[r - 3], d[r - 2], d[r - 1]), dt)
+        return get3
+
+    @njit
+    def get4(frame, idx):
+        b = argument(frame, n)
+        d = dims(b)
+        r = d.shape[0]
+        return carray(as_pointer(_lead_address(b, 4, size, idx)),
+                      (d[r - 4], d[r - 3], d[r - 2], d[r - 1]), dt)
+    return get4
+
+
+def _mod_args_getter(first, specs):
+    """A jitted ``get(frame, idx)`` giving the tuple of the ``mod_args`` (operands ``first``
+    on, :func:`_mod_arg_getter` each), built one entry at a time (a jitted tuple of mixed
+    types cannot come from a loop)."""
+    if not specs:
+        @njit
+        def none(frame, idx):
+            return ()
+        return none
+    head = _mod_arg_getter(first, specs[0])
+    rest = _mod_args_getter(first + 1, specs[1:])
+
+    @njit
+    def get(frame, idx):
+        return (head(frame, idx),) + rest(frame, idx)
+    return get
+
+
+def _sample_mod_arg(spec):
+    """A host value of ``spec``'s Numba type (for the recipe's type)."""
+    dtype, ndim, _ = spec
+    if ndim == 0:
+        return np.dtype(dtype).type(0)
+    return np.zeros((1,) * ndim, dtype)
+
+
+def _recipe_type(ct, alibi, sinks, mods=None):
+    """The Numba type of the NumPy API's recipe with (or without) ALiBi slopes, sinks and the
+    user's functions (C-contiguous arrays of the compute dtype,
+    :func:`sdpa_numba.problem.variants.check_alibi`; a ``mask_mod`` comes with a block mask,
+    :func:`sdpa_numba.problem.block_mask.with_block_mask`)."""
+    extra = {}
+    if mods is not None:
+        score_mod, mask_mod, score_mod_grad, specs = mods
+        extra = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_grad=score_mod_grad,
+                     mod_args=tuple(_sample_mod_arg(x) for x in specs),
+                     block_mask=None if mask_mod is None else np.zeros((1, 1, 1, 1), np.int8))
+    return typeof(recipe(alibi=np.zeros((1, 1), ct) if alibi else None,
+                         sinks=np.zeros(1, ct) if sinks else None, **extra))
+
+
+def _operands(dtype, mask_kind, alibi, sinks, mods=None, dropout=False, tail=()):
     """What both directions read the same way: the compute type, the 4-D view of a storage
     operand, the kernels' leading arguments of one batch index (q, k, v, the optional
-    mask, is_causal, scale) and its recipe (ALiBi slopes and sinks, when it has them)."""
+    mask, is_causal and scale) and its recipe (ALiBi slopes, sinks, the user's functions with
+    their ``mod_args`` and an all-partial block mask, when it has them), and the operand
+    numbers (:func:`_indices`)."""
     from ..problem.dtypes import compute_dtype
+    from ..score.blocks import BLOCK_PARTIAL, K_BLOCK, Q_BLOCK
 
     st = _storage(dtype)
     ct = compute_dtype(dtype).type
     mask_view4 = _viewer(np.bool_ if mask_kind == "bool" else st)[0]
     alibi_view, sinks_view = _small_views(ct)
-    at = _indices(mask_kind, alibi, sinks, ())
+    score_mod, mask_mod, score_mod_grad, specs = mods if mods is not None else (
+        None, None, None, ())
+    at = _indices(mask_kind, alibi, sinks, tail, dropout, len(specs))
     i_mask, i_alibi, i_sinks = at["mask"], at["alibi"], at["sinks"]
+    mod_args_at = _mod_args_getter(at["mod_args"], specs)
+    partial = np.int8(BLOCK_PARTIAL)
 
     @njit
     def _mask(frame, n, full, idx):
@@ -294,10 +426,28 @@ def _operands(dtype, mask_kind, alibi, sinks):
     get_sinks = _optional(sinks, sinks_view)
 
     @njit
-    def recipe_at(frame, ints, floats, f_h, idx):
-        return Recipe(ints[0], ints[1], ints[2], _NO_CHUNK, floats[1], _BATCH0,
+    def all_partial(fulls):
+        # A mask_mod's block mask: every block partial (the mask_mod per element; the NumPy
+        # API's for small calls). Built from its mod_args' values, the NumPy API's would need
+        # them on the host at trace time.
+        f = fulls[3]
+        n = f.shape[0]
+        return np.full((1, 1, (f[n - 2] + Q_BLOCK - 1) // Q_BLOCK,
+                        (f[n - 1] + K_BLOCK - 1) // K_BLOCK), partial, np.int8)
+
+    @njit
+    def no_block_mask(fulls):
+        return None
+
+    block_mask = all_partial if mask_mod is not None else no_block_mask
+
+    @njit
+    def recipe_at(frame, ints, floats, fulls, idx, batch_offset):
+        f_h = fulls[6]
+        return Recipe(ints[0], ints[1], ints[2], _NO_CHUNK, floats[1], batch_offset,
                       get_alibi(frame, i_alibi, f_h, idx), get_sinks(frame, i_sinks, f_h, idx),
-                      None, None, None, (), None)
+                      score_mod, mask_mod, score_mod_grad, mod_args_at(frame, idx),
+                      block_mask(fulls))
 
     view4 = _viewer(st)[0]
     get_mask = _optional(mask_kind != "none", _mask)
@@ -309,17 +459,35 @@ def _operands(dtype, mask_kind, alibi, sinks):
         return (view4(q, fulls[0], idx), view4(k, fulls[1], idx), view4(v, fulls[2], idx),
                 get_mask(frame, i_mask, fulls[3], idx), ints[3] != 0, floats[0])
 
-    return ct, view4, leading, recipe_at
+    i_seed = at["seed"]
+
+    @njit
+    def drop_on(frame, ints, floats, idx, batch_offset):
+        seed = carray(as_pointer(_lead_address(argument(frame, i_seed), 1, 4, idx)), (1,),
+                      np.uint64)[0]
+        return (seed, np.uint64(ints[5]), floats[2], batch_offset)
+
+    return ct, view4, leading, recipe_at, drop_on, at
 
 
-def _make_forward(dtype, mask_kind, alibi, sinks):
+def _make_forward(dtype, mask_kind, alibi, sinks, mods=None, dropout=False):
     """The forward's cfunc for one specialization (see the module's docstring)."""
-    ct, view4, leading, recipe_at = _operands(dtype, mask_kind, alibi, sinks)
+    from ..cpu.forward import forward
+    from ..cpu.launch import signature
+
+    ct, view4, leading, recipe_at, drop_on, at = _operands(dtype, mask_kind, alibi, sinks, mods,
+                                                           dropout, ("ints", "floats"))
     lse_view = _viewer(ct)[1]
-    at = _indices(mask_kind, alibi, sinks, ("ints", "floats"))
     i_ints, i_floats = at["ints"], at["floats"]
-    kernel = _native_call(*HOST.native_kernel("forward", dtype, mask_kind,
-                                              _recipe_type(ct, alibi, sinks)))
+    # the NumPy API's launcher compiles this very signature (cpu.launch._entry)
+    kernel = _native_call(forward, signature(np.dtype(dtype), mask_kind, dropout,
+                                             _recipe_type(ct, alibi, sinks, mods)))
+
+    @njit
+    def drop_off(frame, ints, floats, idx, batch_offset):
+        return None
+
+    get_drop = drop_on if dropout else drop_off
     failed = c_string("sdpa_numba.jax: the CPU attention forward failed (out of memory?)")
 
     def handler(frame):
@@ -333,9 +501,11 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
         try:
             for o in range(n_outer):
                 idx = _outer(batch, o)
+                b0 = _launch_offset(batch, ints, o)
                 head = leading(frame, q, k, v, ints, floats, fulls, idx)
-                r = recipe_at(frame, ints, floats, f_h, idx)
-                kernel(head + (view4(out, f_o, idx), lse_view(lse, f_l, idx), None, r))
+                r = recipe_at(frame, ints, floats, fulls, idx, b0)
+                kernel(head + (view4(out, f_o, idx), lse_view(lse, f_l, idx),
+                               get_drop(frame, ints, floats, idx, b0), r))
         except Exception:  # (out of memory): the call fails with an XLA error
             return error(frame, failed)
         return 0
@@ -343,19 +513,27 @@ def _make_forward(dtype, mask_kind, alibi, sinks):
     return handler
 
 
-def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
+def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad, mods=None, dropout=False):
     """The backward's cfunc for one specialization: results dq, dk, dv (and the mask's
     gradient with ``mask_grad``) in the compute dtype, of the full broadcast shapes."""
     from ..dropout import NO_DROPOUT
 
-    ct, view4, leading, recipe_at = _operands(dtype, mask_kind, alibi, sinks)
+    ct, view4, leading, recipe_at, drop_on, at = _operands(
+        dtype, mask_kind, alibi, sinks, mods, dropout,
+        ("dout", "out", "lse", "ints", "floats"))
     cview4, lse_view, _ = _viewer(ct)
-    at = _indices(mask_kind, alibi, sinks, ("dout", "out", "lse", "ints", "floats"))
     i_dout, i_out, i_lse, i_ints, i_floats = (at[n] for n in
                                               ("dout", "out", "lse", "ints", "floats"))
     kernel = _native_call(*HOST.native_kernel("backward", dtype, mask_kind,
-                                              _recipe_type(ct, alibi, sinks)))
+                                              _recipe_type(ct, alibi, sinks, mods)))
     no_drop = NO_DROPOUT
+
+    @njit
+    def drop_off(frame, ints, floats, idx, batch_offset):
+        return no_drop
+
+    # the backward takes dropout at run time (inv_keep 1: off): one kernel for both
+    get_drop = drop_on if dropout else drop_off
 
     @njit
     def _dmask(frame, n, full, idx):
@@ -376,13 +554,15 @@ def _make_backward(dtype, mask_kind, alibi, sinks, mask_grad):
         try:
             for o in range(n_outer):
                 idx = _outer(batch, o)
+                b0 = _launch_offset(batch, ints, o)
                 # sinks ride along as in the NumPy API's recipe (the backward reads none of
                 # them: lse includes them): one compiled kernel for both
-                r = recipe_at(frame, ints, floats, f_h, idx)
+                r = recipe_at(frame, ints, floats, fulls, idx, b0)
                 kernel(leading(frame, q, k, v, ints, floats, fulls, idx) + (
                         view4(dout, f_o, idx), view4(out, f_o, idx), lse_view(lse, f_l, idx),
                         cview4(dq, f_q, idx), cview4(dk, f_k, idx), cview4(dv, f_v, idx),
-                        no_drop, get_dmask(frame, 3, f_m, idx), r))
+                        get_drop(frame, ints, floats, idx, b0),
+                        get_dmask(frame, 3, f_m, idx), r))
         except Exception:  # (out of memory): the call fails with an XLA error
             return error(frame, failed)
         return 0
@@ -423,15 +603,17 @@ def _target(kind, key, make):
         return _targets[kind, key][0]
 
 
-def forward_target(dtype, mask_kind, alibi, sinks):
+def forward_target(dtype, mask_kind, alibi, sinks, mods=None, dropout=False):
     """The FFI target of the forward for a storage dtype, mask kind ("none", "bool",
-    "additive"), ALiBi and sinks on/off."""
-    return _target("forward", (np.dtype(dtype), mask_kind, bool(alibi), bool(sinks)),
-                   _make_forward)
+    "additive"), ALiBi and sinks on/off, the user's functions (``mods``: None or
+    ``(score_mod, mask_mod, None, mod_arg specs)``, the functions by identity) and dropout
+    on/off."""
+    return _target("forward", (np.dtype(dtype), mask_kind, bool(alibi), bool(sinks), mods,
+                               bool(dropout)), _make_forward)
 
 
-def backward_target(dtype, mask_kind, alibi, sinks, mask_grad):
+def backward_target(dtype, mask_kind, alibi, sinks, mask_grad, mods=None, dropout=False):
     """The FFI target of the backward (see :func:`forward_target`; ``mask_grad``: an
-    additive mask's gradient is a fourth result)."""
+    additive mask's gradient is a fourth result; ``mods`` with its ``score_mod_grad``)."""
     return _target("backward", (np.dtype(dtype), mask_kind, bool(alibi), bool(sinks),
-                                bool(mask_grad)), _make_backward)
+                                bool(mask_grad), mods, bool(dropout)), _make_backward)

@@ -53,18 +53,86 @@ def _ints_at(buffer, o, n):
 
 
 @njit
-def _numbers(frame, i_ints, n_ints, i_floats):
+def _numbers(frame, i_ints, n_ints, i_floats, n_floats):
     """The ``ints`` (int64) and ``floats`` (scale, softcap; float64) operands, carried as
     uint32 bytes (JAX without ``jax_enable_x64`` has no 64-bit arrays)."""
     return (carray(as_pointer(data(argument(frame, i_ints))), (n_ints,), np.int64),
-            carray(as_pointer(data(argument(frame, i_floats))), (2,), np.float64))
+            carray(as_pointer(data(argument(frame, i_floats))), (n_floats,), np.float64))
 
 
 @njit
-def _recipe(left, right, chunk, softcap):
-    """The plain recipe (no optional parts: :data:`sdpa_numba.cpu.launch.PLAIN_RECIPE`)."""
-    return Recipe(np.int64(0), left, right, chunk, softcap, np.int64(0), None, None, None,
+def _recipe(left, right, chunk, softcap, alibi, sinks):
+    """The recipe of ALiBi slopes and sinks (each None or a C-contiguous array of the compute
+    dtype, as the NumPy API's), with no other optional part (without either: the plain
+    recipe, :data:`sdpa_numba.cpu.launch.PLAIN_RECIPE`)."""
+    return Recipe(np.int64(0), left, right, chunk, softcap, np.int64(0), alibi, sinks, None,
                   None, None, (), None)
+
+
+_tail_views = {}
+
+
+@njit
+def _tail(buffer, o, nd, itemsize):
+    """``(address, dims, rank)``: the address of leading index ``o`` of ``buffer``'s last
+    ``nd`` dims (a row-major buffer: the leading dims flattened), its dims and rank."""
+    d = dims(buffer)
+    n = d.shape[0]
+    return data(buffer) + o * itemsize * _size(d, n - nd, n), d, n
+
+
+def _tail_view(np_type, nd):
+    """A jitted ``view(buffer, o)``: the C-contiguous ``nd``-dim array (1 to 4) of ``np_type``
+    over ``buffer``'s last ``nd`` dims at leading index ``o`` (``vmap``'s dims flattened;
+    0 without them): the one view of the serving handlers' operands and results."""
+    key = (np.dtype(np_type), nd)
+    if key in _tail_views:
+        return _tail_views[key]
+    size = np.dtype(np_type).itemsize
+    if nd == 1:
+        @njit
+        def view(buffer, o):
+            a, d, n = _tail(buffer, o, 1, size)
+            return carray(as_pointer(a), (d[n - 1],), np_type)
+    elif nd == 2:
+        @njit
+        def view(buffer, o):
+            a, d, n = _tail(buffer, o, 2, size)
+            return carray(as_pointer(a), (d[n - 2], d[n - 1]), np_type)
+    elif nd == 3:
+        @njit
+        def view(buffer, o):
+            a, d, n = _tail(buffer, o, 3, size)
+            return carray(as_pointer(a), (d[n - 3], d[n - 2], d[n - 1]), np_type)
+    else:
+        @njit
+        def view(buffer, o):
+            a, d, n = _tail(buffer, o, 4, size)
+            return carray(as_pointer(a), (d[n - 4], d[n - 3], d[n - 2], d[n - 1]), np_type)
+    _tail_views[key] = view
+    return view
+
+
+def _per_head(ct, alibi, sinks, i_alibi):
+    """Jitted ``(frame, o) -> alibi`` and ``-> sinks``: the operands ``i_alibi`` on (ALiBi
+    slopes ``(B or 1, Hq)``, sinks ``(Hq,)``, compute dtype) at leading index ``o``, or None
+    where the specialization has none."""
+    a2, a1 = _tail_view(ct, 2), _tail_view(ct, 1)
+    i_sinks = i_alibi + bool(alibi)
+
+    @njit
+    def get_alibi(frame, o):
+        return a2(argument(frame, i_alibi), o)
+
+    @njit
+    def get_sinks(frame, o):
+        return a1(argument(frame, i_sinks), o)
+
+    @njit
+    def none(frame, o):
+        return None
+
+    return get_alibi if alibi else none, get_sinks if sinks else none
 
 
 # ---------------------------------------------------------------- varlen
@@ -89,8 +157,26 @@ def _check_cu(cu, total, max_len):
 
 
 #: ints of a varlen call: is_causal, bottom_right, left, right, chunk, max_seqlen_q,
-#: max_seqlen_k (-1: not given)
-VARLEN_INTS = 7
+#: max_seqlen_k (-1: not given), dropout's threshold; floats: scale, softcap, inv_keep
+VARLEN_INTS, VARLEN_FLOATS = 8, 3
+
+
+def _varlen_dropout(dropout, i_seed):
+    """A jitted ``(frame, ints, floats, o) -> dropout``: the kernels' dropout tuple of
+    leading index ``o`` (the seed operand ``i_seed``, two uint32 words low first, broadcast
+    by ``vmap`` like every operand; batch offset 0: each index's sequences count from 0, as
+    the unmapped call's), or for ``dropout`` False the forward's None / the backward's
+    "off" tuple (``off``)."""
+    @njit
+    def on(frame, ints, floats, o, off):
+        seed = carray(as_pointer(data(argument(frame, i_seed)) + 8 * o), (1,), np.uint64)[0]
+        return (seed, np.uint64(ints[7]), floats[2], np.int64(0))
+
+    @njit
+    def not_on(frame, ints, floats, o, off):
+        return off
+
+    return on if dropout else not_on
 
 
 def _varlen_common(dtype):
@@ -99,7 +185,6 @@ def _varlen_common(dtype):
 
     st = _storage(dtype)
     ct = compute_dtype(dtype).type
-    sz, csz = np.dtype(st).itemsize, np.dtype(ct).itemsize
     texts, at = _messages(*[
         f"sdpa_numba.jax.varlen_attention: {m}" for name, what in
         (("cu_seqlens_q", "q"), ("cu_seqlens_k", "k")) for m in (
@@ -110,28 +195,7 @@ def _varlen_common(dtype):
         "number of sequences")
     at = np.array(at, np.int64)
 
-    @njit
-    def st3(buffer, o):
-        d = dims(buffer)
-        n = d.shape[0]
-        shape = (d[n - 3], d[n - 2], d[n - 1])
-        return carray(as_pointer(data(buffer) + o * sz * shape[0] * shape[1] * shape[2]),
-                      shape, st)
-
-    @njit
-    def ct3(buffer, o):
-        d = dims(buffer)
-        n = d.shape[0]
-        shape = (d[n - 3], d[n - 2], d[n - 1])
-        return carray(as_pointer(data(buffer) + o * csz * shape[0] * shape[1] * shape[2]),
-                      shape, ct)
-
-    @njit
-    def ct2(buffer, o):
-        d = dims(buffer)
-        n = d.shape[0]
-        shape = (d[n - 2], d[n - 1])
-        return carray(as_pointer(data(buffer) + o * csz * shape[0] * shape[1]), shape, ct)
+    st3, ct3, ct2 = _tail_view(st, 3), _tail_view(ct, 3), _tail_view(ct, 2)
 
     @njit
     def cu_seqlens(frame, o, ints, total_q, total_k):
@@ -158,27 +222,29 @@ def _varlen_common(dtype):
     return ct, st3, ct3, ct2, cu_seqlens, fail
 
 
-def _make_varlen_forward(dtype):
+def _make_varlen_forward(dtype, alibi=False, sinks=False, dropout=False):
     """The varlen forward's cfunc: operands q, k, v, cu_seqlens_q, cu_seqlens_k, ints,
-    floats; results out (q's dtype), lse (compute dtype, ``(.., Hq, total_q)``)."""
-    from ..cpu.launch import PLAIN_RECIPE
+    floats, [ALiBi slopes], [sinks], [dropout's seed]; results out (q's dtype), lse (compute
+    dtype, ``(.., Hq, total_q)``)."""
     from ..cpu.launch_varlen import forward_signature
     from ..cpu.varlen import varlen_forward
+    from ._handlers import _recipe_type
 
     ct, st3, ct3, ct2, cu_seqlens, fail = _varlen_common(dtype)
-    kernel = _native_call(varlen_forward, forward_signature(np.dtype(dtype), False,
-                                                            PLAIN_RECIPE))
+    kernel = _native_call(varlen_forward, forward_signature(np.dtype(dtype), dropout,
+                                                            _recipe_type(ct, alibi, sinks)))
+    get_alibi, get_sinks = _per_head(ct, alibi, sinks, 7)
+    get_drop = _varlen_dropout(dropout, 7 + alibi + sinks)
     failed = c_string("sdpa_numba.jax: the CPU varlen forward failed (out of memory?)")
 
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        ints, floats = _numbers(frame, 5, VARLEN_INTS, 6)
+        ints, floats = _numbers(frame, 5, VARLEN_INTS, 6, VARLEN_FLOATS)
         qd, kd = dims(argument(frame, 0)), dims(argument(frame, 1))
         nb = qd.shape[0] - 3
         n_outer = _size(qd, 0, nb)
         total_q, hq, total_k = qd[nb], qd[nb + 1], kd[nb]
-        r = _recipe(ints[2], ints[3], ints[4], floats[1])
         for o in range(n_outer):  # every check first: nothing is computed on bad input
             _, _, bad = cu_seqlens(frame, o, ints, total_q, total_k)
             if bad >= 0:
@@ -188,9 +254,12 @@ def _make_varlen_forward(dtype):
         try:
             for o in range(n_outer):
                 cu_q, cu_k, _ = cu_seqlens(frame, o, ints, total_q, total_k)
+                r = _recipe(ints[2], ints[3], ints[4], floats[1], get_alibi(frame, o),
+                            get_sinks(frame, o))
                 kernel((st3(argument(frame, 0), o), st3(argument(frame, 1), o),
                         st3(argument(frame, 2), o), cu_q, cu_k, ints[0] != 0, floats[0],
-                        st3(result(frame, 0), o), ct2(result(frame, 1), o), None, r,
+                        st3(result(frame, 0), o), ct2(result(frame, 1), o),
+                        get_drop(frame, ints, floats, o, None), r,
                         ints[1] != 0))
         except Exception:  # (out of memory): the call fails with an XLA error
             return error(frame, failed)
@@ -199,28 +268,32 @@ def _make_varlen_forward(dtype):
     return handler
 
 
-def _make_varlen_backward(dtype):
+def _make_varlen_backward(dtype, alibi=False, sinks=False, dropout=False):
     """The varlen backward's cfunc: operands q, k, v, cu_seqlens_q, cu_seqlens_k, dout, out,
-    lse, ints, floats; results dq, dk, dv in the compute dtype."""
-    from ..cpu.launch import PLAIN_RECIPE
+    lse, ints, floats, [ALiBi slopes], [sinks], [dropout's seed]; results dq, dk, dv in the
+    compute dtype (sinks ride along in the recipe, as the NumPy API's: the kernel reads none
+    of them; dropout is a run-time tuple, "off" without it: one kernel for both)."""
     from ..cpu.launch_varlen import backward_signature
     from ..cpu.varlen import varlen_backward
     from ..dropout import NO_DROPOUT
+    from ._handlers import _recipe_type
 
     ct, st3, ct3, ct2, cu_seqlens, fail = _varlen_common(dtype)
-    kernel = _native_call(varlen_backward, backward_signature(np.dtype(dtype), PLAIN_RECIPE))
+    kernel = _native_call(varlen_backward, backward_signature(np.dtype(dtype),
+                                                              _recipe_type(ct, alibi, sinks)))
+    get_alibi, get_sinks = _per_head(ct, alibi, sinks, 10)
+    get_drop = _varlen_dropout(dropout, 10 + alibi + sinks)
     no_drop = NO_DROPOUT
     failed = c_string("sdpa_numba.jax: the CPU varlen backward failed (out of memory?)")
 
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        ints, floats = _numbers(frame, 8, VARLEN_INTS, 9)
+        ints, floats = _numbers(frame, 8, VARLEN_INTS, 9, VARLEN_FLOATS)
         qd, kd = dims(argument(frame, 0)), dims(argument(frame, 1))
         nb = qd.shape[0] - 3
         n_outer = _size(qd, 0, nb)
         total_q, total_k = qd[nb], kd[nb]
-        r = _recipe(ints[2], ints[3], ints[4], floats[1])
         for o in range(n_outer):
             _, _, bad = cu_seqlens(frame, o, ints, total_q, total_k)
             if bad >= 0:
@@ -228,11 +301,14 @@ def _make_varlen_backward(dtype):
         try:
             for o in range(n_outer):
                 cu_q, cu_k, _ = cu_seqlens(frame, o, ints, total_q, total_k)
+                r = _recipe(ints[2], ints[3], ints[4], floats[1], get_alibi(frame, o),
+                            get_sinks(frame, o))
                 kernel((st3(argument(frame, 0), o), st3(argument(frame, 1), o),
                         st3(argument(frame, 2), o), cu_q, cu_k, ints[0] != 0, floats[0],
                         st3(argument(frame, 5), o), st3(argument(frame, 6), o),
                         ct2(argument(frame, 7), o), ct3(result(frame, 0), o),
-                        ct3(result(frame, 1), o), ct3(result(frame, 2), o), no_drop, r,
+                        ct3(result(frame, 1), o), ct3(result(frame, 2), o),
+                        get_drop(frame, ints, floats, o, no_drop), r,
                         ints[1] != 0))
         except Exception:
             return error(frame, failed)
@@ -241,14 +317,18 @@ def _make_varlen_backward(dtype):
     return handler
 
 
-def varlen_forward_target(dtype):
-    """The FFI target of the varlen forward for a storage dtype."""
-    return _target("varlen_forward", (np.dtype(dtype),), _make_varlen_forward)
+def varlen_forward_target(dtype, alibi=False, sinks=False, dropout=False):
+    """The FFI target of the varlen forward for a storage dtype, ALiBi, sinks and dropout
+    on/off."""
+    return _target("varlen_forward", (np.dtype(dtype), bool(alibi), bool(sinks),
+                                      bool(dropout)), _make_varlen_forward)
 
 
-def varlen_backward_target(dtype):
-    """The FFI target of the varlen backward for a storage dtype."""
-    return _target("varlen_backward", (np.dtype(dtype),), _make_varlen_backward)
+def varlen_backward_target(dtype, alibi=False, sinks=False, dropout=False):
+    """The FFI target of the varlen backward for a storage dtype, ALiBi, sinks and dropout
+    on/off."""
+    return _target("varlen_backward", (np.dtype(dtype), bool(alibi), bool(sinks),
+                                       bool(dropout)), _make_varlen_backward)
 
 
 # ---------------------------------------------------------------- KV cache
@@ -257,25 +337,27 @@ def varlen_backward_target(dtype):
 KVCACHE_INTS = 5
 
 
-def _decode_signature(dtype, parallel):
+def _decode_signature(dtype, parallel, recipe_t):
     """The decode kernel and the signature :func:`sdpa_numba.cpu.launch_decode.entry`
-    compiles it with (float caches): one compiled kernel for both APIs."""
+    compiles it with (float caches) for recipe type ``recipe_t``: one compiled kernel for
+    both APIs."""
     from numba import types
 
     from ..cpu.decode import decode, decode_serial
-    from ..cpu.launch import PLAIN_RECIPE, arr, kernel_types
+    from ..cpu.launch import arr, kernel_types
 
     st, ct, _ = kernel_types(np.dtype(dtype), "none")
     sig = (arr(st, 4, True), arr(st, 4, True), arr(st, 4, True), arr(types.int32, 2, True),
            arr(types.int64, 1, True), types.boolean, types.float64, arr(st, 4, False),
-           arr(ct, 3, False), PLAIN_RECIPE, arr(types.int64, 1, True), types.none)
+           arr(ct, 3, False), recipe_t, arr(types.int64, 1, True), types.none)
     return (decode if parallel else decode_serial), sig
 
 
-def _make_kvcache(dtype, appending):
+def _make_kvcache(dtype, appending, alibi=False, sinks=False):
     """The KV-cache cfunc: operands q, k_cache, v_cache, cache_seqlens, block_table,
-    cache_leftpad, [k, v], ints, floats; results out, k_cache, v_cache (aliased to the
-    operands: XLA hands the handler the caches' contents in them), lse."""
+    cache_leftpad, [k, v], ints, floats, [ALiBi slopes (B or 1, Hq)], [sinks (Hq,)]; results
+    out, k_cache, v_cache (aliased to the operands: XLA hands the handler the caches'
+    contents in them), lse."""
     from ..cpu.decode import _key_bounds
     from ..cpu.launch_decode import SERIAL_BYTES
     from ..problem.dtypes import compute_dtype
@@ -283,10 +365,14 @@ def _make_kvcache(dtype, appending):
     st = _storage(dtype)
     ct = compute_dtype(dtype).type
     sz = np.dtype(st).itemsize
-    parallel = _native_call(*_decode_signature(dtype, True))
-    serial = _native_call(*_decode_signature(dtype, False))
+    from ._handlers import _recipe_type
+
+    recipe_t = _recipe_type(ct, alibi, sinks)
+    parallel = _native_call(*_decode_signature(dtype, True, recipe_t))
+    serial = _native_call(*_decode_signature(dtype, False, recipe_t))
     i_ints = 8 if appending else 6
     i_floats = i_ints + 1
+    get_alibi, get_sinks = _per_head(ct, alibi, sinks, i_floats + 1)
     texts, at = _messages(*[f"sdpa_numba.jax.attention_with_kvcache: {m}" for m in (
         "cache_seqlens must be >= 0 (nothing was written)",
         "cache_leftpad must be in [0, cache_seqlens + Lq_new] (nothing was written)",
@@ -299,10 +385,11 @@ def _make_kvcache(dtype, appending):
     negative, leftpad_bad, beyond, table_bad, shared = at
     failed = c_string("sdpa_numba.jax: the CPU KV-cache attention failed (out of memory?)")
 
+    view4 = _tail_view(st, 4)
+
     @njit
     def st4(buffer):
-        d = dims(buffer)
-        return carray(as_pointer(data(buffer)), (d[0], d[1], d[2], d[3]), st)
+        return view4(buffer, 0)
 
     @njit
     def check(kv_lens, seqlens, leftpad, table, capacity, page_size, n_pages, lq_new, paged):
@@ -365,7 +452,7 @@ def _make_kvcache(dtype, appending):
     def handler(frame):
         if answer_metadata(frame):
             return 0
-        ints, floats = _numbers(frame, i_ints, KVCACHE_INTS, i_floats)
+        ints, floats = _numbers(frame, i_ints, KVCACHE_INTS, i_floats, 2)
         q = st4(argument(frame, 0))
         k_cache, v_cache = st4(result(frame, 1)), st4(result(frame, 2))
         out = st4(result(frame, 0))
@@ -387,7 +474,8 @@ def _make_kvcache(dtype, appending):
         write(k, v, k_cache, v_cache, table, seqlens, page_size)
         if out.size == 0 and lse.size == 0:
             return 0
-        r = _recipe(ints[1], ints[2], ints[3], floats[1])
+        r = _recipe(ints[1], ints[2], ints[3], floats[1], get_alibi(frame, 0),
+                    get_sinks(frame, 0))
         # The NumPy API's choice of kernel (sdpa_numba.cpu.launch_decode.prepare): by the
         # bytes of keys and values read, so that both give the same bits.
         lo = np.empty(b_len, np.int64)
@@ -411,6 +499,8 @@ def _make_kvcache(dtype, appending):
     return handler
 
 
-def kvcache_target(dtype, appending):
-    """The FFI target of the KV-cache call for a storage dtype, with or without an append."""
-    return _target("kvcache", (np.dtype(dtype), bool(appending)), _make_kvcache)
+def kvcache_target(dtype, appending, alibi=False, sinks=False):
+    """The FFI target of the KV-cache call for a storage dtype, with or without an append,
+    ALiBi and sinks on/off."""
+    return _target("kvcache", (np.dtype(dtype), bool(appending), bool(alibi), bool(sinks)),
+                   _make_kvcache)

@@ -22,7 +22,7 @@ from ..problem.arguments import shape_str
 from ..problem.kvcache import kvcache_problem
 from ..score.recipe import NO_LIMIT
 from ._serve_handlers import kvcache_target
-from .dense import _check_platform
+from .dense import _check_platform, _stand_in
 from .varlen import _numbers, int_operand, is_concrete, not_taken
 
 __all__ = ["attention_with_kvcache"]
@@ -92,7 +92,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         As in the NumPy API; may be traced.
     is_causal, scale, window, chunk, alignment, softcap, return_lse
         As in the NumPy API (``lse`` ``(B, Hq, Lq)``, compute dtype).
-    out, k_scale, v_scale, alibi_slopes, sinks, score_mod, mask_mod, mod_args
+    alibi_slopes, sinks : jax.Array, optional
+        As in the NumPy API (slopes ``(Hq,)`` or ``(B, Hq)``, sinks ``(Hq,)``; float32 or
+        float64): shapes and dtypes checked at trace time, values the caller's to keep. Each
+        on/off is a specialization (a handler and a kernel compiled once per process).
+    out, k_scale, v_scale, score_mod, mask_mod, mod_args
         Not taken under JAX yet (NotImplementedError when given); ``block_mask`` as the NumPy
         API (NotImplementedError).
 
@@ -123,8 +127,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     (``jax.block_until_ready``).
     """
     not_taken("attention_with_kvcache", out=out, k_scale=k_scale, v_scale=v_scale,
-              alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
-              mod_args=mod_args)
+              score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
     if block_mask is not None:
         raise NotImplementedError(
             "attention_with_kvcache does not take a block_mask: a block mask is made for one "
@@ -134,7 +137,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
              ("cache_seqlens", cache_seqlens), ("block_table", block_table),
              ("cache_leftpad", cache_leftpad)]
-    _check_platform(named)
+    _check_platform(named + [("alibi_slopes", alibi_slopes), ("sinks", sinks)])
+    alibi_slopes, sinks = (x if x is None or not hasattr(x, "shape") else jnp.asarray(x)
+                           for x in (alibi_slopes, sinks))
+    per_head = dict(alibi_slopes=_stand_in(alibi_slopes), sinks=_stand_in(sinks))
     for name, x in named[:5]:
         if x is not None and not hasattr(x, "shape"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -162,7 +168,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         p = kvcache_problem(_Spec(q), _Spec(k_cache), _Spec(v_cache), seqlens_in,
                             None if k is None else _Spec(k), None if v is None else _Spec(v),
                             table_in, leftpad_in, is_causal, scale, alignment=alignment,
-                            window=window, chunk=chunk, softcap=softcap)
+                            window=window, chunk=chunk, softcap=softcap, **per_head)
     except ValueError as e:
         # A stand-in's pages are the checks' guess: whether an append writes a shared page
         # depends on traced values, checked when the kernel runs.
@@ -170,8 +176,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
             raise
         p = kvcache_problem(_Spec(q), _Spec(k_cache), _Spec(v_cache), seqlens_in, None, None,
                             table_in, leftpad_in, is_causal, scale, alignment=alignment,
-                            window=window, chunk=chunk, softcap=softcap)
+                            window=window, chunk=chunk, softcap=softcap, **per_head)
     r = p.recipe
+    ct = p.compute_dtype
+    per_head_ops = []
+    if r.alibi is not None:  # as the NumPy API's: (1, Hq), or (B, Hq) broadcast
+        a = alibi_slopes.astype(ct)
+        per_head_ops.append(a.reshape(1, -1) if r.alibi.shape[0] == 1 else
+                            jnp.broadcast_to(a, r.alibi.shape))
+    if r.sinks is not None:
+        per_head_ops.append(sinks.astype(ct))
     seqlens = int_operand(cache_seqlens)
     leftpad = (jnp.zeros((B,), jnp.int32) if cache_leftpad is None
                else int_operand(cache_leftpad))
@@ -179,19 +193,20 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
              else jnp.arange(B, dtype=jnp.int32).reshape(B, 1))
     ints = (int(p.is_causal), int(min(r.left, NO_LIMIT)), int(min(r.right, NO_LIMIT)),
             int(r.chunk), int(paged))
-    ct = p.compute_dtype
     results = (jax.ShapeDtypeStruct(p.out_shape, p.dtype),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
                jax.ShapeDtypeStruct(p.lse_shape, ct))
     appending = k is not None
-    call = jax.ffi.ffi_call(kvcache_target(p.dtype, appending), results,
+    call = jax.ffi.ffi_call(kvcache_target(p.dtype, appending, r.alibi is not None,
+                                           r.sinks is not None), results,
                             input_output_aliases={1: 1, 2: 2})
     ops = [q, k_cache, v_cache, seqlens, table, leftpad] + ([k, v] if appending else [])
     call = jax.custom_batching.custom_vmap(call)
     call.def_vmap(_no_vmap)
     result, k_cache, v_cache, lse = call(*ops, *_numbers(ints, (float(p.scale),
-                                                                float(r.softcap))))
+                                                                float(r.softcap))),
+                                         *per_head_ops)
     if return_lse:
         return result, k_cache, v_cache, lse
     return result, k_cache, v_cache

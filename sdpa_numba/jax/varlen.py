@@ -16,11 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from ..dropout import threshold
 from ..problem import check_dropout, check_flag
 from ..problem.varlen import varlen_plan
 from ..score.recipe import NO_LIMIT
 from ._serve_handlers import varlen_backward_target, varlen_forward_target
-from .dense import _check_platform, _Spec
+from ._mods import seed_operand
+from .dense import _check_platform, _Spec, _stand_in
 
 __all__ = ["varlen_attention"]
 
@@ -81,44 +83,58 @@ def _numbers(ints, floats):
             jnp.asarray(np.array(floats, np.float64).view(np.uint32)))
 
 
-# cfg: (dtype, ints, floats, out_shape, lse_shape), hashable (custom_vjp's nondiff arg)
+# cfg: (dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout), hashable
+# (custom_vjp's nondiff arg)
 
-def _forward_call(cfg, q, k, v, cu_q, cu_k):
-    dtype, ints, floats, out_shape, lse_shape = cfg
+def _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
+    dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout = cfg
     ct = np.float64 if dtype == np.float64 else np.float32
-    call = jax.ffi.ffi_call(varlen_forward_target(dtype),
+    call = jax.ffi.ffi_call(varlen_forward_target(dtype, has_alibi, has_sinks, dropout),
                             (jax.ShapeDtypeStruct(out_shape, dtype),
                              jax.ShapeDtypeStruct(lse_shape, ct)),
                             vmap_method="broadcast_all")
-    return call(q, k, v, cu_q, cu_k, *_numbers(ints, floats))
+    return call(q, k, v, cu_q, cu_k, *_numbers(ints, floats),
+                *[x for x in (alibi, sinks, seed) if x is not None])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _varlen(cfg, q, k, v, cu_q, cu_k):
-    return _forward_call(cfg, q, k, v, cu_q, cu_k)
+def _varlen(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
+    return _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed)
 
 
-def _fwd(cfg, q, k, v, cu_q, cu_k):
-    vals = [x.value for x in (q, k, v, cu_q, cu_k)]
+def _fwd(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
+    if alibi is not None and alibi.perturbed:
+        raise NotImplementedError("sdpa_numba.jax.varlen_attention has no gradient for "
+                                  "alibi_slopes (the backward kernel does not compute it)")
+    vals = [None if x is None else x.value
+            for x in (q, k, v, cu_q, cu_k, alibi, sinks, seed)]
     out, lse = _forward_call(cfg, *vals)
     return (out, lse), (vals, out, lse)
 
 
 def _bwd(cfg, res, cts):
-    (q, k, v, cu_q, cu_k), out, lse = res
+    (q, k, v, cu_q, cu_k, alibi, sinks, seed), out, lse = res
     g, g_lse = cts
-    dtype, ints, floats, out_shape, _ = cfg
+    dtype, ints, floats, out_shape, _, has_alibi, has_sinks, dropout = cfg
     if not isinstance(g_lse, SymbolicZero):
         raise NotImplementedError("sdpa_numba.jax.varlen_attention has no gradient through "
                                   "lse (return_lse=True): differentiate the output only")
     g = jnp.zeros(out_shape, dtype) if isinstance(g, SymbolicZero) else g.astype(dtype)
     ct = np.float64 if dtype == np.float64 else np.float32
     results = [jax.ShapeDtypeStruct(x.shape, ct) for x in (q, k, v)]
-    grads = jax.ffi.ffi_call(varlen_backward_target(dtype), results,
-                             vmap_method="broadcast_all")(q, k, v, cu_q, cu_k, g, out, lse,
-                                                          *_numbers(ints, floats))
+    grads = jax.ffi.ffi_call(varlen_backward_target(dtype, has_alibi, has_sinks, dropout),
+                             results, vmap_method="broadcast_all")(
+        q, k, v, cu_q, cu_k, g, out, lse, *_numbers(ints, floats),
+        *[x for x in (alibi, sinks, seed) if x is not None])
+    dsinks = None
+    if sinks is not None:
+        # d sink_h = -sum_i exp(sink_h - lse_{h,i}) * rowsum(dO * O)_{i,h} (the dense one's)
+        d = jnp.einsum("...ihe,...ihe->...hi", g.astype(ct), out.astype(ct))
+        s = sinks[..., None]  # (Hq, 1) against lse's (Hq, total_q)
+        w = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - lse))
+        dsinks = (-(w * d).sum(axis=-1)).astype(sinks.dtype)
     # the NumPy API's: the compute dtype's gradients cast to the inputs' dtype
-    return tuple(d.astype(dtype) for d in grads) + (None, None)
+    return tuple(d.astype(dtype) for d in grads) + (None, None, None, dsinks, None)
 
 
 _varlen.defvjp(_fwd, _bwd, symbolic_zeros=True)
@@ -126,9 +142,9 @@ _varlen.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                      max_seqlen_k=None, *, is_causal=False, scale=None, dropout_p=0.0,
-                     seed=None, return_lse=False, out=None, window=None, chunk=None,
-                     alignment="top_left", softcap=None, alibi_slopes=None, sinks=None,
-                     score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None,
+                     seed=None, dropout_rng=None, return_lse=False, out=None, window=None,
+                     chunk=None, alignment="top_left", softcap=None, alibi_slopes=None,
+                     sinks=None, score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None,
                      block_mask=None):
     """Attention over a ragged batch packed back to back, on JAX arrays, under ``jax.jit``,
     ``jax.grad`` and ``jax.vmap``: :func:`sdpa_numba.varlen_attention` (same arguments and
@@ -149,9 +165,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     is_causal, scale, window, chunk, alignment, softcap, return_lse
         As in the NumPy API. ``lse`` has shape ``(Hq, total_q)`` in the compute dtype; no
         gradient flows through it (NotImplementedError if one is asked).
-    dropout_p : float
-        Only 0 (NotImplementedError otherwise).
-    seed, out, alibi_slopes, sinks, score_mod, mask_mod, mod_args, score_mod_grad
+    dropout_p, seed, dropout_rng
+        Dropout as in :func:`sdpa_numba.jax.scaled_dot_product_attention` (``dropout_rng`` a
+        JAX key, or ``seed`` an int or two uint32 words, traced): the NumPy API's mask (of
+        sequence index, head, row, key) for the same seed, bit for bit, redrawn by the
+        backward. Under ``vmap`` each index draws the unmapped call's mask (its own with
+        mapped keys).
+    alibi_slopes, sinks : jax.Array, optional
+        As in the NumPy API (``(Hq,)`` or ``(B, Hq)`` slopes; ``(Hq,)`` sinks): shapes and
+        dtypes checked at trace time, values (finite; sinks finite or ``-inf``) the caller's
+        to keep. ``sinks`` have a gradient; ``alibi_slopes`` none (NotImplementedError when
+        one is asked). Each on/off is a specialization (a handler and a kernel compiled once
+        per process).
+    out, score_mod, mask_mod, mod_args, score_mod_grad
         Not taken under JAX yet (NotImplementedError when given). ``block_mask`` is refused as
         by the NumPy API (ValueError).
 
@@ -170,16 +196,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
 
     Notes
     -----
-    Gradients: q, k and v, by :func:`sdpa_numba.varlen_attention_backward`'s kernel (bit for
-    bit its results). Under ``vmap`` every operand is broadcast to the mapped size and the
+    Gradients: q, k, v (by :func:`sdpa_numba.varlen_attention_backward`'s kernel, bit for
+    bit its results) and sinks. Under ``vmap`` every operand is broadcast to the mapped size and the
     kernel runs once per index.
     """
-    not_taken("varlen_attention", seed=seed, out=out, alibi_slopes=alibi_slopes, sinks=sinks,
-              score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
-              score_mod_grad=score_mod_grad)
-    if check_dropout(dropout_p) > 0:
-        raise NotImplementedError("sdpa_numba.jax.varlen_attention does not take dropout_p > "
-                                  "0 yet")
+    not_taken("varlen_attention", out=out, score_mod=score_mod, mask_mod=mask_mod,
+              mod_args=mod_args, score_mod_grad=score_mod_grad)
+    dropout_p = check_dropout(dropout_p)
+    seed_op = seed_operand(seed, dropout_rng) if dropout_p > 0 else None
     return_lse = check_flag("return_lse", return_lse)
     named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k)]
@@ -187,7 +211,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     for name, x in named[:3]:
         if not hasattr(x, "shape"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    _check_platform([("alibi_slopes", alibi_slopes), ("sinks", sinks)])
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    alibi_slopes, sinks = (x if x is None or not hasattr(x, "shape") else jnp.asarray(x)
+                           for x in (alibi_slopes, sinks))
     max_q = _max_hint("max_seqlen_q", max_seqlen_q)
     max_k = _max_hint("max_seqlen_k", max_seqlen_k)
     total_q = int(q.shape[0]) if q.ndim else 0
@@ -199,10 +226,20 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                     max_seqlen_q=max_seqlen_q if concrete else None,
                     max_seqlen_k=max_seqlen_k if concrete else None, is_causal=is_causal,
                     scale=scale, window=window, chunk=chunk, alignment=alignment,
-                    softcap=softcap, block_mask=block_mask)
+                    softcap=softcap, block_mask=block_mask, alibi_slopes=_stand_in(alibi_slopes),
+                    sinks=_stand_in(sinks))
     r = p.recipe
+    alibi = sinks_ = None
+    if r.alibi is not None:  # as the NumPy API's: (1, Hq), or (B, Hq) broadcast
+        alibi = jnp.broadcast_to(alibi_slopes.astype(p.compute_dtype),
+                                 (p.n_seq, p.hq)).reshape(r.alibi.shape) \
+            if r.alibi.shape[0] != 1 else alibi_slopes.astype(p.compute_dtype).reshape(1, p.hq)
+    if r.sinks is not None:
+        sinks_ = sinks.astype(p.compute_dtype)
     ints = (int(p.is_causal), int(p.bottom_right), int(min(r.left, NO_LIMIT)),
-            int(min(r.right, NO_LIMIT)), int(r.chunk), max_q, max_k)
-    cfg = (p.dtype, ints, (float(p.scale), float(r.softcap)), p.out_shape, p.lse_shape)
-    result, lse = _varlen(cfg, q, k, v, int_operand(cu_seqlens_q), int_operand(cu_seqlens_k))
+            int(min(r.right, NO_LIMIT)), int(r.chunk), max_q, max_k, threshold(dropout_p))
+    cfg = (p.dtype, ints, (float(p.scale), float(r.softcap), 1.0 / (1.0 - dropout_p)),
+           p.out_shape, p.lse_shape, alibi is not None, sinks_ is not None, dropout_p > 0)
+    result, lse = _varlen(cfg, q, k, v, int_operand(cu_seqlens_q), int_operand(cu_seqlens_k),
+                          alibi, sinks_, seed_op)
     return (result, lse) if return_lse else result
