@@ -35,7 +35,7 @@ from numba.core.callconv import excinfo_t
 from numba.extending import intrinsic
 
 from .._runtime import kernel_launch, package_stamp, stamp_caches
-from ..score.recipe import Recipe, recipe
+from ..score.recipe import recipe
 from ..targets import HOST
 from ._frame import (CACHE, answer_metadata, argument, as_pointer, c_string, data, dims, error,
                      result)
@@ -444,10 +444,13 @@ def _operands(dtype, mask_kind, alibi, sinks, mods=None, dropout=False, tail=())
     @njit
     def recipe_at(frame, ints, floats, fulls, idx, batch_offset):
         f_h = fulls[6]
-        return Recipe(ints[0], ints[1], ints[2], _NO_CHUNK, floats[1], batch_offset,
-                      get_alibi(frame, i_alibi, f_h, idx), get_sinks(frame, i_sinks, f_h, idx),
-                      score_mod, mask_mod, score_mod_grad, mod_args_at(frame, idx),
-                      block_mask(fulls))
+        # By keyword: a part the recipe gains later is None here unless given.
+        return recipe(offset=ints[0], left=ints[1], right=ints[2], chunk=_NO_CHUNK,
+                      softcap=floats[1], batch_offset=batch_offset,
+                      alibi=get_alibi(frame, i_alibi, f_h, idx),
+                      sinks=get_sinks(frame, i_sinks, f_h, idx), score_mod=score_mod,
+                      mask_mod=mask_mod, score_mod_grad=score_mod_grad,
+                      mod_args=mod_args_at(frame, idx), block_mask=block_mask(fulls))
 
     view4 = _viewer(st)[0]
     get_mask = _optional(mask_kind != "none", _mask)

@@ -19,7 +19,7 @@ handler takes none.
 import numpy as np
 from numba import carray, njit
 
-from ..score.recipe import Recipe, kernel_recipe
+from ..score.recipe import kernel_recipe, recipe
 from ._frame import (answer_metadata, argument, as_pointer, c_string, data, dims, error,
                      load_i64, result)
 from ._handlers import _native_call, _storage, _target
@@ -65,8 +65,8 @@ def _recipe(left, right, chunk, softcap, alibi, sinks):
     """The recipe of ALiBi slopes and sinks (each None or a C-contiguous array of the compute
     dtype, as the NumPy API's), with no other optional part (without either: the plain
     recipe, :data:`sdpa_numba.cpu.launch.PLAIN_RECIPE`)."""
-    return Recipe(np.int64(0), left, right, chunk, softcap, np.int64(0), alibi, sinks, None,
-                  None, None, (), None)
+    return recipe(left=left, right=right, chunk=chunk, softcap=softcap, alibi=alibi,
+                  sinks=sinks)
 
 
 _tail_views = {}
