@@ -198,7 +198,7 @@ def _over_cache(target, q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table, s
     """:func:`varlen_attention` with ``block_table`` / ``seqused_k``: the keys read where they
     are, by the decode kernel (one launch; the ragged batch's rows placed by its table, see
     :func:`sdpa_numba.problem.kvcache.ragged_table`), in the sequences' own frame."""
-    from .problem.varlen import cache_varlen_problem
+    from .problem.kvcache import cache_varlen_problem
     from .targets import CUDA
 
     arrays, restore = target.adopt([("q", q), ("k", k), ("v", v)], out)
