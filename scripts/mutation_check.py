@@ -133,8 +133,8 @@ MUTANTS = [
       "row[i] = masked_score(row[i], mask[i_first + i, j])",
       FWD, "mask read at the block-relative key column (a stride/offset slip)"),
     M("mask_gqa_kv_head", F,
-      "attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, h], r",
-      "attend_rows(q[b, h], k[b, kh], v[b, kh], mask[b, kh], r",
+      "_attend_rows_by_symbol(q[b, h], k[b, kh], v[b, kh], mask[b, h], r",
+      "_attend_rows_by_symbol(q[b, h], k[b, kh], v[b, kh], mask[b, kh], r",
       FWD, "GQA: the mask read at the key/value head instead of the query head"),
     # --- float16 conversion
     M("f16_store_scaled", "sdpa_numba/cpu/storage.py",
@@ -263,9 +263,9 @@ MUTANTS = [
       VAR_BWD, "soft cap backward: the derivative of tanh with the wrong sign"),
     # Serving: the decode kernel's window, left padding and sinks, and the merge's weights.
     M("decode_causal_off_by_one", "sdpa_numba/cpu/decode.py",
-      "i = kv_len - lq + rr % lq\n            for j in range(n):\n"
+      "i = i0 + rr % lq\n            for j in range(n):\n"
       "                if not in_window",
-      "i = kv_len - lq + rr % lq + 1\n            for j in range(n):\n"
+      "i = i0 + rr % lq + 1\n            for j in range(n):\n"
       "                if not in_window",
       KV, "decode: token t's window (causal: its last key) one position too far"),
     M("decode_reads_before_window", "sdpa_numba/problem/kvcache.py",
