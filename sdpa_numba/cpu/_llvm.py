@@ -606,7 +606,14 @@ def by_symbol(dispatcher):
                                  cres.fndesc.llvm_func_name)
 
         def codegen(context, builder, signature, llargs):
-            context.active_code_library._reload_init.add(hook)
+            library = context.active_code_library
+            reload_init = getattr(library, "_reload_init", None)
+            if reload_init is None:
+                # A Numba without reload hooks (0.61): link the callee's code into the
+                # caller, as a plain call does (no saving, the same results).
+                library.add_linking_library(cres.library)
+            else:
+                reload_init.add(hook)
             return context.call_internal(builder, cres.fndesc, cres.signature, llargs)
 
         return cres.signature.return_type(*argtypes), codegen
