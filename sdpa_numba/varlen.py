@@ -117,9 +117,9 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         is that of the keys gathered into a packed ``k``. Runs the decode kernel
         (:func:`sdpa_numba.attention_with_kvcache`'s, one launch; with
         ``alignment="bottom_right"`` and no ``score_mod`` / ``mask_mod`` bit for bit its
-        result with ``cu_seqlens_q`` and ``cache_seqlens=seqused_k``). Forward only:
-        :func:`varlen_attention_backward` refuses it (NotImplementedError); no dropout
-        (NotImplementedError). CUDA arrays run the decode kernel's CUDA twin (tested on
+        result with ``cu_seqlens_q`` and ``cache_seqlens=seqused_k``). Its gradients:
+        :func:`varlen_attention_backward` with the same ``block_table`` / ``seqused_k``
+        (NumPy arrays). No dropout (NotImplementedError). CUDA arrays run the decode kernel's CUDA twin (tested on
         Numba's CUDA simulator, not yet timed on a GPU).
     seqused_k : array of ints, shape (B,), keyword-only, optional
         The keys of each sequence (FlashAttention's ``seqused_k``): with ``block_table``,
@@ -268,10 +268,15 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     seed : int
         The forward's seed; required when ``dropout_p > 0``.
 
-    block_table, seqused_k : None
-        Refused (NotImplementedError): the backward over keys read through a paged cache
-        (or the first ``seqused_k`` keys of each sequence) is not built; the forward takes
-        them.
+    block_table, seqused_k : array of ints, optional
+        As given to the forward (keys through a paged cache, or the first ``seqused_k``
+        keys of each sequence). ``grad_k`` and ``grad_v`` then have the shapes of ``k`` and
+        ``v`` (the caches): each key's gradient at its slot, summed where sequences share a
+        page, zero in slots no sequence reads. The keys are gathered into a packed copy
+        (``sum(seqused_k)`` rows) for the packed backward and their gradients scattered
+        back: memory for one packed copy of the used keys, values and their gradients. NumPy
+        arrays only (CUDA arrays: NotImplementedError); no dropout (NotImplementedError, as
+        the forward).
 
     Other Parameters
     ----------------
@@ -297,10 +302,9 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     are split into groups sums its partial dQs in group order).
     """
     if block_table is not None or seqused_k is not None:
-        raise NotImplementedError(
-            "varlen_attention_backward over a paged cache (block_table) or the first keys of "
-            "each sequence (seqused_k) is not built: the forward takes them; for gradients, "
-            "gather the keys into a packed k and call both without them")
+        return _backward_over_cache(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    block_table, seqused_k, max_seqlen_q, max_seqlen_k,
+                                    is_causal, scale, dropout_p, seed, variants)
     named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
     target = target_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
     (q, grad_out, k, v, out, lse), restore = target.adopt(named)
@@ -326,3 +330,51 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
     return grads + variant_grads(p.recipe, variants,
                                  lambda: (host(grad_out).transpose(1, 0, 2),
                                           host(out).transpose(1, 0, 2), host(lse)))
+
+
+def _backward_over_cache(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table,
+                         seqused_k, max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p,
+                         seed, variants):
+    """:func:`varlen_attention_backward` with ``block_table`` / ``seqused_k``: the keys each
+    sequence reads gathered into a packed copy, the packed backward run on it, and the keys'
+    and values' gradients scattered back to the slots they came from (added where pages are
+    shared). The packed backward sees the same rows, positions and lengths as the forward's
+    ragged batch, so its gradients are those of the forward over the cache."""
+    import numpy as np
+
+    from .problem.kvcache import cache_rows, cache_varlen_problem
+    from .targets import HOST
+
+    named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
+    if target_of(named, ("q", "grad_out", "k", "v", "out", "lse")) is not HOST:
+        raise NotImplementedError(
+            "varlen_attention_backward with block_table / seqused_k runs on NumPy (host) "
+            "arrays only: it gathers the keys on the host")
+    if check_dropout(dropout_p) > 0:
+        raise NotImplementedError("dropout_p > 0 with block_table / seqused_k is not built "
+                                  "(the forward draws no dropout mask over a cache)")
+    (q, grad_out, k, v, out, lse), restore = HOST.adopt(named)
+    check_names("varlen_attention_backward", variants, target=HOST)
+    k_cache, v_cache, p = cache_varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, **variants)
+    used = p.kv_lens
+    rows = cache_rows(p.table, used, int(k_cache.shape[1]))
+    flat_k = k_cache.reshape((-1,) + k_cache.shape[2:])
+    flat_v = v_cache.reshape((-1,) + v_cache.shape[2:])
+    cu_k = np.concatenate(([0], np.cumsum(used))).astype(np.int64)
+    grads = varlen_attention_backward(
+        grad_out, q, flat_k[rows], flat_v[rows], out, lse, cu_seqlens_q, cu_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale,
+        seed=seed, **variants)
+    shared = np.unique(rows).size < rows.size
+
+    def scatter(g, like):
+        full = np.zeros((flat_k.shape[0],) + g.shape[1:], np.float64 if shared else g.dtype)
+        if shared:  # pages read by several sequences: their gradients add
+            np.add.at(full, rows, g)
+        else:
+            full[rows] = g
+        return full.astype(g.dtype, copy=False).reshape(like.shape)
+
+    return (grads[0], scatter(grads[1], k), scatter(grads[2], v)) + tuple(grads[3:])

@@ -332,14 +332,74 @@ def test_varlen_seqused_k_without_block_table_refused(rng):
     assert (out == 7.0).all()
 
 
-def test_varlen_backward_over_cache_not_built(rng):
+@pytest.mark.parametrize("share", [False, True])
+def test_varlen_backward_over_cache_against_reference(rng, share):
+    """The backward over a shuffled paged cache: each sequence's gradients against the
+    float64 reference over its gathered keys, scattered to their slots (summed where two
+    sequences share pages; zero in slots nobody reads, which hold garbage keys)."""
+    kw = dict(is_causal=True, alignment="bottom_right", sinks=np.linspace(-1, 1, HQ)
+              .astype(np.float32))
     a = _varlen_args(rng)
-    with pytest.raises(NotImplementedError, match="backward over a paged cache"):
-        sdpa_numba.varlen_attention_backward(a["q"], a["q"], a["k"], a["v"], a["q"],
-                                             np.zeros((HQ, a["q"].shape[0]), np.float32),
-                                             a["cu_seqlens_q"], None,
-                                             block_table=a["block_table"],
-                                             seqused_k=a["seqused_k"])
+    table = a["block_table"].copy()
+    used = np.array(USED)
+    if share:  # sequence 1 reads the first pages of sequence 2 (a shared prefix)
+        table[1, :2] = table[2, :2]
+    out, lse = varlen_attention(a["q"], a["k"], a["v"], a["cu_seqlens_q"], block_table=table,
+                                seqused_k=used, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv, dsinks = sdpa_numba.varlen_attention_backward(
+        dout, a["q"], a["k"], a["v"], out, lse, a["cu_seqlens_q"], None, block_table=table,
+        seqused_k=used, **kw)
+    assert dk.shape == a["k"].shape and dv.shape == a["v"].shape
+    cu = a["cu_seqlens_q"]
+    want_dk = np.zeros(a["k"].shape)
+    want_dv = np.zeros(a["v"].shape)
+    want_dsinks = np.zeros(HQ)
+    ps = a["k"].shape[1]
+    for b in range(len(used)):
+        r0, r1 = cu[b], cu[b + 1]
+        if r1 == r0:
+            continue
+        kb, vb = (_gather(x, table, b, used[b]).transpose(1, 0, 2).astype(np.float64)
+                  for x in (a["k"], a["v"]))
+        gq, gk, gv, _, gs = reference.attention_backward(
+            dout[r0:r1].transpose(1, 0, 2).astype(np.float64),
+            a["q"][r0:r1].transpose(1, 0, 2).astype(np.float64), kb, vb, enable_gqa=True,
+            **kw)
+        np.testing.assert_allclose(dq[r0:r1], gq.transpose(1, 0, 2), rtol=1e-4, atol=2e-5)
+        j = np.arange(used[b])
+        np.add.at(want_dk, (table[b, j // ps], j % ps), gk.transpose(1, 0, 2))
+        np.add.at(want_dv, (table[b, j // ps], j % ps), gv.transpose(1, 0, 2))
+        want_dsinks += gs
+    np.testing.assert_allclose(dk, want_dk, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(dv, want_dv, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(dsinks, want_dsinks, rtol=1e-4, atol=2e-5)
+
+
+def test_varlen_backward_seqused_k_packed_and_refusals(rng):
+    """seqused_k without pages: the gradients of the keys each sequence reads, zero for the
+    rest of its range; bitwise those of the packed backward over the used keys alone.
+    Dropout and CUDA arrays are refused."""
+    lq, lk, use = [3, 4], [8, 6], np.array([5, 6])
+    q = rng.standard_normal((sum(lq), HQ, E)).astype(np.float32)
+    k = rng.standard_normal((sum(lk), H, E)).astype(np.float32)
+    v = rng.standard_normal((sum(lk), H, E)).astype(np.float32)
+    out, lse = varlen_attention(q, k, v, _cu(lq), _cu(lk), seqused_k=use, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = sdpa_numba.varlen_attention_backward(dout, q, k, v, out, lse, _cu(lq),
+                                                      _cu(lk), seqused_k=use)
+    keep = np.r_[0:5, 8:14]
+    pq, pk, pv = sdpa_numba.varlen_attention_backward(dout, q, k[keep], v[keep], out, lse,
+                                                      _cu(lq), _cu(use))
+    assert dq.tobytes() == pq.tobytes()
+    assert dk[keep].tobytes() == pk.tobytes() and dv[keep].tobytes() == pv.tobytes()
+    assert not dk[5:8].any() and not dv[5:8].any()
+    with pytest.raises(NotImplementedError, match="dropout_p > 0 with block_table"):
+        sdpa_numba.varlen_attention_backward(dout, q, k, v, out, lse, _cu(lq), _cu(lk),
+                                             seqused_k=use, dropout_p=0.1, seed=1)
+    with pytest.raises(ValueError, match="seqused_k must be >= 0"):
+        sdpa_numba.varlen_attention_backward(dout, q, k, v, out, lse, _cu(lq), _cu(lk),
+                                             seqused_k=np.array([5, -1]))
 
 
 def test_kvcache_ragged_refused_nothing_written(rng):

@@ -656,3 +656,12 @@ def cache_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, sequs
     p = kvcache_problem(q, k_cache, v_cache, used, None, None, table, None, is_causal, scale,
                         cu_seqlens_q=cu_q, sequence_frame=bottom_right, **variants)
     return k_cache, v_cache, p
+
+
+def cache_rows(table, lengths, page_size):
+    """The flat slot (``page * page_size + slot``) of each key a ragged batch reads through
+    ``table`` (int, ``(B, max_pages)``): sequence ``b``'s first ``lengths[b]`` keys, the
+    sequences back to back (int64, ``sum(lengths)`` rows)."""
+    rows = [table[b, np.arange(n) // page_size].astype(np.int64) * page_size
+            + np.arange(n) % page_size for b, n in enumerate(np.asarray(lengths, np.int64))]
+    return np.concatenate(rows) if rows else np.zeros(0, np.int64)
