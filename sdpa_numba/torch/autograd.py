@@ -10,6 +10,8 @@ from .dense import FORWARD_ARGS, GRAD_NAMES, attention_backward, attention_forwa
 from .serving import merge_attention_states_op
 from .tensors import OP_NAMES, OP_TENSORS, kernel_seed, op_values, op_variants, out_shape
 from .varlen import FORWARD_ARGS as VARLEN_ARGS
+from .varlen import TAIL_ARGS as VARLEN_TAIL
+from .varlen import split_tail as varlen_split_tail
 from .varlen import varlen_attention_backward, varlen_attention_forward
 
 DOUBLE_BACKWARD = (
@@ -273,7 +275,9 @@ def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, _, _, dropout_p, is_causal, scale, seed = inputs[:len(VARLEN_ARGS)]
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    _save(ctx, inputs, len(VARLEN_ARGS), (q, k, v, out, lse, cu_q, cu_k, seed))
+    _, tail = varlen_split_tail(inputs[len(VARLEN_ARGS):])
+    _save(ctx, inputs, len(VARLEN_ARGS),
+          (q, k, v, out, lse, cu_q, cu_k, seed, *(tail[name] for name in VARLEN_TAIL)))
     ctx.args = (dropout_p, is_causal, scale)
 
 
@@ -311,13 +315,18 @@ def _varlen_double_backward(ctx, grad_out, q, k, v, cu_q, cu_k, seed, variants):
 
 
 def _varlen_backward_formula(ctx, grad_out, grad_lse):
-    (q, k, v, out, lse, cu_q, cu_k, seed), variants = _restore(ctx)
+    (q, k, v, out, lse, cu_q, cu_k, seed, *tail), variants = _restore(ctx)
     if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad
             for t in (grad_out, q, k, v, *(variants[name] for name in GRAD_NAMES))):
+        if any(t is not None for t in tail):
+            raise NotImplementedError(
+                "double backward (create_graph=True) of sdpa_numba.torch.varlen_attention "
+                "with block_table / seqused_k is not built: its first-order gradients are")
         return _varlen_double_backward(ctx, grad_out, q, k, v, cu_q, cu_k, seed, variants)
     dq, dk, dv, *dvariants = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k,
-                                                       *ctx.args, seed, *op_values(variants))
+                                                       *ctx.args, seed, *op_values(variants),
+                                                       *tail)
     need = ctx.needs_input_grad
     grads = [None] * ctx.n_inputs
     grads[:3] = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None)

@@ -106,9 +106,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 @takes_variants()
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None,
                      max_seqlen_k=None, dropout_p=0.0, is_causal=False, scale=None, seed=None,
-                     return_lse=False, **variants):
+                     return_lse=False, block_table=None, seqused_k=None, **variants):
     """:func:`sdpa_numba.varlen_attention` on torch tensors (FlashAttention's
     ``flash_attn_varlen_func`` layout), as the PyTorch operator
     ``torch.ops.sdpa_numba.varlen_attention_forward``: autograd (gradients for q, k, v and
@@ -131,6 +131,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         generator; sequence ``b`` gets the dense stream of batch entry ``b``.
     return_lse : bool
         Also return the log-sum-exp ``(Hq, total_q)`` in the compute dtype (no gradient).
+    block_table, seqused_k : torch.Tensor of int32 or int64, optional
+        Keys through a paged cache (``k``, ``v`` then ``(num_pages, page_size, H, E / Ev)``)
+        or the first ``seqused_k[b]`` keys of each sequence, as
+        :func:`sdpa_numba.varlen_attention` takes them (read on the host; ``cu_seqlens_k``
+        may then be None). Gradients for ``k`` and ``v`` have the caches' shapes (CPU
+        tensors; no double backward).
 
     Other Parameters
     ----------------
@@ -155,10 +161,17 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     values = _check_schema_arguments("varlen_attention", [("q", q), ("k", k), ("v", v)], [],
                                      variants)
     check_index(cu_seqlens_q, "cu_seqlens_q")
-    check_index(cu_seqlens_k, "cu_seqlens_k")
+    if cu_seqlens_k is None and block_table is None:
+        raise TypeError("cu_seqlens_k is required without block_table")
+    # The trailing arguments only when given: the dispatcher's schema defaults otherwise.
+    for name, t in (("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table),
+                    ("seqused_k", seqused_k)):
+        if t is not None:
+            check_index(t, name)
+    tail = (block_table, seqused_k) if block_table is not None or seqused_k is not None else ()
     out, lse = varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, dropout_p, is_causal, scale,
-                                        seed_tensor(seed, dropout_p), *op_values(values))
+                                        seed_tensor(seed, dropout_p), *op_values(values), *tail)
     return (out, lse) if return_lse else out
 
 
@@ -193,7 +206,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
                            block_table=None, cache_leftpad=None, is_causal=True, scale=None,
                            return_lse=False, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=False, cache_batch_idx=None, k_scale=None,
-                           v_scale=None, **variants):
+                           v_scale=None, cu_seqlens_q=None, **variants):
     """:func:`sdpa_numba.attention_with_kvcache` on torch tensors, as the PyTorch operator
     ``torch.ops.sdpa_numba.attention_with_kvcache`` (``torch.compile`` traces it with no graph
     break; meta tensors get shapes), or without ``k`` and ``v`` as
@@ -239,6 +252,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         The scales of an 8-bit cache (``k_cache``/``v_cache`` int8, ``torch.float8_e4m3fn``
         or ``torch.float8_e5m2``; CPU only), as :func:`sdpa_numba.attention_with_kvcache`
         takes them (an fp8 descale as a 0-d or ``(B, H)`` float32 tensor).
+    cu_seqlens_q : torch.Tensor of ints, shape (B + 1,), optional
+        A ragged batch (each sequence its own number of new tokens, appends included), as
+        :func:`sdpa_numba.attention_with_kvcache` takes it: ``q`` ``(total_q, Hq, E)``, ``k``
+        / ``v`` ``(total_q, H, ·)``; ``out`` ``(total_q, Hq, Ev)``, ``lse`` ``(Hq,
+        total_q)``.
 
     Other Parameters
     ----------------
@@ -274,8 +292,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
               ("cache_batch_idx", cache_batch_idx), ("k_scale", k_scale), ("v_scale", v_scale)]
     for name, t in [("k", k), ("v", v), *tensors, *rotary[:2], *rotary[3:]]:
         check_tensor(t, name)
-    if cache_batch_idx is not None:
-        check_index(cache_batch_idx, "cache_batch_idx")
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cu_seqlens_q", cu_seqlens_q)):
+        if t is not None:
+            check_index(t, name)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     if torch.is_grad_enabled():
         wanting = [name for name, t in [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
@@ -286,15 +305,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if q.dim() < 1:
             raise ValueError(f"q must have 4 dims (B, Lq, Hq, E), got shape {tuple(q.shape)}")
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int64)
+        n_seq = q.shape[0] if cu_seqlens_q is None else max(cu_seqlens_q.shape[0] - 1, 0)
+        cache_seqlens = torch.full((n_seq,), cache_seqlens, dtype=torch.int64)
     variants = op_values(public_variants(**{"alignment": None, **variants}))
     # The trailing arguments only when given: the dispatcher's schema defaults otherwise.
-    scales = (k_scale, v_scale) if k_scale is not None or v_scale is not None else ()
+    scales = ((k_scale, v_scale, cu_seqlens_q) if cu_seqlens_q is not None
+              else (k_scale, v_scale) if k_scale is not None or v_scale is not None else ())
     rotating = any(t is not None for t in (rotary_cos, rotary_sin, cache_batch_idx))
     tail = ((rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, *scales)
             if rotating or scales else ())
     if _eager_cpu(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad,
-                  *(t for _, t in tensors), *(t for _, t in rotary)):
+                  *(t for _, t in tensors), *(t for _, t in rotary), cu_seqlens_q):
         # No tracing, no fake tensors, no dispatch mode: the operator's body itself. Through
         # torch's dispatcher a call costs ~0.1 ms more, as much as a decode step of a small
         # model's layer.

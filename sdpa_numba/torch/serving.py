@@ -18,14 +18,18 @@ from .tensors import (OP_NAMES, as_tensor, cache_operand, check_devices, define_
 
 #: The appending op's last arguments, after the variants (added later: optional, so that
 #: callers that pass the variants positionally keep working): name, default. The read-only
-#: op takes the last two (the scales of a quantized cache).
+#: op takes the last three (the scales of a quantized cache, a ragged batch's
+#: ``cu_seqlens_q``).
 TAIL_ARGS = (("rotary_cos", None), ("rotary_sin", None), ("rotary_interleaved", False),
-             ("cache_batch_idx", None), ("k_scale", None), ("v_scale", None))
-_SCALES_SCHEMA = "Tensor? k_scale=None, Tensor? v_scale=None"
+             ("cache_batch_idx", None), ("k_scale", None), ("v_scale", None),
+             ("cu_seqlens_q", None))
+_READ_TAIL = ("k_scale", "v_scale", "cu_seqlens_q")
+_SCALES_SCHEMA = "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? cu_seqlens_q=None"
 # An append into an int8 or q8_0 cache writes the new tokens' scales: mutated, as the caches.
 _TAIL_SCHEMA = ("Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
                 "bool rotary_interleaved=False, Tensor? cache_batch_idx=None, "
-                "Tensor(a3!)? k_scale=None, Tensor(a4!)? v_scale=None")
+                "Tensor(a3!)? k_scale=None, Tensor(a4!)? v_scale=None, "
+                "Tensor? cu_seqlens_q=None")
 
 
 def _split_tail(variants):
@@ -42,7 +46,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_ta
     """The body of both KV-cache operators, and the appending one's kernel:
     :func:`sdpa_numba.attention_with_kvcache` on NumPy views (or CUDA tensors), ``(out,
     lse)`` as tensors (``out`` ``(B, Lq, Hq, Ev)``, ``lse`` ``(B, Hq, Lq)`` in the compute
-    dtype). Writes ``k`` and ``v`` into the caches when given (the caches are the appending
+    dtype; with ``cu_seqlens_q`` ``(total_q, Hq, Ev)`` and ``(Hq, total_q)``). Writes ``k`` and ``v`` into the caches when given (the caches are the appending
     op's mutated arguments). No autograd: an inference operator. ``variants``: the op's
     variant arguments (:func:`.tensors.op_variants`); those left at None are not passed (the
     API's defaults apply). The defaults are the schema's: the dispatcher leaves out the
@@ -54,8 +58,8 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_ta
     place. Append outside vmap and vmap the read-only :func:`attention_with_kvcache_read_op`.
 
     After the variants come :data:`TAIL_ARGS` (``rotary_cos``, ``rotary_sin``,
-    ``rotary_interleaved``, ``cache_batch_idx``, and a quantized cache's ``k_scale``,
-    ``v_scale``), as :func:`sdpa_numba.attention_with_kvcache` takes them (read on the host:
+    ``rotary_interleaved``, ``cache_batch_idx``, a quantized cache's ``k_scale``,
+    ``v_scale``, and a ragged batch's ``cu_seqlens_q``), as :func:`sdpa_numba.attention_with_kvcache` takes them (read on the host:
     CPU tensors, or tensors on q's device). An 8-bit cache is an int8 or float8 tensor."""
     variants, rotary = _split_tail(variants)
     variants = op_variants(variants, optional_strings=True)
@@ -67,9 +71,9 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_ta
     for name in ("rotary_cos", "rotary_sin"):
         if rotary[name] is not None:
             keywords[name] = operand(rotary[name], name)
-    if rotary["cache_batch_idx"] is not None:
-        keywords["cache_batch_idx"] = index_operand(rotary["cache_batch_idx"],
-                                                    "cache_batch_idx")
+    for name in ("cache_batch_idx", "cu_seqlens_q"):
+        if rotary[name] is not None:
+            keywords[name] = index_operand(rotary[name], name)
     if rotary["rotary_interleaved"]:
         keywords["rotary_interleaved"] = True
     for name in ("k_scale", "v_scale"):
@@ -93,7 +97,7 @@ def _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table
                    ("cache_leftpad", cache_leftpad), *host_tensors(variants),
                    *((name, rotary.get(name)) for name in
                      ("rotary_cos", "rotary_sin", "cache_batch_idx", "k_scale",
-                      "v_scale"))])
+                      "v_scale", "cu_seqlens_q"))])
 
 
 #: The appending op: its own arguments, the variants', then :data:`TAIL_ARGS` (last, so that
@@ -122,12 +126,12 @@ def _kvcache_read_op(q, k_cache, v_cache, cache_seqlens, block_table=None, cache
 
 def _split_read_tail(variants):
     """The read-only op's trailing arguments: its variants (padded to all of them) and a
-    :data:`TAIL_ARGS` dict with its ``k_scale``, ``v_scale``."""
+    :data:`TAIL_ARGS` dict with its ``k_scale``, ``v_scale``, ``cu_seqlens_q``."""
     n = len(OP_NAMES)
-    scales = tuple(variants[n:]) + (None, None)
+    given = tuple(variants[n:]) + (None,) * len(_READ_TAIL)
     values = tuple(op_variants(variants[:n], optional_strings=True)[name] for name in OP_NAMES)
     tail = dict(TAIL_ARGS)
-    tail.update(k_scale=scales[0], v_scale=scales[1])
+    tail.update(zip(_READ_TAIL, given))
     return values, tail
 
 
@@ -138,7 +142,11 @@ attention_with_kvcache_read_op = define_op(
     "float? scale=None", optional_strings=True, tail=_SCALES_SCHEMA)
 
 
-def _kvcache_shapes(q, v_cache):
+def _kvcache_shapes(q, v_cache, cu_seqlens_q):
+    if cu_seqlens_q is not None:  # a ragged batch: q packed (total_q, Hq, E)
+        total_q, Hq = q.shape[:2]
+        return (q.new_empty((total_q, Hq, v_cache.shape[-1])),
+                q.new_empty((Hq, total_q), dtype=lse_dtype(q.dtype)))
     B, Lq, Hq, _ = q.shape
     return (q.new_empty((B, Lq, Hq, v_cache.shape[-1])),
             q.new_empty((B, Hq, Lq), dtype=lse_dtype(q.dtype)))
@@ -150,7 +158,7 @@ def _(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None,
     variants, rotary = _split_tail(variants)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                            cache_leftpad, op_variants(variants, optional_strings=True), rotary)
-    return _kvcache_shapes(q, v_cache)
+    return _kvcache_shapes(q, v_cache, rotary["cu_seqlens_q"])
 
 
 @attention_with_kvcache_read_op.register_fake
@@ -159,7 +167,7 @@ def _(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_leftpad=None,
     variants, tail = _split_read_tail(variants)
     _check_kvcache_devices(q, k_cache, v_cache, cache_seqlens, None, None, block_table,
                            cache_leftpad, op_variants(variants, optional_strings=True), tail)
-    return _kvcache_shapes(q, v_cache)
+    return _kvcache_shapes(q, v_cache, tail["cu_seqlens_q"])
 
 
 def _lse_operand(t, name):

@@ -158,6 +158,11 @@ def _kvcache_read_vmap(info, in_dims, q, k_cache, v_cache, cache_seqlens, block_
     tensors such as ALiBi slopes expanded to ``(N * B, Hq)``); batched "loop" tensors (sinks
     ``(Hq,)``) cannot fold, so one call per index."""
     n_own = 8
+    if any(t is not None for t in variants[len(OP_NAMES):]):
+        raise NotImplementedError(
+            "sdpa_numba.torch.attention_with_kvcache under torch.vmap takes no k_scale, "
+            "v_scale or cu_seqlens_q: fold the mapped dim into the batch (or the packed rows) "
+            "and call it once")
     variants = op_variants(variants, optional_strings=True)
     args = (q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, is_causal, scale,
             *op_values(variants))
