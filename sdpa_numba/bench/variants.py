@@ -3,7 +3,7 @@ sliding window, against torch's ``flex_attention`` and SDPA (a table of its own)
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -15,6 +15,10 @@ from .timing import time_interleaved, torch_available
 VARIANTS_CASE = Case(1, 8, 2048, 64, "float32", False)
 VARIANTS_SOFTCAP = 30.0
 VARIANTS_WINDOW = 256
+#: Chunked local attention (issue 31's target): Llama 4's causal chunks of 1024 positions at
+#: L 8192, the rest as VARIANTS_CASE.
+VARIANTS_CHUNK = 1024
+CHUNK_SEQ = 8192
 
 
 def _new_softcap_mod(c, vectorized=True):
@@ -37,7 +41,8 @@ def _new_softcap_mod(c, vectorized=True):
 
 
 def run_variants(repeats=5, pause=None, progress=None, case=VARIANTS_CASE,
-                 softcap=VARIANTS_SOFTCAP, window=VARIANTS_WINDOW):
+                 softcap=VARIANTS_SOFTCAP, window=VARIANTS_WINDOW, chunk=VARIANTS_CHUNK,
+                 chunk_seq=CHUNK_SEQ):
     """Time the variants against their peers on ``case``; a dict of rows and compile times.
 
     Rows (each the minimum of ``repeats`` interleaved rounds within its group, after warm-up):
@@ -48,7 +53,9 @@ def run_variants(repeats=5, pause=None, progress=None, case=VARIANTS_CASE,
       ``torch.compile`` with the same score_mod;
     * sliding window ``window`` with causal: ours, flex_attention with a block mask of the
       same mask_mod, torch's SDPA given the equivalent bool mask; and the ideal time, the
-      visited work (:func:`sdpa_numba.tiles.visited_fraction`) at our dense rate.
+      visited work (:func:`sdpa_numba.tiles.visited_fraction`) at our dense rate;
+    * causal chunks of ``chunk`` positions at sequence length ``chunk_seq`` (ours alone), and
+      its ideal time: the visited work at our dense rate of the first group.
 
     Compile times: the first call with a new user score_mod (compiles the forward with it; a
     second new function in the same process; Numba does not cache kernels that take a
@@ -133,14 +140,25 @@ def run_variants(repeats=5, pause=None, progress=None, case=VARIANTS_CASE,
     times.update(timed(win))
     if progress:
         progress(1, "window")
+    qc, kc, vc = make_inputs(replace(case, seq=chunk_seq))
+    chunked = {"sdpa_numba chunk": lambda: sdpa(qc, kc, vc, is_causal=True, chunk=chunk)}
+    times.update(timed(chunked))
+    if progress:
+        progress(1, "chunk")
     visited = visited_fraction(L, L, window, 0)
     dense = times["sdpa_numba dense"]
     flops_dense = 4.0 * B * H * L * L * E
+    # The ideal times: the visited work at our dense rate (a dense call at chunk_seq would do
+    # (chunk_seq / L)^2 times the dense call's work).
+    visited_chunk = visited_fraction(chunk_seq, chunk_seq, None, 0, chunk=chunk)
+    ideal = {name: visited * dense for name in win}
+    ideal["sdpa_numba chunk"] = visited_chunk * dense * (chunk_seq / L) ** 2
     rows = []
     for name, t in times.items():
-        row = {"name": name, "time_s": t, "dense_gflops": flops_dense / t / 1e9}
-        if "window" in name or "block mask" in name or "bool mask" in name:
-            row["vs_ideal"] = t / (visited * dense)
+        scale = (chunk_seq / L) ** 2 if name in chunked else 1.0
+        row = {"name": name, "time_s": t, "dense_gflops": scale * flops_dense / t / 1e9}
+        if name in ideal:
+            row["vs_ideal"] = t / ideal[name]
         else:
             row["vs_dense"] = dense / t
         rows.append(row)
@@ -157,7 +175,9 @@ def run_variants(repeats=5, pause=None, progress=None, case=VARIANTS_CASE,
             times["sdpa_numba softcap"] / times["sdpa_numba score_mod softcap"])
     return {"case": asdict(case), "softcap": softcap, "window": window,
             "threads": numba.get_num_threads(), "visited_fraction": visited,
-            "ideal_window_s": visited * dense, "rows": rows, "ratios": ratios,
+            "ideal_window_s": visited * dense, "chunk": chunk, "chunk_seq": chunk_seq,
+            "chunk_visited_fraction": visited_chunk,
+            "ideal_chunk_s": ideal["sdpa_numba chunk"], "rows": rows, "ratios": ratios,
             "compile_s": compile_s}
 
 
@@ -176,6 +196,11 @@ def format_variants(res):
                      f"{extra}")
     lines.append(f"window: visited fraction of the scores {res['visited_fraction']:.4f}, ideal "
                  f"{res['ideal_window_s'] * 1e3:.2f} ms")
+    if "chunk" in res:
+        lines.append(f"chunk: causal chunks of {res['chunk']} at L {res['chunk_seq']} (GFLOP/s "
+                     f"at that L's dense count), visited fraction of the scores "
+                     f"{res['chunk_visited_fraction']:.4f}, ideal "
+                     f"{res['ideal_chunk_s'] * 1e3:.2f} ms")
     for k, v in res["ratios"].items():
         lines.append(f"{k}: {v:.2f}x")
     for k, v in res["compile_s"].items():
