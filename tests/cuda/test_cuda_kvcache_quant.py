@@ -131,18 +131,19 @@ def test_paged_append_across_pages_as_the_cpu(rng, fmt, ps, scale_dtype):
 
 
 @pytest.mark.parametrize("variant", ["softcap", "alibi_sinks"])
-def test_variants_with_int8_cache(rng, variant):
+def test_variants_and_left_padding_with_int8_cache(rng, variant):
     B, Lq, Hq, H, E, Ev, S = 2, 2, 4, 2, 7, 4, 12
     kq, ks, vq, vs = _quantized(rng, "int8", B, S, H, E, Ev)
     q = rng.standard_normal((B, Lq, Hq, E)).astype(np.float32)
     seqlens = np.array([5, 11])
     kw = VARIANTS[variant](rng, B, Hq)
-    gpu, cpu = _run_both(q, kq, vq, ks, vs, seqlens, **kw)
+    leftpad = np.array([1, 3])  # left padding too
+    gpu, cpu = _run_both(q, kq, vq, ks, vs, seqlens, cache_leftpad=leftpad, **kw)
     _same_as_cpu(gpu, cpu)
     causal = kw.pop("is_causal", True)
     check_against_reference(q, dequantize_kv(kq, ks, dtype=np.float64),
                             dequantize_kv(vq, vs, dtype=np.float64), seqlens, gpu[0], gpu[1],
-                            causal, tol=F32, **kw)
+                            causal, tol=F32, leftpad=leftpad, **kw)
 
 
 def test_ragged_batch_appends_as_the_cpu(rng):
@@ -155,6 +156,34 @@ def test_ragged_batch_appends_as_the_cpu(rng):
     vn = rng.standard_normal((5, H, E)).astype(np.float32)
     gpu, cpu = _run_both(q, kq, vq, ks, vs, np.array([3, 0, 4]), kn, vn, cu_seqlens_q=cu)
     _same_as_cpu(gpu, cpu)
+
+
+def test_plan_runs_each_layer_bfloat16_as_the_cpu(rng):
+    # kvcache_plan: made once, run for two layers' caches and scales (bfloat16 queries and
+    # new rows, an append), each as the CPU's call for that layer.
+    from sdpa_numba import kvcache_plan
+    from sdpa_numba._bf16 import bfloat16
+
+    bf = bfloat16()
+    B, Hq, H, E, S = 2, 2, 1, 32, 9
+    seqlens = np.array([4, 7])
+    layers = [_quantized(rng, "q8_0", B, S, H, E, E) for _ in range(2)]
+    qs = [rng.standard_normal((B, 1, Hq, E)).astype(bf) for _ in range(2)]
+    kns = [rng.standard_normal((B, 1, H, E)).astype(bf) for _ in range(2)]
+    vns = [rng.standard_normal((B, 1, H, E)).astype(bf) for _ in range(2)]
+    d = [[dev(x) for x in (kq, vq, ks, vs)] for kq, ks, vq, vs in layers]
+    plan = kvcache_plan(dev(qs[0]), d[0][0], d[0][1], seqlens, k=dev(kns[0]), v=dev(vns[0]),
+                        k_scale=d[0][2], v_scale=d[0][3])
+    for i, (kq, ks, vq, vs) in enumerate(layers):
+        res = plan.run(dev(qs[i]), d[i][0], d[i][1], k=dev(kns[i]), v=dev(vns[i]),
+                       k_scale=d[i][2], v_scale=d[i][3])
+        host = [np.array(x, copy=True) for x in (kq, vq, ks, vs)]
+        ref = kvattn(qs[i], host[0], host[1], seqlens, k=kns[i], v=vns[i], k_scale=host[2],
+                     v_scale=host[3])
+        assert _bytes(*(x.copy_to_host() for x in d[i])) == _bytes(*host)
+        assert rel_err(res.copy_to_host().astype(np.float32), ref.astype(np.float32)) < 1e-2
+        np.testing.assert_allclose(res.copy_to_host().astype(np.float32),
+                                   ref.astype(np.float32), rtol=0, atol=2e-2)
 
 
 def _crafted_row(fmt):
