@@ -70,17 +70,23 @@ def value_table():
 _tables = {}
 
 
-def device_table():
-    """:func:`value_table` on the device, copied once per process (and per context)."""
-    key = 0 if is_simulated_mode() else id(cuda.current_context())
+def _once(name, make):
+    """The device array ``make()`` made once per process (and per CUDA context)."""
+    key = (name, 0 if is_simulated_mode() else id(cuda.current_context()))
     if key not in _tables:
-        _tables[key] = cuda.to_device(value_table())
+        _tables[key] = cuda.to_device(make())
     return _tables[key]
 
 
+def device_table():
+    """:func:`value_table` on the device, copied once per process (and per context)."""
+    return _once("values", value_table)
+
+
 def _ones(shape):
-    """A read-only device view of float32 ones of ``shape`` (one element, zero strides)."""
-    one = cuda.to_device(np.ones(1, np.float32))
+    """A device view of float32 ones of ``shape`` (one element, zero strides; never
+    written)."""
+    one = _once("one", lambda: np.ones(1, np.float32))
     return as_strided(one, shape, (0,) * len(shape))
 
 
