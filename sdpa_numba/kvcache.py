@@ -38,12 +38,25 @@ def _host(name, x):
     return as_numpy(name, x)
 
 
-def _scale(name, x, writable):
-    """A quantized cache's scale as a NumPy array (a Python number: a float32 scalar)."""
+def _scale(name, x, writable, target=HOST):
+    """A quantized cache's scale as an array of ``target`` (a Python number: a float32
+    scalar; a number or a 0-d NumPy array is copied to the device for CUDA)."""
     if x is None:
         return None
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
-        return np.array(x, np.float32)
+        x = np.array(x, np.float32)
+        if target is HOST:
+            return x
+    if target is CUDA:
+        if isinstance(x, np.ndarray) and x.ndim == 0:  # a host scalar: as a number
+            from numba import cuda
+
+            return cuda.to_device(x)  # (CUDA.from_host would make it 1-d)
+        if not is_device_array(x):
+            raise TypeError(f"{name} is a {type(x).__name__}, but the caches are CUDA arrays: "
+                            f"pass the scales as CUDA arrays too (a float for an fp8 "
+                            f"descale)")
+        return CUDA.adopt([(name, x)])[0][0]
     return as_numpy(name, x, writable=writable)
 
 
@@ -53,11 +66,6 @@ def _adopt(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
     read as they are)."""
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)]
     target = target_of([*named, ("out", out)], required=_REQUIRED)
-    if target is CUDA and (k_scale is not None or v_scale is not None
-                           or quant_kind(getattr(k_cache, "dtype", np.float32))):
-        raise NotImplementedError(
-            "quantized KV caches (int8, q8_0, fp8 with k_scale / v_scale) run on the CPU only "
-            "for now: pass NumPy (host) arrays, or a float cache on CUDA")
     if target is CUDA:
         arrays, restore = CUDA.adopt(named, out)
         arrays = list(arrays)
@@ -74,7 +82,7 @@ def _adopt(q, k_cache, v_cache, k, v, out, k_scale=None, v_scale=None):
         arrays.append(None)
     # Written by an append into an int8 cache (its per-token or q8_0 scales), so never copies.
     w = k is not None and quant_kind(arrays[1].dtype) == "int8"
-    arrays += [_scale("k_scale", k_scale, w), _scale("v_scale", v_scale, w)]
+    arrays += [_scale("k_scale", k_scale, w, target), _scale("v_scale", v_scale, w, target)]
     return target, arrays, restore
 
 
@@ -379,7 +387,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         H)`` (FlashAttention 3's ``k_descale``). Finite. An append quantizes ``k`` and
         ``v`` into the cache (round to nearest even, saturating) and, for int8 caches,
         writes their scales (:func:`sdpa_numba.quant.quantize_kv`'s rule); fp8 descales
-        are kept. q of any float dtype; CPU only (CUDA arrays: NotImplementedError).
+        are kept. q of any float dtype. With CUDA caches the scales are CUDA arrays too
+        (an fp8 descale may be a float or a 0-d NumPy array).
     rotary_cos, rotary_sin : arrays, shape (seqlen_ro, rotary_dim / 2), keyword-only, optional
         Rotary position embedding on append (FlashAttention's): q and the new keys ``k`` are
         rotated before the attention and the append (so the cache receives rotated keys);

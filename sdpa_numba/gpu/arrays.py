@@ -112,8 +112,11 @@ def as_strided(x, shape, strides, dtype=None):
     strides = tuple(int(s) for s in strides)
     dtype = x.dtype if dtype is None else np.dtype(dtype)
     if is_simulated(x):
-        # a view of the same itemsize works whatever the strides
-        return type(x)(np.lib.stride_tricks.as_strided(x._ary, shape, strides).view(dtype))
+        # a view of the same itemsize works whatever the strides; through unsigned ints of
+        # that size, since NumPy's as_strided does not take every dtype (ml_dtypes' float8)
+        raw = np.dtype(f"u{x.dtype.itemsize}") if x.dtype.itemsize in (1, 2, 4, 8) else x.dtype
+        return type(x)(np.lib.stride_tricks.as_strided(x._ary.view(raw), shape, strides)
+                       .view(dtype))
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
     return DeviceNDArray(shape, strides, dtype, stream=x.stream, gpu_data=x.gpu_data)

@@ -33,6 +33,7 @@ from ..score.recipe import DENSE, keeps, modified_score, window_covers
 from .arrays import device_array, is_simulated_mode
 from .merge import merge_rows
 from .options import FASTMATH
+from .quant import quant_dot, quant_value
 from .raising import refuse_raising
 from .scale_fold import split_power
 from .storage import load, store, storage_view
@@ -48,15 +49,18 @@ CHUNK = 512
 _kernels = {}
 
 
-def _make_kernels(ct, rows, bn, parts):
+def _make_kernels(ct, rows, bn, parts, quant=False):
     CT = ct
     RB, NB = rows, bn
     SCORE_MOD, MASK_MOD = parts.score_mod, parts.mask_mod
     ELEMENT_MASK = MASK_MOD is not None
+    # A quantized cache (a compile-time constant: the float kernels' branches are pruned,
+    # and their code is what it was without one).
+    QUANT = quant
 
     @cuda.jit(fastmath=FASTMATH)
     def chunk_kernel(q, k_cache, v_cache, block_table, kv_lens, kv_lo, kv_hi, task_b, task_c,
-                     chunk, scale, part_out, part_lse, ra, qrows, n_tiles):
+                     chunk, scale, part_out, part_lse, ra, qrows, n_tiles, qz):
         task = cuda.blockIdx.x
         b = task_b[task]
         c = task_c[task]
@@ -125,9 +129,14 @@ def _make_kernels(ct, rows, bn, parts):
             for x in range(tid, nr * NB, NT):
                 r, j = x // NB, x % NB
                 if j < n:
-                    s = zero
-                    for e in range(e_len):
-                        s += sm[q_at + r * e_len + e] * CT(load(k_cache[page[j], slot[j], h, e]))
+                    if QUANT:
+                        s = quant_dot(sm, q_at + r * e_len, e_len, k_cache, page[j], slot[j],
+                                      h, b, qz, zero)
+                    else:
+                        s = zero
+                        for e in range(e_len):
+                            s += (sm[q_at + r * e_len + e]
+                                  * CT(load(k_cache[page[j], slot[j], h, e])))
                     if score_w != 1:
                         s *= score_w
                     rr = r0 + r
@@ -160,7 +169,10 @@ def _make_kernels(ct, rows, bn, parts):
                 for r in range(nr):
                     sm[a_at + r * ev + d] *= sm[al_at + r]
                 for j in range(n):
-                    vj = CT(load(v_cache[page[j], slot[j], h, d]))
+                    if QUANT:
+                        vj = quant_value(v_cache, page[j], slot[j], h, d, b, qz, zero)
+                    else:
+                        vj = CT(load(v_cache[page[j], slot[j], h, d]))
                     for r in range(nr):
                         sm[a_at + r * ev + d] += sm[s_at + r * NB + j] * vj
             cuda.syncthreads()
@@ -209,10 +221,10 @@ def _make_kernels(ct, rows, bn, parts):
     return chunk_kernel, merge_kernel
 
 
-def _kernels_for(ct, parts):
-    key = (np.dtype(ct), ROWS, BN, parts)
+def _kernels_for(ct, parts, quant=False):
+    key = (np.dtype(ct), ROWS, BN, parts, quant)
     if key not in _kernels:
-        _kernels[key] = _make_kernels(numba.from_dtype(key[0]), ROWS, BN, parts)
+        _kernels[key] = _make_kernels(numba.from_dtype(key[0]), ROWS, BN, parts, quant)
     return _kernels[key]
 
 
@@ -229,7 +241,7 @@ def plan_chunks(n_keys, chunk=CHUNK):
 
 
 def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse, stream=0,
-           chunk=None, threads=None, bounds=None, recipe=None, rows=None):
+           chunk=None, threads=None, bounds=None, recipe=None, rows=None, quant=None):
     """Launch attention of ``Lq`` new tokens against a paged key/value cache (device arrays).
 
     Parameters
@@ -267,6 +279,12 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         the first one's position and the recipe's offset. None: the rectangular batch,
         ``(b, 0, Lq, kv_lens[b] - Lq, 0)``. The partial results take ``Hq * max(lq_b)``
         rows per chunk.
+    quant : tuple, optional
+        A quantized cache (:mod:`.quant`): ``k_cache``, ``v_cache`` are then its bytes as
+        uint8 device arrays and ``quant`` is :func:`sdpa_numba.gpu.quant.quant_operands`'s
+        ``(k_scales, v_scales, k_descale, v_descale, fmt, table)``. Each key's scales fold
+        into its score (before the variants see it), each value's into ``P V``. None: a
+        float cache of q's dtype.
 
     Notes
     -----
@@ -301,7 +319,7 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     if is_causal and rc.right > 0:
         rc = rc._replace(right=np.int64(0))
     r_arg = kernel_args(rc, to_device=lambda x: cuda.to_device(x, stream=stream))
-    chunk_kernel, merge_kernel = _kernels_for(ct, compile_key(rc))
+    chunk_kernel, merge_kernel = _kernels_for(ct, compile_key(rc), quant is not None)
     shared = ROWS * (e + ev + BN + 3) * ct.itemsize
     kv, d_lo, d_hi = (cuda.to_device(x, stream=stream) for x in (kv_lens, lo, hi))
     tb = cuda.to_device(task_b.astype(np.int64), stream=stream)
@@ -310,7 +328,8 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
     mrow = np.zeros(B + 1, np.int64)
     np.cumsum(hq * seq_rows[2], out=mrow[1:])
     args = (q, k_cache, v_cache, block_table, kv, d_lo, d_hi, tb, tc, int(chunk),
-            float(scale), part_out, part_lse, r_arg, d_rows, int(n_tiles))
+            float(scale), part_out, part_lse, r_arg, d_rows, int(n_tiles),
+            () if quant is None else quant)
     refuse_raising(chunk_kernel, compile_key(rc).functions, args)  # user functions: see .raising
     chunk_kernel[(n_tasks, h * n_tiles), threads or THREADS, stream, shared](*args)
     n = int(mrow[-1])

@@ -174,18 +174,3 @@ def test_a_plan_runs_device_layers_as_the_one_shot_call(rng):
     read = kvcache_plan(q, kc, vc, seqlens, block_table=table)
     with pytest.raises(TypeError, match="made for cuda arrays, got host arrays"):
         read.run(q.copy_to_host(), kc.copy_to_host(), vc.copy_to_host())
-
-
-def test_quantized_caches_are_not_implemented_on_cuda(rng):
-    # Quantized caches run on the CPU only: CUDA arrays are refused before anything is written.
-    from sdpa_numba.quant import quantize_kv
-
-    kq, ks = quantize_kv(rng.standard_normal((1, 8, 1, 32)), "q8_0")
-    q = dev(rng.standard_normal((1, 1, 1, 32)).astype(np.float32))
-    kd = dev(kq)
-    before = kq.copy()
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        kvattn(q, kd, kd, np.array([4]), k_scale=dev(ks), v_scale=dev(ks), k=q, v=q)
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        kvattn(q, kd, kd, np.array([4]))  # an int8 cache without scales, too
-    np.testing.assert_array_equal(kd.copy_to_host(), before)
