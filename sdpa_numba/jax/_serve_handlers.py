@@ -19,6 +19,7 @@ handler takes none.
 import numpy as np
 from numba import carray, njit
 
+from ..cpu.storage import load
 from ..score.recipe import kernel_recipe, recipe
 from ._frame import (answer_metadata, argument, as_pointer, c_string, data, dims, error,
                      load_i64, ranked, result)
@@ -384,6 +385,18 @@ def _decode_signature(dtype, parallel, recipe_t, scale_dtype=None):
     return (decode if parallel else decode_serial), sig
 
 
+@njit
+def _new_row(x, b, t, row, table, seqlens, page_size):
+    """New row ``t`` of sequence ``b`` of an append ``x`` (storage dtype) into ``row`` ``(1, 1,
+    H, D)`` in the compute dtype (the NumPy API quantizes from float32, or float64 for
+    float64: exact conversions); its cache slot ``(page, slot)``."""
+    for h in range(x.shape[2]):
+        for e in range(x.shape[3]):
+            row[0, 0, h, e] = load(x[b, t, h, e])
+    pos = seqlens[b] + t
+    return table[b, pos // page_size], pos % page_size
+
+
 def _quant_parts(quant, ct, st, appending, i_scale, bad_scale, bad_rows):
     """What a KV-cache handler does differently with a quantized cache (``quant``: None, or
     ``(scale dtype, fp8)``), as jitted functions: ``(cache4, write, check, get_quant,
@@ -405,7 +418,7 @@ def _quant_parts(quant, ct, st, appending, i_scale, bad_scale, bad_rows):
     The scales are operands ``i_scale``, ``i_scale + 1``; appending into an int8 / q8_0
     cache, results 4 and 5 (aliased to them: they hold the operands' values)."""
     from ..cpu.quant import quantize_blocks, quantize_fp8
-    from ..cpu.storage import load, store
+    from ..cpu.storage import store
 
     view4 = _tail_view(st, 4)
     sz = np.dtype(st).itemsize
@@ -521,12 +534,8 @@ def _quant_parts(quant, ct, st, appending, i_scale, bad_scale, bad_rows):
             bits = np.empty((1, 1, h_len, d_len), np.int8)
             for b in range(seqlens.shape[0]):
                 for t in range(x.shape[1]):
-                    for h in range(h_len):
-                        for e in range(d_len):
-                            row[0, 0, h, e] = load(x[b, t, h, e])
+                    page, slot = _new_row(x, b, t, row, table, seqlens, page_size)
                     quantize_fp8(row, bits, desc[b:b + 1], fmt)
-                    pos = seqlens[b] + t
-                    page, slot = table[b, pos // page_size], pos % page_size
                     cache[page, slot] = bits[0, 0]
     else:
         @njit
@@ -552,12 +561,8 @@ def _quant_parts(quant, ct, st, appending, i_scale, bad_scale, bad_rows):
             sc = np.empty((1, 1, h_len, nb), np.float32)
             for b in range(seqlens.shape[0]):
                 for t in range(x.shape[1]):
-                    for h in range(h_len):
-                        for e in range(d_len):
-                            row[0, 0, h, e] = load(x[b, t, h, e])
+                    page, slot = _new_row(x, b, t, row, table, seqlens, page_size)
                     quantize_blocks(row, values, sc, half)
-                    pos = seqlens[b] + t
-                    page, slot = table[b, pos // page_size], pos % page_size
                     cache[page, slot] = values[0, 0]
                     for h in range(h_len):
                         for c in range(nb):
@@ -586,7 +591,6 @@ def _make_kvcache(dtype, appending, alibi=False, sinks=False, mods=None, quant=N
 
     st = _storage(dtype)
     ct = compute_dtype(dtype).type
-    sz = np.dtype(st).itemsize
     from ._handlers import _recipe_type
 
     recipe_t = _recipe_type(ct, alibi, sinks, mods, block_mask=False)
