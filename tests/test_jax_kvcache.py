@@ -17,6 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import sdpa_numba  # noqa: E402
 from kvcache_checks import check_against_reference, paged_pair  # noqa: E402
+from mod_functions import MODS  # noqa: E402
 from sdpa_numba.jax import attention_with_kvcache  # noqa: E402
 
 B, S, H, HQ, E, EV = 3, 11, 2, 4, 5, 3
@@ -251,11 +252,141 @@ def test_alibi_and_sinks(rng):
         jax.jit(lambda q: attention_with_kvcache(q, kc, vc, lens, sinks=sinks[:3])).trace(q)
 
 
+def test_score_mod_and_mask_mod(rng):
+    # The shared score_mod / mask_mod pair (tests/mod_functions.py) with traced mod_args and
+    # an append: the NumPy API's out, lse and caches bit for bit (positions in the cache's
+    # frame).
+    q, kc, vc, k, v = arrays(rng)
+    lens = np.array([0, 4, 9], np.int32)
+    slopes = rng.standard_normal(HQ)
+    ids = np.sort(rng.integers(0, 2, (B, S)), axis=1).astype(np.int32)
+    f = jax.jit(lambda q, kc, vc, lens, k, v, slopes, ids: attention_with_kvcache(
+        q, kc, vc, lens, k=k, v=v, return_lse=True, mod_args=(slopes, ids, 0.5), **MODS))
+    got = f(q, kc, vc, lens, k, v, slopes, ids)
+    want, want_lse, wkc, wvc = numpy_call(q, kc, vc, lens, k=k, v=v,
+                                          mod_args=(slopes, ids, 0.5), **MODS)
+    for a, b in zip(got, (want, wkc, wvc, want_lse)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(want, numpy_call(q, kc, vc, lens, k=k, v=v)[0])
+    # new values, the same compiled call
+    ids2 = ids[:, ::-1].copy()
+    np.testing.assert_array_equal(f(q, kc, vc, lens, k, v, -slopes, ids2)[0],
+                                  numpy_call(q, kc, vc, lens, k=k, v=v,
+                                             mod_args=(-slopes, ids2, 0.5), **MODS)[0])
+    with pytest.raises(TypeError, match=r"score_mod must take \d+ arguments \(score"):
+        jax.jit(lambda q: attention_with_kvcache(q, kc, vc, lens, mod_args=(slopes,),
+                                                 **MODS)).trace(q)
+
+
+def _quantized(rng, fmt, e=32, ev=64, b=B, scale_dtype=np.float32, per_head=True):
+    """float32 q, k, v and caches quantized to ``fmt`` (E, Ev multiples of 32: q8_0's)."""
+    from sdpa_numba.quant import quantize_kv
+
+    q = rng.standard_normal((b, 2, HQ, e)).astype(np.float32)
+    k = rng.standard_normal((b, 2, H, e)).astype(np.float32)
+    v = rng.standard_normal((b, 2, H, ev)).astype(np.float32)
+    kc, ks = quantize_kv(2 * rng.standard_normal((b, S, H, e)), fmt, scale_dtype=scale_dtype,
+                         per_head=per_head)
+    vc, vs = quantize_kv(rng.standard_normal((b, S, H, ev)), fmt, scale_dtype=scale_dtype,
+                         per_head=per_head)
+    return q, k, v, kc, vc, ks, vs
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint8 if x.dtype.itemsize == 1 else np.uint16 if x.dtype.itemsize == 2
+                  else np.uint32)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "e4m3fn", "e5m2"])
+def test_quantized_cache_append(rng, fmt):
+    # An append quantizes k, v into the caches (and, int8 / q8_0, their scales: aliased
+    # results) and the kernel reads them dequantized: the NumPy API's bits, every result.
+    q, k, v, kc, vc, ks, vs = _quantized(rng, fmt)
+    lens = np.array([0, 4, 9], np.int32)
+    f = jax.jit(lambda q, kc, vc, lens, k, v, ks, vs: attention_with_kvcache(
+        q, kc, vc, lens, k=k, v=v, k_scale=ks, v_scale=vs, return_lse=True))
+    got = f(q, kc, vc, lens, k, v, ks, vs)
+    assert len(got) == 6
+    wkc, wvc, wks, wvs = (np.array(x) for x in (kc, vc, ks, vs))
+    want, want_lse = sdpa_numba.attention_with_kvcache(q, wkc, wvc, lens, k=k, v=v,
+                                                       k_scale=wks, v_scale=wvs,
+                                                       return_lse=True)
+    for a, b in zip(got, (want, wkc, wvc, wks, wvs, want_lse)):
+        assert np.asarray(a).dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    assert not np.array_equal(_bits(wkc), _bits(kc))  # the append wrote (the test can fail)
+    if fmt == "int8":
+        assert not np.array_equal(wks, ks)
+        # no append: the scales are read from the operands, not written
+        out, *rest = jax.jit(lambda q, kc, vc, ks, vs: attention_with_kvcache(
+            q, kc, vc, lens, k_scale=ks, v_scale=vs))(q, kc, vc, ks, vs)
+        np.testing.assert_array_equal(out, sdpa_numba.attention_with_kvcache(
+            q, kc, vc, lens, k_scale=ks, v_scale=vs))
+        for a, b in zip(rest, (kc, vc, ks, vs)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+        # a scale that is not finite: the call fails when it runs, nothing written
+        bad = ks.copy()
+        bad[0, 0, 0] = np.nan
+        jkc = jnp.asarray(kc)
+        with pytest.raises(Exception, match="k_scale must be finite"):
+            jax.block_until_ready(f(q, jkc, vc, lens, k, v, bad, vs))
+        k_bad = k.copy()
+        k_bad[1, 0, 0, 0] = np.inf
+        with pytest.raises(Exception, match="k must be finite to be quantized into a int8"):
+            jax.block_until_ready(f(q, jkc, vc, lens, k_bad, v, ks, vs))
+        np.testing.assert_array_equal(jkc, kc)
+    if fmt == "e4m3fn":
+        # a per-tensor descale given as a Python float, kept
+        out, *_, kd, vd = jax.jit(lambda q, kc, vc, k, v: attention_with_kvcache(
+            q, kc, vc, lens, k=k, v=v, k_scale=0.5, v_scale=0.25))(q, kc, vc, k, v)
+        wkc = np.array(kc)
+        np.testing.assert_array_equal(out, sdpa_numba.attention_with_kvcache(
+            q, wkc, np.array(vc), lens, k=k, v=v, k_scale=0.5, v_scale=0.25))
+        assert float(kd) == 0.5 and float(vd) == 0.25
+
+
+@pytest.mark.parametrize("bad, kind, match", [
+    ("float_cache", ValueError, "k_scale is for a quantized cache"),
+    ("scale_shape", ValueError, r"k_scale of an int8 cache must have shape \(N, S, H\)"),
+    ("scale_dtype", TypeError, "k_scale dtype float64 is not supported"),
+    ("q8_0_dim", ValueError, "a q8_0 cache's head dim must be a multiple of 32"),
+    ("fp8_shape", ValueError, r"k_scale of a e4m3fn cache must be a scalar or have shape"),
+    ("no_scale", ValueError, "needs v_scale"),
+])
+def test_quantized_bad_input_at_trace_time(rng, bad, kind, match):
+    q, k, v, kc, vc, ks, vs = _quantized(rng, "int8")
+    lens = np.array([0, 4, 9], np.int32)
+    kw = dict(k=k, v=v, k_scale=ks, v_scale=vs)
+    if bad == "float_cache":
+        kc, vc = (rng.standard_normal(x.shape).astype(np.float32) for x in (kc, vc))
+    elif bad == "scale_shape":
+        kw["k_scale"] = ks[:, :-1]
+    elif bad == "scale_dtype":
+        kw["k_scale"] = ks.astype(np.float64)
+    elif bad == "q8_0_dim":
+        kc, vc = kc[..., :24], vc[..., :24]
+        q, kw["k"], kw["v"] = q[..., :24], k[..., :24], v[..., :24]
+        kw.update(k_scale=np.ones((B, S, H, 1), np.float32),
+                  v_scale=np.ones((B, S, H, 1), np.float32))
+    elif bad == "fp8_shape":
+        q, k, v, kc, vc, ks, vs = _quantized(rng, "e4m3fn")
+        kw = dict(k=k, v=v, k_scale=ks[:, :1], v_scale=vs)
+    elif bad == "no_scale":
+        kw["v_scale"] = None
+    with pytest.raises(kind, match=match):
+        jax.jit(lambda q: attention_with_kvcache(q, kc, vc, lens, **kw)).trace(q)
+    # and the NumPy API's own message, word for word
+    with pytest.raises(kind, match=match):
+        sdpa_numba.attention_with_kvcache(q, np.array(kc), np.array(vc), lens,
+                                          **{n: None if x is None else np.array(x)
+                                             for n, x in kw.items()})
+
+
 def test_not_taken_and_vmap(rng):
     q, kc, vc, k, v = arrays(rng)
     lens = np.array([1, 2, 3], np.int32)
-    for kw, what in ((dict(out=np.empty((B, 2, HQ, EV))), "out"),
-                     (dict(k_scale=1.0), "k_scale")):
+    for kw, what in ((dict(out=np.empty((B, 2, HQ, EV))), "out"),):
         with pytest.raises(NotImplementedError, match=what):
             attention_with_kvcache(q, kc, vc, lens, **kw)
     with pytest.raises(NotImplementedError, match="vmap"):

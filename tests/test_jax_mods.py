@@ -18,22 +18,7 @@ from numba import njit  # noqa: E402
 
 import sdpa_numba  # noqa: E402
 from sdpa_numba.jax import scaled_dot_product_attention as attention  # noqa: E402
-
-
-@njit
-def tilt(s, b, h, i, j, slopes, ids, lim):
-    # reads every kind of mod_arg: a float array, an int array and a float scalar
-    return s + slopes[h] * (i - j) * lim + 0.01 * ids[b, j]
-
-
-@njit
-def tilt_grad(s, b, h, i, j, slopes, ids, lim):
-    return 1.0
-
-
-@njit
-def same_doc(b, h, i, j, slopes, ids, lim):
-    return ids[b, i] == ids[b, j]
+from mod_functions import MODS, tilt, tilt_grad  # noqa: E402
 
 
 def qkv(rng, b=2, h=3, L=6, S=6, E=9, Ev=5):
@@ -43,9 +28,6 @@ def qkv(rng, b=2, h=3, L=6, S=6, E=9, Ev=5):
 
 def docs(rng, b, S):
     return np.sort(rng.integers(0, 3, (b, S)), axis=1).astype(np.int32)
-
-
-MODS = dict(score_mod=tilt, mask_mod=same_doc)
 
 
 def _numpy(q, k, v, g, mod_args, **kw):
@@ -196,8 +178,8 @@ def _returns_int(b, h, i, j):
     (dict(mod_args=(np.ones(3),)), ValueError, "mod_args are given without"),
     (dict(score_mod_grad=tilt_grad, mod_args=(np.ones(3), np.ones((1, 1), np.int32), 1.0)),
      ValueError, "score_mod_grad is given without"),
-    (dict(score_mod=tilt, mod_args=(np.ones((1,) * 5), np.ones((1, 1), np.int32), 1.0)),
-     NotImplementedError, r"mod_args\[0\] has 5"),
+    (dict(score_mod=tilt, mod_args=(np.ones((1,) * 9), np.ones((1, 1), np.int32), 1.0)),
+     NotImplementedError, r"mod_args\[0\] has 9"),
     (dict(dropout_p=0.1), ValueError, "dropout_rng"),
     (dict(dropout_p=0.1, seed=-1), ValueError, "seed must be in"),
     (dict(dropout_p=0.1, seed=np.zeros(2, np.int32)), TypeError, "seed as an array"),

@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import sdpa_numba  # noqa: E402
 from sdpa_numba.jax import varlen_attention  # noqa: E402
+from mod_functions import MODS, tilt_grad  # noqa: E402
 from varlen_checks import cu, packed, reference_forward, reference_grads  # noqa: E402
 
 # odd sizes; an empty query sequence and one without keys
@@ -250,6 +251,55 @@ def test_dropout(rng):
             qs[n], k, v, cq, ck, seed=seed, **kw))
     with pytest.raises(ValueError, match="dropout_rng"):
         jax.jit(lambda q: varlen_attention(q, k, v, cq, ck, **kw)).trace(q)
+
+
+def test_score_mod_and_mask_mod(rng):
+    # The shared score_mod / mask_mod pair (tests/mod_functions.py) with traced mod_args:
+    # the NumPy API's forward and backward bit for bit; b is the sequence index.
+    q, k, v = packed(rng, LQ, LK, HQ, H, E, EV)
+    cq, ck = cu(LQ), cu(LK)
+    slopes = rng.standard_normal(HQ)
+    ids = np.sort(rng.integers(0, 2, (len(LQ), max(LQ + LK))), axis=1).astype(np.int32)
+    kw = dict(is_causal=True, alignment="bottom_right", **MODS)
+
+    def f(q, k, v, slopes, ids):
+        return varlen_attention(q, k, v, cq, ck, mod_args=(slopes, ids, 0.5),
+                                score_mod_grad=tilt_grad, return_lse=True, **kw)
+
+    out, lse = jax.jit(f)(q, k, v, slopes, ids)
+    args = (slopes, ids, 0.5)
+    want, want_lse = sdpa_numba.varlen_attention(q, k, v, cq, ck, return_lse=True,
+                                                 mod_args=args, **kw)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    # the functions do change the result (the test can fail)
+    assert not np.allclose(want, sdpa_numba.varlen_attention(
+        q, k, v, cq, ck, is_causal=True, alignment="bottom_right"))
+    g = rng.standard_normal(out.shape)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0] * g), argnums=(0, 1, 2)))(
+        q, k, v, slopes, ids)
+    numpy_grads = sdpa_numba.varlen_attention_backward(
+        g, q, k, v, want, want_lse, cq, ck, mod_args=args, score_mod_grad=tilt_grad, **kw)
+    for got, exact in zip(grads, numpy_grads):
+        np.testing.assert_array_equal(got, exact)
+    # vmap over q and the ids: each entry its own mod_args (the same compiled handler)
+    idss = np.stack([ids, ids[:, ::-1].copy()])
+    qs = np.stack([q, 2 * q])
+    got = jax.jit(jax.vmap(lambda q, ids: varlen_attention(
+        q, k, v, cq, ck, mod_args=(slopes, ids, 0.5), **kw)))(qs, idss)
+    for n in range(2):
+        np.testing.assert_array_equal(got[n], sdpa_numba.varlen_attention(
+            qs[n], k, v, cq, ck, mod_args=(slopes, idss[n], 0.5), **kw))
+    # no score_mod_grad: the gradient is refused; the mod_args have none
+    with pytest.raises(ValueError, match="score_mod_grad"):
+        jax.grad(lambda q: jnp.sum(varlen_attention(q, k, v, cq, ck, mod_args=args,
+                                                    **kw)))(q)
+    with pytest.raises(NotImplementedError, match="mod_args"):
+        jax.grad(lambda s: jnp.sum(varlen_attention(q, k, v, cq, ck, mod_args=(s, ids, 0.5),
+                                                    score_mod_grad=tilt_grad, **kw)))(slopes)
+    with pytest.raises(TypeError, match=r"score_mod must take \d+ arguments \(score"):
+        jax.jit(lambda q: varlen_attention(q, k, v, cq, ck, mod_args=args[:2],
+                                           **MODS)).trace(q)
 
 
 def test_not_taken(rng):

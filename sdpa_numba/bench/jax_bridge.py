@@ -1,23 +1,44 @@
 """The JAX bridge timed: :func:`sdpa_numba.jax.scaled_dot_product_attention` under ``jax.jit``
 against ``jax.nn.dot_product_attention`` (``implementation=None`` and ``"xla"``) and against
 the NumPy API on the same arrays, forward and forward+backward, side by side in one process
-(the median of interleaved rounds).
+(the median of interleaved rounds): the wall time of a call and the CPU time the process spent
+in it (all its threads). The CPU time shows what the bridge adds (the jitted call and the NumPy
+call run the same kernel on the same threads) even on a loaded machine, where the wall times
+move by tens of percent from round to round.
 
 Run: ``python -m sdpa_numba.bench.jax_bridge [--B 1 --H 8 --L 2048 --D 64 --rounds 7]``.
 Needs JAX; a benchmark, not a test (the machine's load shows in its figures).
 """
 
 import argparse
+import statistics
+import time
 
 import numpy as np
 
-from .decode import median_after_idle
 from .timing import PAUSE, set_threads
 
 
+def _medians(fns, rounds, idle):
+    """``{name: (wall, cpu)}``: the median wall time of a call of each callable and the
+    median CPU time of the process during it (``time.process_time``: every thread's), calls
+    interleaved, each after ``idle`` seconds of rest."""
+    times = {name: ([], []) for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            time.sleep(idle)
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            t1, c1 = time.perf_counter(), time.process_time()
+            times[name][0].append(t1 - t0)
+            times[name][1].append(c1 - c0)
+    return {name: (statistics.median(w), statistics.median(c))
+            for name, (w, c) in times.items()}
+
+
 def run(B=1, H=8, L=2048, D=64, rounds=7, causal=False, threads=None):
-    """``{(direction, implementation): median seconds}`` for float32 inputs of shape
-    ``(B, H, L, D)``."""
+    """``{(direction, implementation): (median wall seconds, median CPU seconds)}`` for
+    float32 inputs of shape ``(B, H, L, D)``."""
     set_threads(threads, torch_too=False)
     import jax
     import jax.numpy as jnp
@@ -58,7 +79,7 @@ def run(B=1, H=8, L=2048, D=64, rounds=7, causal=False, threads=None):
     fns["forward+backward", "NumPy API"] = numpy_fwd_bwd
     for fn in fns.values():  # warm-up: compiles
         fn()
-    return median_after_idle(fns, rounds, PAUSE)
+    return _medians(fns, rounds, PAUSE)
 
 
 def main(argv=None):
@@ -73,12 +94,13 @@ def main(argv=None):
 
     print(f"B{a.B} H{a.H} L{a.L} D{a.D} float32{' causal' if a.causal else ''}, "
           f"{numba.get_num_threads()} Numba threads, median of {a.rounds} rounds")
+    print(f"{'':33s} {'wall':>9s} {'':29s} {'CPU':>9s}")
     for direction in ("forward", "forward+backward"):
-        base = times[direction, "sdpa_numba.jax"]
-        for (d, name), s in times.items():
+        base, base_cpu = times[direction, "sdpa_numba.jax"]
+        for (d, name), (s, c) in times.items():
             if d == direction:
                 print(f"{direction:17s} {name:15s} {s * 1e3:9.1f} ms  {s / base:5.2f}x "
-                      f"sdpa_numba.jax's time")
+                      f"sdpa_numba.jax's time  {c * 1e3:9.1f} ms  {c / base_cpu:5.2f}x")
 
 
 if __name__ == "__main__":

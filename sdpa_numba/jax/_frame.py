@@ -128,3 +128,17 @@ def error(frame, message):
 def c_string(text):
     """``text`` as a NUL-terminated uint8 array (an :func:`error` message)."""
     return np.frombuffer(text.encode() + b"\0", np.uint8).copy()
+
+
+def ranked(source, nd, **env):
+    """The ``@njit`` function that ``source`` (one ``def``) defines for rank ``nd``: ``{nd}``
+    in it becomes ``nd`` and ``{last}`` the last ``nd`` dims of a dims array ``d`` of rank
+    ``r``, ``d[r - nd], ..., d[r - 1],`` (a tuple's entries: a carray's shape must be a tuple
+    of a size known when compiling, so each rank is its own function). ``env``: its
+    globals (Numba freezes them as constants)."""
+    last = "".join(f"d[r - {nd - i}], " for i in range(nd))
+    namespace = dict(env)
+    exec(compile(source.format(nd=nd, last=last), f"<sdpa_numba.jax rank {nd}>", "exec"),
+         namespace)
+    names = [x for x in namespace if x not in env and x != "__builtins__"]
+    return njit(namespace[names[0]])

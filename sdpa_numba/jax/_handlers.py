@@ -38,7 +38,7 @@ from .._runtime import kernel_launch, package_stamp, stamp_caches
 from ..score.recipe import recipe
 from ..targets import HOST
 from ._frame import (CACHE, answer_metadata, argument, as_pointer, c_string, data, dims, error,
-                     result)
+                     ranked, result)
 
 #: Entries of the ``ints`` and ``floats`` operands (see the module's docstring).
 N_INTS, N_FLOATS = 6, 3
@@ -304,6 +304,15 @@ def _launch_offset(batch, ints, o):
     return (o * batch[batch.shape[0] - 1]) % max(ints[4], 1)
 
 
+_GET_SOURCE = """
+def get(frame, idx):
+    b = argument(frame, n)
+    d = dims(b)
+    r = d.shape[0]
+    return carray(as_pointer(_lead_address(b, {nd}, size, idx)), ({last}), dt)
+"""
+
+
 def _mod_arg_getter(n, spec):
     """A jitted ``get(frame, idx)``: mod_arg operand ``n`` of ``spec`` ``(dtype, ndim,
     carried)`` at outer batch indices ``idx``: a C-contiguous array of ``ndim`` dims (the
@@ -320,41 +329,8 @@ def _mod_arg_getter(n, spec):
             a = _lead_address(argument(frame, n), core, item, idx)
             return carray(as_pointer(a), (1,), dt)[0]
         return scalar
-    if ndim == 1:
-        @njit
-        def get1(frame, idx):
-            b = argument(frame, n)
-            d = dims(b)
-            r = d.shape[0]
-            return carray(as_pointer(_lead_address(b, 1, size, idx)), (d[r - 1],), dt)
-        return get1
-    if ndim == 2:
-        @njit
-        def get2(frame, idx):
-            b = argument(frame, n)
-            d = dims(b)
-            r = d.shape[0]
-            return carray(as_pointer(_lead_address(b, 2, size, idx)), (d[r - 2], d[r - 1]),
-                          dt)
-        return get2
-    if ndim == 3:
-        @njit
-        def get3(frame, idx):
-            b = argument(frame, n)
-            d = dims(b)
-            r = d.shape[0]
-            return carray(as_pointer(_lead_address(b, 3, size, idx)),
-                          (d[r - 3], d[r - 2], d[r - 1]), dt)
-        return get3
-
-    @njit
-    def get4(frame, idx):
-        b = argument(frame, n)
-        d = dims(b)
-        r = d.shape[0]
-        return carray(as_pointer(_lead_address(b, 4, size, idx)),
-                      (d[r - 4], d[r - 3], d[r - 2], d[r - 1]), dt)
-    return get4
+    return ranked(_GET_SOURCE, ndim, argument=argument, dims=dims, carray=carray,
+                  as_pointer=as_pointer, _lead_address=_lead_address, n=n, size=size, dt=dt)
 
 
 def _mod_args_getter(first, specs):
@@ -383,17 +359,20 @@ def _sample_mod_arg(spec):
     return np.zeros((1,) * ndim, dtype)
 
 
-def _recipe_type(ct, alibi, sinks, mods=None):
+def _recipe_type(ct, alibi, sinks, mods=None, block_mask=True):
     """The Numba type of the NumPy API's recipe with (or without) ALiBi slopes, sinks and the
     user's functions (C-contiguous arrays of the compute dtype,
-    :func:`sdpa_numba.problem.variants.check_alibi`; a ``mask_mod`` comes with a block mask,
-    :func:`sdpa_numba.problem.block_mask.with_block_mask`)."""
+    :func:`sdpa_numba.problem.variants.check_alibi`; with ``block_mask``, a ``mask_mod``
+    comes with a block mask, as the dense API's,
+    :func:`sdpa_numba.problem.block_mask.with_block_mask`; the serving functions' come
+    without)."""
     extra = {}
     if mods is not None:
         score_mod, mask_mod, score_mod_grad, specs = mods
         extra = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_grad=score_mod_grad,
                      mod_args=tuple(_sample_mod_arg(x) for x in specs),
-                     block_mask=None if mask_mod is None else np.zeros((1, 1, 1, 1), np.int8))
+                     block_mask=None if mask_mod is None or not block_mask
+                     else np.zeros((1, 1, 1, 1), np.int8))
     return typeof(recipe(alibi=np.zeros((1, 1), ct) if alibi else None,
                          sinks=np.zeros(1, ct) if sinks else None, **extra))
 

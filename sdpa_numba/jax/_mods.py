@@ -15,8 +15,9 @@ import numpy as np
 from ..dropout import check_seed
 from ..problem.variants import check_function
 
-#: The most dims a mod_args array may have (the handlers' views are written per rank).
-MAX_MOD_ARG_DIMS = 4
+#: The most dims a mod_args array may have (each rank is its own jitted view,
+#: :func:`._frame.ranked`).
+MAX_MOD_ARG_DIMS = 8
 
 
 def _is_array(x):
@@ -28,7 +29,7 @@ def mod_operands(score_mod, mask_mod, score_mod_grad, mod_args, cdt, check_platf
     functions, else ``(score_mod, mask_mod, score_mod_grad, specs)`` with one ``(dtype, ndim,
     carried)`` per mod_arg; ``operands`` the mod_args as JAX arrays.
 
-    Each mod_arg is a JAX or NumPy array of 1 to 4 dims (reaching the functions as a
+    Each mod_arg is a JAX or NumPy array of 1 to 8 dims (reaching the functions as a
     C-contiguous array of its dtype as JAX holds it), a 0-d array (its dtype's scalar, read
     when the call runs), or a Python or NumPy scalar (as the NumPy API types it: a Python int
     is an int64, a float a float64, carried as bytes: JAX without ``jax_enable_x64`` has no
@@ -91,6 +92,26 @@ def mod_operands(score_mod, mask_mod, score_mod_grad, mod_args, cdt, check_platf
     if score_mod is None and mask_mod is None:
         return None, ()
     return (score_mod, mask_mod, score_mod_grad, tuple(specs)), tuple(operands)
+
+
+def forward_mods(mods):
+    """The forward's ``mods``: without ``score_mod_grad`` (as the NumPy API's forward recipe,
+    so that the forward's specialization does not depend on it)."""
+    return None if mods is None else mods[:2] + (None,) + mods[3:]
+
+
+def check_mods_grad(mods, mod_args, function):
+    """At ``custom_vjp``'s forward: NotImplementedError for a gradient asked of the
+    ``mod_args`` (rather than a silent zero); ValueError for a ``score_mod`` without its
+    ``score_mod_grad``."""
+    if any(x.perturbed for x in mod_args):
+        raise NotImplementedError(f"sdpa_numba.jax.{function} has no gradient for mod_args "
+                                  f"(numbers the user's functions read): differentiate the "
+                                  f"other inputs")
+    if mods is not None and mods[0] is not None and mods[2] is None:
+        raise ValueError(f"the backward of a score_mod needs score_mod_grad(score, b, h, i, "
+                         f"j, *mod_args): d score_mod / d score (pass it to "
+                         f"sdpa_numba.jax.{function} to differentiate)")
 
 
 def seed_operand(seed, dropout_rng):

@@ -22,7 +22,7 @@ from ..problem import check_dropout, check_flag, plan
 from ..score.recipe import NO_LIMIT
 from ..dropout import threshold
 from ._handlers import backward_target, forward_target
-from ._mods import mod_operands, seed_operand
+from ._mods import check_mods_grad, forward_mods, mod_operands, seed_operand
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -109,12 +109,6 @@ def _numbers(cfg):
             jnp.asarray(np.array(cfg.floats, np.float64).view(np.uint32)))
 
 
-def _forward_mods(cfg):
-    """The forward's ``mods`` (without ``score_mod_grad``: as the NumPy API's forward recipe,
-    so that the forward's specialization does not depend on it)."""
-    return None if cfg.mods is None else cfg.mods[:2] + (None,) + cfg.mods[3:]
-
-
 def _extra(seed, mod_args):
     return ([] if seed is None else [seed]) + list(mod_args)
 
@@ -122,7 +116,7 @@ def _extra(seed, mod_args):
 def _forward_call(cfg, q, k, v, mask, alibi, sinks, seed, mod_args):
     ct = np.float64 if cfg.dtype == np.float64 else np.float32
     name = forward_target(cfg.dtype, cfg.mask_kind, cfg.has_alibi, cfg.has_sinks,
-                          _forward_mods(cfg), cfg.dropout)
+                          forward_mods(cfg.mods), cfg.dropout)
     ops = [q, k, v] + [x for x in (mask, alibi, sinks) if x is not None]
     call = jax.ffi.ffi_call(name, (jax.ShapeDtypeStruct(cfg.out_shape, cfg.dtype),
                                    jax.ShapeDtypeStruct(cfg.lse_shape, ct)),
@@ -144,14 +138,9 @@ def _fwd(cfg, q, k, v, mask, alibi, sinks, seed, mod_args):
     vals.append(tuple(_value(x) for x in mod_args))
     if alibi is not None and alibi.perturbed:
         raise NotImplementedError("sdpa_numba.jax has no gradient for alibi_slopes (the "
-                                  "backward kernel does not compute it)")
-    if any(x.perturbed for x in mod_args):  # rather than a silent zero
-        raise NotImplementedError("sdpa_numba.jax has no gradient for mod_args (numbers the "
-                                  "user's functions read): differentiate the other inputs")
-    if cfg.mods is not None and cfg.mods[0] is not None and cfg.mods[2] is None:
-        raise ValueError("the backward of a score_mod needs score_mod_grad(score, b, h, i, j, "
-                         "*mod_args): d score_mod / d score (pass it to "
-                         "sdpa_numba.jax.scaled_dot_product_attention to differentiate)")
+                                  "NumPy API's backward has none either: the slopes are "
+                                  "constants there)")
+    check_mods_grad(cfg.mods, mod_args, "scaled_dot_product_attention")
     mask_grad = mask is not None and cfg.mask_kind == "additive" and mask.perturbed
     out, lse = _forward_call(cfg, *vals)
     return (out, lse), (vals, out, lse, mask_grad)
@@ -239,7 +228,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         A ``mask_mod`` runs on every element (no block mask is built: that would need the
         ``mod_args`` values at trace time).
     mod_args : tuple, keyword-only
-        Arrays (1 to 4 dims; JAX or NumPy, may be traced) and numbers passed to the
+        Arrays (1 to 8 dims; JAX or NumPy, may be traced) and numbers passed to the
         functions as their last arguments, as FFI operands: new values never recompile. A
         0-d array reaches them as a scalar of its dtype; a Python int as an int64, a float
         as a float64 (as the NumPy API types them). No gradient flows to them

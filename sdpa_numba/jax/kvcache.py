@@ -21,7 +21,8 @@ from ..problem import check_flag
 from ..problem.arguments import shape_str
 from ..problem.kvcache import kvcache_problem
 from ..score.recipe import NO_LIMIT
-from ._serve_handlers import kvcache_target
+from ._mods import mod_operands
+from ._serve_handlers import QUANT_NAMES, kvcache_target
 from .dense import _check_platform, _stand_in
 from .varlen import _numbers, int_operand, is_concrete, not_taken
 
@@ -59,6 +60,19 @@ def _ints_stand_in(name, x, fill=None):
     return np.zeros(shape, np.dtype(x.dtype))
 
 
+def _scale_operand(name, x):
+    """A quantized cache's scale as a JAX array: a Python number as a float32 scalar (the
+    NumPy API's), an array as JAX holds it (shape and dtype checked by the NumPy API's
+    :func:`sdpa_numba.problem.quant.quant_spec`)."""
+    if x is None:
+        return None
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return jnp.asarray(np.float32(x))
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array or a float, got {type(x).__name__}")
+    return jnp.asarray(x)
+
+
 def _no_vmap(*args):
     raise NotImplementedError(
         "sdpa_numba.jax.attention_with_kvcache does not run under jax.vmap: its call updates "
@@ -80,7 +94,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     q : jax.Array, shape (B, Lq, Hq, E)
         float16, bfloat16, float32 or float64 (float64 needs ``jax_enable_x64``).
     k_cache, v_cache : jax.Array, shapes (B, S_max, H, E) and (B, S_max, H, Ev)
-        Or with ``block_table`` a paged cache ``(num_pages, page_size, H, E / Ev)``. q's dtype.
+        Or with ``block_table`` a paged cache ``(num_pages, page_size, H, E / Ev)``. q's dtype,
+        or a quantized cache: int8, ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` with
+        ``k_scale`` and ``v_scale``.
     cache_seqlens : int or jax.Array of ints, shape (B,)
         Keys in the cache of each sequence; may be traced.
     k, v : jax.Array, shapes (B, Lq_new, H, E) and (B, Lq_new, H, Ev), optional
@@ -96,9 +112,23 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         As in the NumPy API (slopes ``(Hq,)`` or ``(B, Hq)``, sinks ``(Hq,)``; float32 or
         float64): shapes and dtypes checked at trace time, values the caller's to keep. Each
         on/off is a specialization (a handler and a kernel compiled once per process).
-    out, k_scale, v_scale, score_mod, mask_mod, mod_args
-        Not taken under JAX yet (NotImplementedError when given); ``block_mask`` as the NumPy
-        API (NotImplementedError).
+    k_scale, v_scale : jax.Array or float, optional
+        A quantized cache's scales, as in the NumPy API (:mod:`sdpa_numba.quant`): int8
+        caches float32 or float16 scales ``(N, S, H)`` ("int8") or ``(N, S, H, E // 32)``
+        ("q8_0"); fp8 caches a float32 descale, a float or of shape ``()`` or ``(B, H)``.
+        Shapes and dtypes checked at trace time with the NumPy API's messages; values (and
+        the new ``k``, ``v`` of an append) checked finite when the call runs, before
+        anything is written. An append quantizes ``k`` and ``v`` into the returned caches
+        (the NumPy API's rule, bit for bit) and, for int8 / q8_0, writes their scales: the
+        returned scales are then results aliased to the scale operands, as the caches are.
+        One specialization per scale dtype (the format is a run-time value), fp8 or not.
+    score_mod, mask_mod, mod_args
+        As in :func:`sdpa_numba.jax.scaled_dot_product_attention` (functions compiled into
+        the handler, by identity; ``mod_args`` FFI operands, may be traced), with ``i`` the
+        query token's position in the cache's frame and ``j`` the key's, as in the NumPy API.
+    out
+        Not taken under JAX (NotImplementedError: JAX arrays are immutable); ``block_mask``
+        as the NumPy API (NotImplementedError).
 
     Returns
     -------
@@ -107,7 +137,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         The caches after the append (the inputs' values without ``k`` and ``v``): the FFI
         call's results aliased to its cache operands, so that ``jax.jit(...,
         donate_argnums=...)`` over the caches updates them without a copy.
-    lse : jax.Array, shape (B, Hq, Lq), only with ``return_lse=True``
+    k_scale, v_scale : jax.Array, only with a quantized cache
+        The scales after the append (int8 / q8_0; aliased like the caches), or as given
+        (fp8 descales; a float as a float32 scalar).
+    lse : jax.Array, shape (B, Hq, Lq), only with ``return_lse=True``, last
 
     Raises
     ------
@@ -126,8 +159,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     runs, before anything is written: the error reaches the caller when the result is read
     (``jax.block_until_ready``).
     """
-    not_taken("attention_with_kvcache", out=out, k_scale=k_scale, v_scale=v_scale,
-              score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
+    not_taken("attention_with_kvcache", out=out)
     if block_mask is not None:
         raise NotImplementedError(
             "attention_with_kvcache does not take a block_mask: a block mask is made for one "
@@ -141,6 +173,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     alibi_slopes, sinks = (x if x is None or not hasattr(x, "shape") else jnp.asarray(x)
                            for x in (alibi_slopes, sinks))
     per_head = dict(alibi_slopes=_stand_in(alibi_slopes), sinks=_stand_in(sinks))
+    k_scale, v_scale = (_scale_operand(n, x) for n, x in (("k_scale", k_scale),
+                                                          ("v_scale", v_scale)))
+    _check_platform([("k_scale", k_scale), ("v_scale", v_scale)])
+    per_head.update((n, None if x is None else _Spec(x)) for n, x in (("k_scale", k_scale),
+                                                                       ("v_scale", v_scale)))
     for name, x in named[:5]:
         if x is not None and not hasattr(x, "shape"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -177,6 +214,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         p = kvcache_problem(_Spec(q), _Spec(k_cache), _Spec(v_cache), seqlens_in, None, None,
                             table_in, leftpad_in, is_causal, scale, alignment=alignment,
                             window=window, chunk=chunk, softcap=softcap, **per_head)
+    mods, mod_ops = mod_operands(score_mod, mask_mod, None, mod_args, p.compute_dtype,
+                                 _check_platform)
     r = p.recipe
     ct = p.compute_dtype
     per_head_ops = []
@@ -191,22 +230,37 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
                else int_operand(cache_leftpad))
     table = (int_operand(block_table).astype(jnp.int32) if paged
              else jnp.arange(B, dtype=jnp.int32).reshape(B, 1))
+    qs = p.quant
     ints = (int(p.is_causal), int(min(r.left, NO_LIMIT)), int(min(r.right, NO_LIMIT)),
-            int(r.chunk), int(paged))
-    results = (jax.ShapeDtypeStruct(p.out_shape, p.dtype),
+            int(r.chunk), int(paged), 0 if qs is None else QUANT_NAMES.index(qs.name))
+    results = [jax.ShapeDtypeStruct(p.out_shape, p.dtype),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-               jax.ShapeDtypeStruct(p.lse_shape, ct))
+               jax.ShapeDtypeStruct(p.lse_shape, ct)]
     appending = k is not None
-    call = jax.ffi.ffi_call(kvcache_target(p.dtype, appending, r.alibi is not None,
-                                           r.sinks is not None), results,
-                            input_output_aliases={1: 1, 2: 2})
     ops = [q, k_cache, v_cache, seqlens, table, leftpad] + ([k, v] if appending else [])
+    numbers_ops = _numbers(ints, (float(p.scale), float(r.softcap)))
+    aliases = {1: 1, 2: 2}
+    scale_ops = []
+    if qs is not None:
+        scale_ops = [k_scale, v_scale]
+        if appending and not qs.fp8:  # the append writes the scales: aliased results too
+            at = len(ops) + len(numbers_ops) + len(per_head_ops)
+            aliases.update({at: 4, at + 1: 5})
+            results += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in scale_ops]
+    call = jax.ffi.ffi_call(kvcache_target(p.dtype, appending, r.alibi is not None,
+                                           r.sinks is not None, mods,
+                                           None if qs is None else (qs.scale_dtype.str,
+                                                                    qs.fp8)),
+                            tuple(results), input_output_aliases=aliases)
     call = jax.custom_batching.custom_vmap(call)
     call.def_vmap(_no_vmap)
-    result, k_cache, v_cache, lse = call(*ops, *_numbers(ints, (float(p.scale),
-                                                                float(r.softcap))),
-                                         *per_head_ops)
-    if return_lse:
-        return result, k_cache, v_cache, lse
-    return result, k_cache, v_cache
+    got = call(*ops, *numbers_ops, *per_head_ops, *scale_ops, *mod_ops)
+    result, k_cache, v_cache, lse = got[:4]
+    if qs is not None:
+        # the scales after the append (int8 / q8_0), or as given (fp8 descales)
+        k_scale, v_scale = got[4:6] if len(got) > 4 else (k_scale, v_scale)
+        result = (result, k_cache, v_cache, k_scale, v_scale)
+    else:
+        result = (result, k_cache, v_cache)
+    return result + (lse,) if return_lse else result

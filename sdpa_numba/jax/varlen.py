@@ -21,7 +21,7 @@ from ..problem import check_dropout, check_flag
 from ..problem.varlen import varlen_plan
 from ..score.recipe import NO_LIMIT
 from ._serve_handlers import varlen_backward_target, varlen_forward_target
-from ._mods import seed_operand
+from ._mods import check_mods_grad, forward_mods, mod_operands, seed_operand
 from .dense import _check_platform, _Spec, _stand_in
 
 __all__ = ["varlen_attention"]
@@ -83,49 +83,54 @@ def _numbers(ints, floats):
             jnp.asarray(np.array(floats, np.float64).view(np.uint32)))
 
 
-# cfg: (dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout), hashable
-# (custom_vjp's nondiff arg)
+# cfg: (dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout, mods),
+# hashable (custom_vjp's nondiff arg; mods: None or (score_mod, mask_mod, score_mod_grad,
+# mod_arg specs), the functions by identity, as the dense function's)
 
-def _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
-    dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout = cfg
+def _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed, mod_args):
+    dtype, ints, floats, out_shape, lse_shape, has_alibi, has_sinks, dropout, mods = cfg
     ct = np.float64 if dtype == np.float64 else np.float32
-    call = jax.ffi.ffi_call(varlen_forward_target(dtype, has_alibi, has_sinks, dropout),
+    call = jax.ffi.ffi_call(varlen_forward_target(dtype, has_alibi, has_sinks, dropout,
+                                                  forward_mods(mods)),
                             (jax.ShapeDtypeStruct(out_shape, dtype),
                              jax.ShapeDtypeStruct(lse_shape, ct)),
                             vmap_method="broadcast_all")
     return call(q, k, v, cu_q, cu_k, *_numbers(ints, floats),
-                *[x for x in (alibi, sinks, seed) if x is not None])
+                *[x for x in (alibi, sinks, seed) if x is not None], *mod_args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _varlen(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
-    return _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed)
+def _varlen(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed, mod_args):
+    return _forward_call(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed, mod_args)
 
 
-def _fwd(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed):
+def _fwd(cfg, q, k, v, cu_q, cu_k, alibi, sinks, seed, mod_args):
     if alibi is not None and alibi.perturbed:
         raise NotImplementedError("sdpa_numba.jax.varlen_attention has no gradient for "
-                                  "alibi_slopes (the backward kernel does not compute it)")
+                                  "alibi_slopes (the NumPy API's backward has none either)")
+    check_mods_grad(cfg[8], mod_args, "varlen_attention")
     vals = [None if x is None else x.value
             for x in (q, k, v, cu_q, cu_k, alibi, sinks, seed)]
+    vals.append(tuple(x.value for x in mod_args))
     out, lse = _forward_call(cfg, *vals)
     return (out, lse), (vals, out, lse)
 
 
 def _bwd(cfg, res, cts):
-    (q, k, v, cu_q, cu_k, alibi, sinks, seed), out, lse = res
+    (q, k, v, cu_q, cu_k, alibi, sinks, seed, mod_args), out, lse = res
     g, g_lse = cts
-    dtype, ints, floats, out_shape, _, has_alibi, has_sinks, dropout = cfg
+    dtype, ints, floats, out_shape, _, has_alibi, has_sinks, dropout, mods = cfg
     if not isinstance(g_lse, SymbolicZero):
         raise NotImplementedError("sdpa_numba.jax.varlen_attention has no gradient through "
                                   "lse (return_lse=True): differentiate the output only")
     g = jnp.zeros(out_shape, dtype) if isinstance(g, SymbolicZero) else g.astype(dtype)
     ct = np.float64 if dtype == np.float64 else np.float32
     results = [jax.ShapeDtypeStruct(x.shape, ct) for x in (q, k, v)]
-    grads = jax.ffi.ffi_call(varlen_backward_target(dtype, has_alibi, has_sinks, dropout),
+    grads = jax.ffi.ffi_call(varlen_backward_target(dtype, has_alibi, has_sinks, dropout,
+                                                    mods),
                              results, vmap_method="broadcast_all")(
         q, k, v, cu_q, cu_k, g, out, lse, *_numbers(ints, floats),
-        *[x for x in (alibi, sinks, seed) if x is not None])
+        *[x for x in (alibi, sinks, seed) if x is not None], *mod_args)
     dsinks = None
     if sinks is not None:
         # d sink_h = -sum_i exp(sink_h - lse_{h,i}) * rowsum(dO * O)_{i,h} (the dense one's)
@@ -134,7 +139,9 @@ def _bwd(cfg, res, cts):
         w = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - lse))
         dsinks = (-(w * d).sum(axis=-1)).astype(sinks.dtype)
     # the NumPy API's: the compute dtype's gradients cast to the inputs' dtype
-    return tuple(d.astype(dtype) for d in grads) + (None, None, None, dsinks, None)
+    # no gradient for the seed or the mod_args (numbers the user's functions read)
+    return tuple(d.astype(dtype) for d in grads) + (None, None, None, dsinks, None,
+                                                    tuple(None for _ in mod_args))
 
 
 _varlen.defvjp(_fwd, _bwd, symbolic_zeros=True)
@@ -174,12 +181,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     alibi_slopes, sinks : jax.Array, optional
         As in the NumPy API (``(Hq,)`` or ``(B, Hq)`` slopes; ``(Hq,)`` sinks): shapes and
         dtypes checked at trace time, values (finite; sinks finite or ``-inf``) the caller's
-        to keep. ``sinks`` have a gradient; ``alibi_slopes`` none (NotImplementedError when
-        one is asked). Each on/off is a specialization (a handler and a kernel compiled once
-        per process).
-    out, score_mod, mask_mod, mod_args, score_mod_grad
-        Not taken under JAX yet (NotImplementedError when given). ``block_mask`` is refused as
-        by the NumPy API (ValueError).
+        to keep. ``sinks`` have a gradient; ``alibi_slopes`` none, as in the NumPy API
+        (NotImplementedError when one is asked). Each on/off is a specialization (a handler
+        and a kernel compiled once per process).
+    score_mod, mask_mod, mod_args, score_mod_grad
+        As in :func:`sdpa_numba.jax.scaled_dot_product_attention` (Numba functions compiled
+        into the handlers, by identity; ``mod_args`` FFI operands, may be traced, no gradient
+        to them), with ``b`` the sequence index, ``i`` and ``j`` counted from the sequence's
+        first row and key, as in the NumPy API. ``jax.grad`` through a ``score_mod`` needs
+        ``score_mod_grad`` (ValueError otherwise). Under ``vmap`` each index reads its own
+        slice of mapped ``mod_args``.
+    out
+        Not taken under JAX (NotImplementedError: JAX arrays are immutable). ``block_mask``
+        is refused as by the NumPy API (ValueError).
 
     Returns
     -------
@@ -192,7 +206,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
         For bad shapes, dtypes, flags, hints, and concrete cu_seqlens values, at trace time,
         with the NumPy API's messages.
     NotImplementedError
-        For the arguments above, and for arrays on a device other than the CPU.
+        For ``out``, for gradients of ``alibi_slopes``, ``mod_args`` or through ``lse``,
+        and for arrays on a device other than the CPU.
 
     Notes
     -----
@@ -200,8 +215,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     bit its results) and sinks. Under ``vmap`` every operand is broadcast to the mapped size and the
     kernel runs once per index.
     """
-    not_taken("varlen_attention", out=out, score_mod=score_mod, mask_mod=mask_mod,
-              mod_args=mod_args, score_mod_grad=score_mod_grad)
+    not_taken("varlen_attention", out=out)
     dropout_p = check_dropout(dropout_p)
     seed_op = seed_operand(seed, dropout_rng) if dropout_p > 0 else None
     return_lse = check_flag("return_lse", return_lse)
@@ -228,6 +242,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                     scale=scale, window=window, chunk=chunk, alignment=alignment,
                     softcap=softcap, block_mask=block_mask, alibi_slopes=_stand_in(alibi_slopes),
                     sinks=_stand_in(sinks))
+    mods, mod_ops = mod_operands(score_mod, mask_mod, score_mod_grad, mod_args,
+                                 p.compute_dtype, _check_platform)
     r = p.recipe
     alibi = sinks_ = None
     if r.alibi is not None:  # as the NumPy API's: (1, Hq), or (B, Hq) broadcast
@@ -239,7 +255,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     ints = (int(p.is_causal), int(p.bottom_right), int(min(r.left, NO_LIMIT)),
             int(min(r.right, NO_LIMIT)), int(r.chunk), max_q, max_k, threshold(dropout_p))
     cfg = (p.dtype, ints, (float(p.scale), float(r.softcap), 1.0 / (1.0 - dropout_p)),
-           p.out_shape, p.lse_shape, alibi is not None, sinks_ is not None, dropout_p > 0)
+           p.out_shape, p.lse_shape, alibi is not None, sinks_ is not None, dropout_p > 0,
+           mods)
     result, lse = _varlen(cfg, q, k, v, int_operand(cu_seqlens_q), int_operand(cu_seqlens_k),
-                          alibi, sinks_, seed_op)
+                          alibi, sinks_, seed_op, mod_ops)
     return (result, lse) if return_lse else result
