@@ -86,3 +86,15 @@ def check(q, k, v, attn_mask=None, **kw):
     out, lse = run(q, k, v, attn_mask, **kw)
     compare(out, lse, q, k, v, attn_mask, **kw)
     return out, lse
+
+
+def small_decode_blocks(monkeypatch, chunk=8):
+    """The CUDA decode kernel's launch sizes made tiny (few simulated threads, chunks of
+    ``chunk`` keys, row tiles of 4, key blocks of 4), so that small problems still split into
+    several chunks, key blocks and row tiles."""
+    import sdpa_numba.gpu.decode as gpu_decode
+
+    monkeypatch.setattr(gpu_decode, "THREADS", 8)
+    monkeypatch.setattr(gpu_decode, "CHUNK", chunk)
+    monkeypatch.setattr(gpu_decode, "ROWS", 4)
+    monkeypatch.setattr(gpu_decode, "BN", 4)

@@ -5,20 +5,14 @@ import numpy as np
 import pytest
 from numba import cuda
 
-import sdpa_numba.gpu.decode as gpu_decode
 from sdpa_numba import attention_with_kvcache as kvattn
-from sdpa_cuda_testing import dev, rel_err
+from sdpa_cuda_testing import dev, rel_err, small_decode_blocks
 from kvcache_checks import VARIANTS, check_against_reference, paged_pair
 
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    # Few simulated threads, chunks of a few keys and tiles of a few rows, so that tiny
-    # problems still split into several chunks and row tiles.
-    monkeypatch.setattr(gpu_decode, "THREADS", 8)
-    monkeypatch.setattr(gpu_decode, "CHUNK", 8)
-    monkeypatch.setattr(gpu_decode, "ROWS", 4)
-    monkeypatch.setattr(gpu_decode, "BN", 4)
+    small_decode_blocks(monkeypatch)
 
 
 def test_contiguous_cache_gqa_causal_and_empty_sequences(rng):

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-import sdpa_numba.gpu.decode as gpu_decode
 from checks import TOL
 from kvcache_checks import VARIANTS, check_against_reference
-from sdpa_cuda_testing import dev, rel_err
+from sdpa_cuda_testing import dev, rel_err, small_decode_blocks
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_numba.gpu.quant import value_table
 from sdpa_numba.quant import dequantize_kv, quantize_kv
@@ -22,12 +21,7 @@ F32 = TOL[np.float32]
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    # As tests/cuda/test_cuda_kvcache.py: tiny problems still split into several chunks,
-    # key blocks and row tiles.
-    monkeypatch.setattr(gpu_decode, "THREADS", 8)
-    monkeypatch.setattr(gpu_decode, "CHUNK", 8)
-    monkeypatch.setattr(gpu_decode, "ROWS", 4)
-    monkeypatch.setattr(gpu_decode, "BN", 4)
+    small_decode_blocks(monkeypatch)
 
 
 def _quantized(rng, fmt, B, S, H, E, Ev, scale_dtype=np.float32, per_head=True):

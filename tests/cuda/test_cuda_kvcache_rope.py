@@ -7,17 +7,13 @@ import numpy as np
 import pytest
 
 import sdpa_numba
-import sdpa_numba.gpu.decode as gpu_decode
 from sdpa_numba import attention_with_kvcache as kvattn
-from sdpa_cuda_testing import dev, rel_err
+from sdpa_cuda_testing import dev, rel_err, small_decode_blocks
 
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    monkeypatch.setattr(gpu_decode, "THREADS", 8)
-    monkeypatch.setattr(gpu_decode, "CHUNK", 8)
-    monkeypatch.setattr(gpu_decode, "ROWS", 4)
-    monkeypatch.setattr(gpu_decode, "BN", 4)
+    small_decode_blocks(monkeypatch)
 
 
 def tables(n, rd):

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-import sdpa_numba.gpu.decode as gpu_decode
 from sdpa_numba import attention_with_kvcache, varlen_attention
-from sdpa_cuda_testing import dev
+from sdpa_cuda_testing import dev, small_decode_blocks
 from test_ragged_paged import H, HQ, LQ, USED, _cu, _gather, _paged, _reference
 
 E = 8  # small for the simulator
@@ -17,12 +16,7 @@ TOL = dict(rtol=1e-12, atol=1e-13)
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    # Few simulated threads, chunks of a few keys and tiles of a few rows: the sequences
-    # split into several chunks and row tiles, of different counts.
-    monkeypatch.setattr(gpu_decode, "THREADS", 8)
-    monkeypatch.setattr(gpu_decode, "CHUNK", 16)
-    monkeypatch.setattr(gpu_decode, "ROWS", 4)
-    monkeypatch.setattr(gpu_decode, "BN", 4)
+    small_decode_blocks(monkeypatch, chunk=16)
 
 
 def _cache(rng, used, page_size):
