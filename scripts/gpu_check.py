@@ -29,6 +29,10 @@
    its own layout and FlashAttention's ``flash_attn_with_kvcache`` (float16) if installed.
    Reported as K+V bytes per second and as a share of the device's streaming read (torch's
    sum of 1 GiB). ``--skip-decode`` leaves it out.
+   Then quantized caches (issue 29): int8 (per-token scales), q8_0 and fp8 e4m3fn caches of
+   the same tokens with float16 queries, MHA and GQA contiguous, against our float16 cache
+   and FlashAttention 3's fp8 ``flash_attn_with_kvcache`` (``q/k/v_descale``, if installed),
+   each checked against the CPU's result on the same quantized cache.
 6. Times varlen (issue 16): ``varlen_attention`` and its backward, causal, on a packed batch of
    many short sequences (1000 of 16 to 256 tokens, H16 D128) and of a few long ones (32 of
    1 to 2048), float16 and float32: one launch per kernel for the whole batch, against the
@@ -687,6 +691,93 @@ def peer_cells(t, peers):
                    f"{peer_t * 1e3:>{width}.3f} {peer_t / t:>6.2f}x | "
                    for peer_t, width in peers)
 
+
+QUANT_FORMATS = ("int8", "q8_0", "e4m3fn")
+
+
+def bench_decode_quant(args, started, dev):
+    """Decode over quantized caches (issue 29): for each of :data:`QUANT_FORMATS`, the MHA
+    and GQA shapes of :func:`decode_configs` (contiguous caches, float16 queries), our time
+    against our float16 cache of the same tokens and FlashAttention 3's fp8 kvcache call (fp8
+    q, k, v with per (B, H) descales; e4m3fn only, if installed), as bytes read per second.
+    Outputs are checked against the CPU kernel on the same host arrays. Returns ok."""
+    import numpy as np
+    from numba import cuda
+
+    import sdpa_numba
+    from sdpa_numba import quantize_kv
+
+    runs = args.runs or (1 if args.simulate else 5 if args.quick else 20)
+    warmup = 1 if args.simulate else 3
+    read = read_bandwidth(dev, args.simulate)
+    fa = None if args.simulate else flash_attn("flash_attn_with_kvcache")
+    shapes = sorted({(label, B, Hq, H, S, D) for label, dtype, B, Hq, H, S, D, page
+                     in decode_configs(args) if page == 0 and B == 1})
+    if args.simulate:  # q8_0 takes head dims that are multiples of 32
+        shapes = [(label, B, Hq, H, S, 32) for label, B, Hq, H, S, _ in shapes]
+    rows, ok = [], True
+    for label, B, Hq, H, S, D in shapes:
+        rng = np.random.default_rng(3)
+        q_h = rng.standard_normal((B, 1, Hq, D)).astype(np.float16)
+        k_h, v_h = (rng.standard_normal((B, S, H, D)).astype(np.float16) for _ in range(2))
+        lens = np.full(B, S, np.int32)
+        q = cuda.to_device(q_h)
+        kf, vf = cuda.to_device(k_h), cuda.to_device(v_h)
+        t_f16 = dev.time(lambda: sdpa_numba.attention_with_kvcache(q, kf, vf, lens),
+                         warmup, runs)
+        for fmt in QUANT_FORMATS:
+            if time.perf_counter() - started > BUDGET_S:
+                print(f"time budget spent: skipping quantized decode {label} {fmt}", flush=True)
+                continue
+            kq, ks = quantize_kv(k_h, fmt, per_head=True) if fmt == "e4m3fn" else \
+                quantize_kv(k_h, fmt)
+            vq, vs = quantize_kv(v_h, fmt, per_head=True) if fmt == "e4m3fn" else \
+                quantize_kv(v_h, fmt)
+            dk, dv, dks, dvs = (cuda.to_device(x) for x in (kq, vq, ks, vs))
+            out = cuda.device_array(q_h.shape, np.float16)
+
+            def ours():
+                sdpa_numba.attention_with_kvcache(q, dk, dv, lens, k_scale=dks, v_scale=dvs,
+                                                  out=out)
+
+            t = dev.time(ours, warmup, runs)
+            want = sdpa_numba.attention_with_kvcache(q_h, kq, vq, lens, k_scale=ks,
+                                                     v_scale=vs)
+            err = rel_err(out.copy_to_host(), want)
+            ok &= err <= FORWARD_TOL["float16"]
+            nbytes = kq.nbytes + vq.nbytes + ks.nbytes + vs.nbytes
+            t_fa = None
+            if fa is not None and fmt == "e4m3fn" and dev.torch is not None:
+                torch = dev.torch
+                f8 = torch.float8_e4m3fn
+                qd = float(np.abs(q_h).max()) / 448
+                qt = (torch.from_numpy(q_h).cuda().float() / qd).to(f8)
+                kt, vt = (torch.from_numpy(x.view(np.uint8)).cuda().view(f8) for x in (kq, vq))
+                desc = [torch.full((B, H), qd, device="cuda"),
+                        torch.from_numpy(ks).cuda(), torch.from_numpy(vs).cuda()]
+                tl = torch.from_numpy(lens).cuda()
+                try:
+                    t_fa = dev.time(lambda: fa(qt, kt, vt, cache_seqlens=tl, q_descale=desc[0],
+                                               k_descale=desc[1], v_descale=desc[2]),
+                                    warmup, runs)
+                except Exception as e:  # noqa: BLE001  (a peer's refusal is not our failure)
+                    print(f"  FA3 fp8 flash_attn_with_kvcache refused {label}: {e}", flush=True)
+            rows.append((label, fmt, B, Hq, H, S, D, t, nbytes, t_f16, t_fa, err))
+    print_head("Decode over quantized caches (float16 queries, contiguous caches)",
+               f"{'case':4} {'format':7} {'Hq':>3} {'H':>2} {'S':>6} {'D':>4} | {'ours ms':>8} "
+               f"{'GB/s':>7} {'% read':>6} | {'f16 cache ms':>12} {'ratio':>7} | "
+               f"{'FA3 fp8 ms':>10} {'ratio':>7} | {'rel err':>8}")
+    for label, fmt, B, Hq, H, S, D, t, nbytes, t_f16, t_fa, err in rows:
+        line = (f"{label:4} {fmt:7} {Hq:>3} {H:>2} {S:>6} {D:>4} | {t * 1e3:>8.3f} "
+                f"{nbytes / t / 1e9:>7.1f} "
+                f"{'n/a' if read is None else f'{100 * nbytes / t / read:.0f}%':>6} | ")
+        line += peer_cells(t, ((t_f16, 12), (t_fa, 10)))
+        print(line + f"{err:>8.1e}")
+    print("\nGB/s: the quantized K+V bytes and their scales / our time. ratio = the other's "
+          "time / ours; rel err against the CPU kernel on the same quantized cache.")
+    return ok
+
+
 def print_decode_table(rows, read, simulate):
     peer = "torch (CPU)" if simulate else "torch"
     head = (f"{'case':4} {'dtype':8} {'B':>2} {'Hq':>3} {'H':>2} {'S':>6} {'D':>4} {'page':>4} | "
@@ -777,6 +868,7 @@ def main(argv=None):
                             back_rows, args.simulate)
     if not args.skip_bench and not args.skip_decode and not args.only_variants:
         matched &= bench_decode(args, started, Device(args.simulate))
+        matched &= bench_decode_quant(args, started, Device(args.simulate))
     if not args.skip_bench and not args.skip_varlen and not args.only_variants:
         if args.simulate:
             from sdpa_numba.gpu import Blocks, options
