@@ -401,7 +401,8 @@ def _quant_format(fmt, value, vector):
         return x
 
     @njit(**INLINE)
-    def scores(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp):
+    def scores(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+               vbase, voff, vhs, ev):
         j = 0
         sst = h_len * nb  # from one key's scales to the next's
         if vector and e_len > 0 and e_len % LANES == 0 and (nb == 1 or e_len == nb * Q8_BLOCK):
@@ -414,6 +415,11 @@ def _quant_format(fmt, value, vector):
                     kh = h * khs
                     scp = ptr_add(kscp, (j * h_len + h) * nb)
                     if rows >= 4:
+                        # These keys' values into L2 for P V, as lanewise_scores does (GQA).
+                        for jj in range(j, j + kb):
+                            vp = ptr_add(vbase, voff[jj] + h * vhs)
+                            for d in range(0, ev, 64):  # 8-bit values: 64 a cache line
+                                prefetch(ptr_add(vp, d))
                         rr = 0
                         while rr + 4 <= rows:
                             q0 = ptr_add(qp, (i0 + rr) * e_len)
@@ -455,7 +461,8 @@ def _quant_format(fmt, value, vector):
                     sp[i * BN + jj] = qdot(ptr_add(qp, i * e_len), kp, e_len, nb, sc)
 
     @njit(**INLINE)
-    def pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb):
+    def pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+           e_len, ahead):
         step = PV_VEC * LANES
         if (vector and ev > 0 and ev % step == 0
                 and (nb == 1 or (ev == nb * Q8_BLOCK and step % Q8_BLOCK == 0))):
@@ -463,6 +470,11 @@ def _quant_format(fmt, value, vector):
             for j0 in range(0, n, PV_KEYS):
                 nk = min(PV_KEYS, n - j0)
                 for h in range(h_lo, h_hi):
+                    if ahead:  # the next block's keys into L2, as registers_pv does (GQA)
+                        for jj in range(j0, j0 + nk):
+                            kn = ptr_add(kbase, koff[jj] + BN * kss + h * khs)
+                            for e in range(0, e_len, 64):
+                                prefetch(ptr_add(kn, e))
                     rr = 0
                     while rr < rows:
                         i = h * rows + rr
@@ -505,7 +517,7 @@ _QUANT = {vector: [_quant_format(f, v, vector) for f, v in ((FMT_INT8, _int8_val
 
 
 def quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                 block_table, b0, page_size):
+                 block_table, b0, page_size, vbase, voff, vhs, ev):
     """A quantized cache's scores of a block (keys ``b0 .. b0 + n - 1`` of sequence ``b``, at
     ``koff`` in the cache, heads ``h_lo .. h_hi - 1``) into ``sp[i * BN + j]``, the key scales
     and descales folded in; nothing for a float cache (jitted code only)."""
@@ -514,30 +526,33 @@ def quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, 
 
 @overload(quant_scores, fastmath=FASTMATH, inline="always")
 def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                  block_table, b0, page_size):
+                  block_table, b0, page_size, vbase, voff, vhs, ev):
     if not is_quantized_type(qz):
         return (lambda qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                block_table, b0, page_size: None)
+                block_table, b0, page_size, vbase, voff, vhs, ev: None)
     (s_int8, _), (s_e4m3, _), (s_e5m2, _) = _QUANT[qp.dtype == types.float32]
 
     def impl(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-             block_table, b0, page_size):
+             block_table, b0, page_size, vbase, voff, vhs, ev):
         ks, _, kd, _, fmt = qz
         ksc = scr[0]
         _block_scales(ks, kd, b, block_table, b0, n, page_size, h_lo, h_hi, ksc)
         h_len, nb = ks.shape[2], ks.shape[3]
         kscp = data_ptr(ksc)
         if fmt == FMT_INT8:
-            s_int8(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp)
+            s_int8(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+                 vbase, voff, vhs, ev)
         elif fmt == FMT_E5M2:
-            s_e5m2(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp)
+            s_e5m2(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+                 vbase, voff, vhs, ev)
         else:
-            s_e4m3(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp)
+            s_e4m3(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+                 vbase, voff, vhs, ev)
     return impl
 
 
 def quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
-             page_size):
+             page_size, kbase, koff, kss, khs, e_len, ahead):
     """A quantized cache's P V of a block (as :func:`quant_scores`; weights ``sp[i * BN +
     j]``) into the accumulator rows ``ap + i * ev``, the value scales and descales folded into
     the weights; nothing for a float cache (jitted code only)."""
@@ -546,14 +561,14 @@ def quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, bloc
 
 @overload(quant_pv, fastmath=FASTMATH, inline="always")
 def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
-              page_size):
+              page_size, kbase, koff, kss, khs, e_len, ahead):
     if not is_quantized_type(qz):
         return (lambda qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b,
-                block_table, b0, page_size: None)
+                block_table, b0, page_size, kbase, koff, kss, khs, e_len, ahead: None)
     (_, p_int8), (_, p_e4m3), (_, p_e5m2) = _QUANT[ap.dtype == types.float32]
 
     def impl(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
-             page_size):
+             page_size, kbase, koff, kss, khs, e_len, ahead):
         _, vs, _, vd, fmt = qz
         vsc, wts = scr[1], scr[2]
         _block_scales(vs, vd, b, block_table, b0, n, page_size, h_lo, h_hi, vsc)
@@ -567,11 +582,14 @@ def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, blo
                         wts[(i * nb + c) * BN + j] = sp[i * BN + j] * vsc[(j * h_len + h) * nb + c]
         wp = data_ptr(wts)
         if fmt == FMT_INT8:
-            p_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb)
+            p_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                 khs, e_len, ahead)
         elif fmt == FMT_E5M2:
-            p_e5m2(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb)
+            p_e5m2(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                 khs, e_len, ahead)
         else:
-            p_e4m3(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb)
+            p_e4m3(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                 khs, e_len, ahead)
     return impl
 
 
@@ -680,7 +698,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
             if is_quantized(qz):  # the scales folded into the sums (.quant)
                 quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                             block_table, b0, page_size)
+                             block_table, b0, page_size, vbase, voff, vhs, ev)
             else:
                 j = lanewise_scores(qp, kb, data_ptr(ko), ko, s, sp, rows, h_lo, h_hi, kh_s,
                                     e_len, n, zero, vb, data_ptr(vo), vh_s, ev)
@@ -723,7 +741,9 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # D64: B1 Hq12 H4 S2080 1.24-1.28x).
             if is_quantized(qz):  # the value scales folded into the weights (.quant)
                 quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b,
-                         block_table, b0, page_size)
+                         block_table, b0, page_size, kbase, koff, kss, khs, e_len,
+                         rows >= 4 and b0 % page_size + 2 * BN <= page_size
+                         and b0 + 2 * BN <= j1)
                 j = n
             elif (h_step > 1 or rows >= 4 or ev == PV_VEC * LANES) and registers_pv(
                     ap, ev, sp, vb, data_ptr(vo), vh_s, rows, h_lo, h_hi, n, kb, ko, kss,
@@ -914,7 +934,8 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         rectangular batches share one compiled kernel (and this signature).
     quant : None or tuple, optional
         A quantized cache (:func:`quant_scores`, :func:`quant_pv`): the caches hold int8
-        values or fp8 bits (as int8), and ``quant = (k_scale, v_scale, k_descale, v_descale, fmt)``, the
+        values or fp8 bits (as int8), and
+        ``quant = (k_scale, v_scale, k_descale, v_descale, fmt)``, the
         scales ``(num_pages, page_size, H, n_blocks)`` (float32, or float16 as uint16), the
         descales ``(B, H)`` float32, ``fmt`` the format's code. None: float caches.
 
