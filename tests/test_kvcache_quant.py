@@ -57,6 +57,22 @@ def test_formats_against_reference_gqa_split_leftpad(rng, fmt):
     check_against_reference(q, k64, v64, seqlens, out, lse, True, leftpad=leftpad, tol=F32)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vector_loops_against_reference(rng, fmt):
+    # E = Ev = 128: the vectorized score and P V loops that fold the scales in (1 row x LANES
+    # keys for MHA, 4 rows x KB keys for GQA, blocks of 32 for q8_0), with the rows (Lq = 5:
+    # four and one) and keys (blocks of 32 cut at 77 and 600 keys) they leave to the scalar
+    # loops.
+    B, H, E = 2, 2, 128
+    kq, ks, vq, vs, k64, v64 = quantized(rng, fmt, B, 600, H, E, E)
+    seqlens = np.array([77, 600], np.int32)
+    for hq, lq in ((2, 1), (2, 5), (8, 1)):
+        q = rng.standard_normal((B, lq, hq, E)).astype(np.float32)
+        out = np.full((B, lq, hq, E), np.nan, np.float32)
+        _, lse = kvattn(q, kq, vq, seqlens, k_scale=ks, v_scale=vs, return_lse=True, out=out)
+        check_against_reference(q, k64, v64, seqlens, out, lse, True, tol=F32)
+
+
 @pytest.mark.parametrize("fmt,page_size", [("int8", 1), ("q8_0", 3), ("e4m3fn", 1),
                                            ("e5m2", 4)])
 def test_paged_append_quantizes_into_the_slots(rng, fmt, page_size):

@@ -35,6 +35,12 @@ once per call, for every query head of its GQA group and every query token at on
   accumulators in registers over :data:`PV_KEYS` keys of a head (:func:`._llvm.rows_pv`), each
   value vector loaded once for the four rows; the adds into an element stay in key order, one
   fused multiply-add each, as the plain loops that do the other dtypes.
+* **Quantized caches** (int8, q8_0, fp8: :mod:`.quant`) are read where they lie, never
+  dequantized into a copy: the key scales multiply each scale block's lane sums of ``q k``
+  (one block a row: the reduced score), the value scales the weights ``p_j`` of ``P V``, and
+  the 8-bit values are converted to float32 in registers inside the same lane-wise and
+  register-tile loops as float32's (:func:`quant_scores`, :func:`quant_pv`). One compiled
+  kernel per query dtype and scale dtype serves every format (a run-time value).
 * **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
   query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
   at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
@@ -62,7 +68,8 @@ from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inl
 from ..problem.kvcache import key_bounds_loop
 from .merge import part_weights
 from .online_softmax import finalize_row, softmax_row
-from .quant import is_quantized, quant_block, quant_scratch
+from .quant import (FMT_E5M2, FMT_INT8, FMT_E4M3, Q8_BLOCK, e4m3_value, e5m2_value,
+                    is_quantized, q_lane_dots, q_rows_pv, quant_scratch)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
 from .scratch import aligned_empty
@@ -342,6 +349,271 @@ def _registers_pv(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff
 
 
 @njit(**INLINE)
+def _block_scales(sc, d, b, block_table, b0, n, page_size, h_lo, h_hi, out):
+    """``out[(j * H + h) * nb + c] = sc[page, slot, h, c] * d[b, h]`` (float32) for the keys
+    ``j < n`` of the block from key ``b0`` of sequence ``b`` and the heads ``h_lo .. h_hi -
+    1``: a quantized cache's scales (float32 or float16 as uint16) times its descales, once a
+    block (``nb / E`` of the values' work)."""
+    h_len, nb = sc.shape[2], sc.shape[3]
+    page = b0 // page_size
+    slot = b0 - page * page_size
+    for j in range(n):
+        p = block_table[b, page]
+        for h in range(h_lo, h_hi):
+            dh = d[b, h]
+            for c in range(nb):
+                out[(j * h_len + h) * nb + c] = np.float32(load(sc[p, slot, h, c]) * dh)
+        slot += 1
+        if slot == page_size:
+            slot = 0
+            page += 1
+
+
+@njit(**INLINE)
+def _int8_value(x):
+    return np.float32(x)
+
+
+def _quant_format(fmt, value, vector):
+    """The score and P V loops of a quantized block of format ``fmt`` (``value``: one element's
+    float32 value): ``(scores, pv)``. ``vector``: by the intrinsics of :mod:`.quant` where the
+    shapes allow (float32 queries, E a multiple of LANES, one scale block a row or blocks of
+    Q8_BLOCK), with scalar loops for the keys and rows left over; else scalar loops only."""
+    d4 = q_lane_dots(4, KB, LANES, fmt, None)
+    d1 = q_lane_dots(1, LANES, LANES, fmt, None)
+    d4b = q_lane_dots(4, KB, LANES, fmt, Q8_BLOCK)
+    d1b = q_lane_dots(1, LANES, LANES, fmt, Q8_BLOCK)
+    pv4 = q_rows_pv(4, PV_VEC, LANES, fmt, None)
+    pv1 = q_rows_pv(1, PV_VEC, LANES, fmt, None)
+    pv4b = q_rows_pv(4, PV_VEC, LANES, fmt, Q8_BLOCK)
+    pv1b = q_rows_pv(1, PV_VEC, LANES, fmt, Q8_BLOCK)
+
+    @njit(**INLINE)
+    def qdot(qr, kp, e_len, nb, scp):
+        # sum_c scale_c * sum_{e in c} q_e k_e
+        blk = e_len // nb
+        x = np.float32(0.0)
+        for c in range(nb):
+            t = np.float32(0.0)
+            for e in range(c * blk, (c + 1) * blk):
+                t += qr[e] * value(kp[e])
+            x += t * scp[c]
+        return x
+
+    @njit(**INLINE)
+    def scores(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+               vbase, voff, vhs, ev):
+        j = 0
+        sst = h_len * nb  # from one key's scales to the next's
+        if vector and e_len > 0 and e_len % LANES == 0 and (nb == 1 or e_len == nb * Q8_BLOCK):
+            kofp = data_ptr(koff)
+            sums = _sums(sp)
+            kb = KB if rows >= 4 else LANES
+            while j + kb <= n:
+                for h in range(h_lo, h_hi):
+                    i0 = h * rows
+                    kh = h * khs
+                    scp = ptr_add(kscp, (j * h_len + h) * nb)
+                    if rows >= 4:
+                        # These keys' values into L2 for P V, as lanewise_scores does (GQA).
+                        for jj in range(j, j + kb):
+                            vp = ptr_add(vbase, voff[jj] + h * vhs)
+                            for d in range(0, ev, 64):  # 8-bit values: 64 a cache line
+                                prefetch(ptr_add(vp, d))
+                        rr = 0
+                        while rr + 4 <= rows:
+                            q0 = ptr_add(qp, (i0 + rr) * e_len)
+                            if nb == 1:  # one scale a key: times the reduced score
+                                d4(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, sums)
+                                for r in range(4):
+                                    for kk in range(KB):
+                                        sp[(i0 + rr + r) * BN + j + kk] = (sums[r * KB + kk]
+                                                                          * scp[kk * sst])
+                            else:
+                                d4b(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, sums)
+                                for r in range(4):
+                                    for kk in range(KB):
+                                        sp[(i0 + rr + r) * BN + j + kk] = sums[r * KB + kk]
+                            rr += 4
+                        for jj in range(j, j + kb):  # the rows left over, key by key
+                            kp = ptr_add(kbase, koff[jj] + kh)
+                            sc = ptr_add(kscp, (jj * h_len + h) * nb)
+                            for r2 in range(rr, rows):
+                                sp[(i0 + r2) * BN + jj] = qdot(ptr_add(qp, (i0 + r2) * e_len),
+                                                               kp, e_len, nb, sc)
+                    else:
+                        for rr in range(rows):
+                            o = ptr_add(sp, (i0 + rr) * BN + j)
+                            q0 = ptr_add(qp, (i0 + rr) * e_len)
+                            if nb == 1:
+                                d1(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, o)
+                                for kk in range(LANES):
+                                    o[kk] *= scp[kk * sst]
+                            else:
+                                d1b(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, o)
+                j += kb
+        for jj in range(j, n):
+            for h in range(h_lo, h_hi):
+                kp = ptr_add(kbase, koff[jj] + h * khs)
+                sc = ptr_add(kscp, (jj * h_len + h) * nb)
+                for rr in range(rows):
+                    i = h * rows + rr
+                    sp[i * BN + jj] = qdot(ptr_add(qp, i * e_len), kp, e_len, nb, sc)
+
+    @njit(**INLINE)
+    def pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+           e_len, ahead):
+        step = PV_VEC * LANES
+        if (vector and ev > 0 and ev % step == 0
+                and (nb == 1 or (ev == nb * Q8_BLOCK and step % Q8_BLOCK == 0))):
+            vofp = data_ptr(voff)
+            for j0 in range(0, n, PV_KEYS):
+                nk = min(PV_KEYS, n - j0)
+                for h in range(h_lo, h_hi):
+                    if ahead:  # the next block's keys into L2, as registers_pv does (GQA)
+                        for jj in range(j0, j0 + nk):
+                            kn = ptr_add(kbase, koff[jj] + BN * kss + h * khs)
+                            for e in range(0, e_len, 64):
+                                prefetch(ptr_add(kn, e))
+                    rr = 0
+                    while rr < rows:
+                        i = h * rows + rr
+                        for d0 in range(0, ev, step):
+                            c0 = d0 // Q8_BLOCK if nb > 1 else 0
+                            pw = ptr_add(wp, (i * nb + c0) * BN + j0)
+                            a = ptr_add(ap, i * ev + d0)
+                            vo = ptr_add(vofp, j0)
+                            vh = h * vhs + d0
+                            if rr + 4 <= rows:
+                                if nb == 1:
+                                    pv4(a, ev, pw, nb * BN, BN, vbase, vo, vh, nk)
+                                else:
+                                    pv4b(a, ev, pw, nb * BN, BN, vbase, vo, vh, nk)
+                            elif nb == 1:
+                                pv1(a, ev, pw, nb * BN, BN, vbase, vo, vh, nk)
+                            else:
+                                pv1b(a, ev, pw, nb * BN, BN, vbase, vo, vh, nk)
+                        rr += 4 if rr + 4 <= rows else 1
+            return
+        blk = ev // nb if nb else 0
+        for j in range(n):
+            for h in range(h_lo, h_hi):
+                vp = ptr_add(vbase, voff[j] + h * vhs)
+                for rr in range(rows):
+                    i = h * rows + rr
+                    ar = ptr_add(ap, i * ev)
+                    for c in range(nb):
+                        w = wp[(i * nb + c) * BN + j]
+                        for d in range(c * blk, (c + 1) * blk):
+                            ar[d] += w * value(vp[d])
+
+    return scores, pv
+
+
+_QUANT = {vector: [_quant_format(f, v, vector) for f, v in ((FMT_INT8, _int8_value),
+                                                              (FMT_E4M3, e4m3_value),
+                                                              (FMT_E5M2, e5m2_value))]
+          for vector in (True, False)}
+
+
+def quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
+                 block_table, b0, page_size, vbase, voff, vhs, ev):
+    """A quantized cache's scores of a block (keys ``b0 .. b0 + n - 1`` of sequence ``b``, at
+    ``koff`` in the cache, heads ``h_lo .. h_hi - 1``) into ``sp[i * BN + j]``, the key scales
+    and descales folded in; nothing for a float cache (jitted code only)."""
+    raise NotImplementedError("quant_scores is only callable from jitted code")
+
+
+@overload(quant_scores, fastmath=FASTMATH, inline="always")
+def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
+                  block_table, b0, page_size, vbase, voff, vhs, ev):
+    if not is_quantized_type(qz):
+        return (lambda qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
+                block_table, b0, page_size, vbase, voff, vhs, ev: None)
+    (s_int8, _), (s_e4m3, _), (s_e5m2, _) = _QUANT[qp.dtype == types.float32]
+
+    def impl(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
+             block_table, b0, page_size, vbase, voff, vhs, ev):
+        ks, _, kd, _, fmt = qz
+        ksc = scr[0]
+        _block_scales(ks, kd, b, block_table, b0, n, page_size, h_lo, h_hi, ksc)
+        h_len, nb = ks.shape[2], ks.shape[3]
+        kscp = data_ptr(ksc)
+        if fmt == FMT_INT8:
+            s_int8(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+                 vbase, voff, vhs, ev)
+        elif fmt == FMT_E5M2:
+            s_e5m2(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+                 vbase, voff, vhs, ev)
+        else:
+            s_e4m3(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
+                 vbase, voff, vhs, ev)
+    return impl
+
+
+def quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
+             page_size, kbase, koff, kss, khs, e_len, ahead):
+    """A quantized cache's P V of a block (as :func:`quant_scores`; weights ``sp[i * BN +
+    j]``) into the accumulator rows ``ap + i * ev``, the value scales and descales folded into
+    the weights; nothing for a float cache (jitted code only)."""
+    raise NotImplementedError("quant_pv is only callable from jitted code")
+
+
+@overload(quant_pv, fastmath=FASTMATH, inline="always")
+def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
+              page_size, kbase, koff, kss, khs, e_len, ahead):
+    if not is_quantized_type(qz):
+        return (lambda qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b,
+                block_table, b0, page_size, kbase, koff, kss, khs, e_len, ahead: None)
+    (_, p_int8), (_, p_e4m3), (_, p_e5m2) = _QUANT[ap.dtype == types.float32]
+
+    def impl(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
+             page_size, kbase, koff, kss, khs, e_len, ahead):
+        _, vs, _, vd, fmt = qz
+        vsc, wts = scr[1], scr[2]
+        _block_scales(vs, vd, b, block_table, b0, n, page_size, h_lo, h_hi, vsc)
+        h_len, nb = vs.shape[2], vs.shape[3]
+        # The weights with the values' scales folded in, per scale block.
+        for h in range(h_lo, h_hi):
+            for rr in range(rows):
+                i = h * rows + rr
+                for c in range(nb):
+                    for j in range(n):
+                        wts[(i * nb + c) * BN + j] = sp[i * BN + j] * vsc[(j * h_len + h) * nb + c]
+        wp = data_ptr(wts)
+        if fmt == FMT_INT8:
+            p_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                 khs, e_len, ahead)
+        elif fmt == FMT_E5M2:
+            p_e5m2(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                 khs, e_len, ahead)
+        else:
+            p_e4m3(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                 khs, e_len, ahead)
+    return impl
+
+
+def float_rows(qz, kbase, vbase, qp):
+    """The key and value pointers of the float score and P V loops: the cache's for a float
+    cache; for a quantized one (whose blocks :func:`quant_scores` and :func:`quant_pv` do, so
+    that those loops never run) float pointers that they compile against (jitted code
+    only)."""
+    raise NotImplementedError("float_rows is only callable from jitted code")
+
+
+@overload(float_rows, inline="always")
+def _float_rows(qz, kbase, vbase, qp):
+    if not is_quantized_type(qz):
+        return lambda qz, kbase, vbase, qp: (kbase, vbase)
+    return lambda qz, kbase, vbase, qp: (qp, qp)
+
+
+def is_quantized_type(qz):
+    """Whether the Numba type ``qz`` is a quantized cache's ``quant`` tuple."""
+    return not isinstance(qz, (types.NoneType, types.Omitted))
+
+
+@njit(**INLINE)
 def _pack_queries(q, qb, q0, lq, scale, qs, zero):
     """``qs`` (Hq * Lq rows of E, row ``h * Lq + t``) = ``scale`` · ``q[qb, q0 + t, h]``, in
     the compute dtype of ``zero``."""
@@ -409,28 +681,31 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     qp = data_ptr(qs)
     sp = data_ptr(s)
     ap = data_ptr(acc)
-    # None, or the float32 rows a quantized cache's blocks are dequantized into.
-    scr = quant_scratch(qz, h_len, e_len, ev, BN)
+    # None, or a quantized cache's scales and weights of a block (.quant.quant_scratch).
+    scr = quant_scratch(qz, h_len, hq * lq, BN)
+    # A quantized cache's blocks are read by quant_scores and quant_pv, the float loops never.
+    kb, vb = float_rows(qz, kbase, vbase, qp)
+    ko, vo, kh_s, vh_s = koff, voff, khs, vhs
     # Block by block, the block's keys, then its values, in address order (see h_step).
     for h_lo in range(0, h_len, h_step):
         h_hi = h_lo + h_step
         for b0 in range(j0, j1, BN):
             n = min(BN, j1 - b0)
             block_offsets(block_table, b, b0, n, page_size, kps, kss, vps, vss, koff, voff)
-            # A quantized cache's block, dequantized into float32 rows (scr): read from there.
-            kb, vb, ko, vo, kh_s, vh_s = quant_block(qz, scr, k_cache, v_cache, block_table, b,
-                                                     b0, n, page_size, h_lo, h_hi, kbase, vbase,
-                                                     koff, voff, khs, vhs)
             # The window (and causality) per element only where it cuts the block.
             cut = not window_covers(r, i0, i0 + lq - 1, b0, b0 + n - 1)
             # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
-            j = lanewise_scores(qp, kb, data_ptr(ko), ko, s, sp, rows, h_lo, h_hi, kh_s, e_len, n,
-                                zero, vb, data_ptr(vo), vh_s, ev)
-            for j in range(j, n):
-                for h in range(h_lo, h_hi):
-                    kp = ptr_add(kb, ko[j] + h * kh_s)
-                    _key_scores(qp, kp, s, h * rows, 0, rows, e_len, j, zero)
+            if is_quantized(qz):  # the scales folded into the sums (.quant)
+                quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
+                             block_table, b0, page_size, vbase, voff, vhs, ev)
+            else:
+                j = lanewise_scores(qp, kb, data_ptr(ko), ko, s, sp, rows, h_lo, h_hi, kh_s,
+                                    e_len, n, zero, vb, data_ptr(vo), vh_s, ev)
+                for j in range(j, n):
+                    for h in range(h_lo, h_hi):
+                        kp = ptr_add(kb, ko[j] + h * kh_s)
+                        _key_scores(qp, kp, s, h * rows, 0, rows, e_len, j, zero)
             if w != 1:
                 for i in range(h_lo * rows, h_hi * rows):
                     times(ptr_add(sp, i * BN), n, score_w)
@@ -464,7 +739,13 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # reads a key group's rows once per PV_VEC * LANES elements (CPU time of one
             # thread, on (B, H, S, E) D128: B1 H32 S8192 0.83x, B1 Hq8 H4 S4096 0.80-0.89x;
             # D64: B1 Hq12 H4 S2080 1.24-1.28x).
-            if (h_step > 1 or rows >= 4 or ev == PV_VEC * LANES) and registers_pv(
+            if is_quantized(qz):  # the value scales folded into the weights (.quant)
+                quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b,
+                         block_table, b0, page_size, kbase, koff, kss, khs, e_len,
+                         rows >= 4 and b0 % page_size + 2 * BN <= page_size
+                         and b0 + 2 * BN <= j1)
+                j = n
+            elif (h_step > 1 or rows >= 4 or ev == PV_VEC * LANES) and registers_pv(
                     ap, ev, sp, vb, data_ptr(vo), vh_s, rows, h_lo, h_hi, n, kb, ko, kss,
                     kh_s, e_len, ahead):
                 j = n
@@ -652,8 +933,9 @@ def decode(q, k_cache, v_cache, block_table, kv_lens, is_causal, scale, out, lse
         row and its recipe offset. A run-time array in one argument, so that ragged and
         rectangular batches share one compiled kernel (and this signature).
     quant : None or tuple, optional
-        A quantized cache (:func:`.quant.quant_block`): the caches hold int8 values or fp8
-        bits (as int8), and ``quant = (k_scale, v_scale, k_descale, v_descale, fmt)``, the
+        A quantized cache (:func:`quant_scores`, :func:`quant_pv`): the caches hold int8
+        values or fp8 bits (as int8), and
+        ``quant = (k_scale, v_scale, k_descale, v_descale, fmt)``, the
         scales ``(num_pages, page_size, H, n_blocks)`` (float32, or float16 as uint16), the
         descales ``(B, H)`` float32, ``fmt`` the format's code. None: float caches.
 

@@ -1,6 +1,7 @@
 """Quantized key/value caches in jitted code: the 8-bit formats' quantize and dequantize
-(callable from Python and from users' ``@njit`` code) and the decode kernel's dequantization
-of a block of keys or values.
+(callable from Python and from users' ``@njit`` code), and the vector loops in which the decode
+kernel reads them (:func:`q_lane_dots`, :func:`q_rows_pv`: the 8-bit values converted to
+float32 in registers, the scales folded into the sums).
 
 The formats (:mod:`sdpa_numba.quant` documents them for users):
 
@@ -21,12 +22,13 @@ what the kernels read.
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-from ._llvm import data_ptr, float32_to_half_bits, half_bits_to_float32, ptr_add
-from .options import CALLED, FASTMATH, INLINE
-from .storage import load
+from ._llvm import _sum_tree, float32_to_half_bits, half_bits_to_float32
+from .options import CALLED, INLINE
 
 FMT_INT8 = 0
 FMT_E4M3 = 1
@@ -43,13 +45,27 @@ def fp8_to_float32(bits, fmt):
     """The float32 value of an fp8 bit pattern ``bits`` (an int8 or uint8; ``fmt`` FMT_E4M3 or
     FMT_E5M2). e5m2 is float16's top byte; e4m3fn's seven magnitude bits shifted into
     float16's place are the value times 2^-8, subnormals included; 0x7F / 0xFF is its NaN."""
-    u = np.int32(bits) & 0xFF
     if fmt == FMT_E5M2:
-        return half_bits_to_float32(np.uint16(u << 8))
+        return e5m2_value(bits)
+    return e4m3_value(bits)
+
+
+@njit(**INLINE)
+def e5m2_value(bits):
+    """The float32 value of the e5m2 bit pattern ``bits`` (int8 or uint8): float16's top
+    byte."""
+    return half_bits_to_float32(np.uint16((np.int32(bits) & 0xFF) << 8))
+
+
+@njit(**INLINE)
+def e4m3_value(bits):
+    """The float32 value of the e4m3fn bit pattern ``bits`` (int8 or uint8), branch-free (a
+    select for its NaN pattern), so that a loop of it vectorizes: its seven magnitude bits
+    shifted into float16's place are the value times 2^-8, subnormals included."""
+    u = np.int32(bits) & 0xFF
     mag = u & 0x7F
-    if mag == 0x7F:
-        return np.float32(np.nan)
-    return half_bits_to_float32(np.uint16(((u & 0x80) << 8) | (mag << 7))) * np.float32(256.0)
+    x = half_bits_to_float32(np.uint16(((u & 0x80) << 8) | (mag << 7))) * np.float32(256.0)
+    return np.float32(np.nan) if mag == 0x7F else x
 
 
 @njit(**INLINE)
@@ -154,28 +170,6 @@ def dequantize_fp8(bits, descale, fmt, out):
                     out[n, s, h, e] = fp8_to_float32(bits[n, s, h, e], fmt) * d
 
 
-@njit(**INLINE)
-def dequantize_row(src, dst, e_len, fmt, scales, page, slot, h, descale):
-    """The kernels' dequantization of one key or value row: ``dst[e]`` (float32, a pointer)
-    ``= value(src[e]) * scales[page, slot, h, e // block] * descale`` for ``e < e_len``
-    (``src``: a pointer to int8 values or fp8 bits of format ``fmt``; ``block = e_len //
-    scales.shape[3]``). The format's branch is outside the element loops, which vectorize."""
-    nb = scales.shape[3]
-    blk = e_len // nb
-    for c in range(nb):
-        sc = np.float32(load(scales[page, slot, h, c]) * descale)
-        e0 = c * blk
-        if fmt == FMT_INT8:
-            for e in range(e0, e0 + blk):
-                dst[e] = np.float32(src[e]) * sc
-        elif fmt == FMT_E5M2:
-            for e in range(e0, e0 + blk):
-                dst[e] = half_bits_to_float32(np.uint16((np.int32(src[e]) & 0xFF) << 8)) * sc
-        else:
-            for e in range(e0, e0 + blk):
-                dst[e] = fp8_to_float32(src[e], FMT_E4M3) * sc
-
-
 def is_quantized(qz):
     """Whether ``qz`` (the decode kernel's ``quant``) is a quantized cache's: a compile-time
     constant (jitted code only)."""
@@ -188,64 +182,245 @@ def _is_quantized(qz):
     return lambda qz: q
 
 
-def quant_scratch(qz, h_len, e_len, ev, bn):
-    """None for float caches; for a quantized one ``(kx, vx, kqo, vqo)``: float32 rows for a
-    block of ``bn`` keys of all ``h_len`` heads, keys ``(bn, h_len, e_len)`` and values
-    ``(bn, h_len, ev)``, and the offsets of their key rows (jitted code only)."""
+def quant_scratch(qz, h_len, n_rows, bn):
+    """None for float caches; for a quantized one ``(ksc, vsc, wts)``, float32: the scales of a
+    block of ``bn`` keys of all ``h_len`` heads with the descales folded in, ``ksc[(j * h_len +
+    h) * nbk + c]`` (``nbk`` blocks a key row) and ``vsc`` alike, and the ``n_rows`` rows'
+    weights of P V with the value scales folded in, ``wts[(i * nbv + c) * bn + j]`` (jitted
+    code only)."""
     raise NotImplementedError("quant_scratch is only callable from jitted code")
 
 
 @overload(quant_scratch)
-def _quant_scratch(qz, h_len, e_len, ev, bn):
+def _quant_scratch(qz, h_len, n_rows, bn):
     if isinstance(qz, (types.NoneType, types.Omitted)):
-        return lambda qz, h_len, e_len, ev, bn: None
+        return lambda qz, h_len, n_rows, bn: None
 
-    def scratch(qz, h_len, e_len, ev, bn):
-        kqo = np.arange(bn) * (h_len * e_len)
-        vqo = np.arange(bn) * (h_len * ev)
-        return (np.empty(bn * h_len * e_len, np.float32), np.empty(bn * h_len * ev, np.float32),
-                kqo, vqo)
+    def scratch(qz, h_len, n_rows, bn):
+        nbk = qz[0].shape[3]
+        nbv = qz[1].shape[3]
+        return (np.empty(bn * h_len * nbk, np.float32), np.empty(bn * h_len * nbv, np.float32),
+                np.empty(n_rows * nbv * bn, np.float32))
     return scratch
 
 
-def quant_block(qz, scr, k_cache, v_cache, block_table, b, b0, n, page_size, h_lo, h_hi,
-                kbase, vbase, koff, voff, khs, vhs):
-    """Where the decode kernel reads a block's keys and values: ``(kbase, vbase, koff, voff,
-    khs, vhs)``, key ``j`` of head ``h`` at ``kbase + koff[j] + h * khs``. A float cache's are
-    returned as they are; a quantized cache's block (keys ``b0 .. b0 + n - 1`` of sequence
-    ``b``, heads ``h_lo .. h_hi - 1``, at ``koff`` / ``voff`` in the cache) is dequantized
-    into the float32 rows ``scr``, the scales folded in, and those are returned (jitted code
-    only)."""
-    raise NotImplementedError("quant_block is only callable from jitted code")
+# The decode kernel's reading of a quantized cache. The scales are folded into the sums, not
+# into a dequantized copy of the block: a score is ``sum_c k_scale[c] * sum_{e in c} q_e
+# k_e`` over the scale blocks ``c`` (one block per token and head for int8 and fp8: the scale
+# then multiplies the reduced score), and ``P V`` adds ``(p_j * v_scale[j, c]) * v_j[e]``; the
+# 8-bit values are converted to float32 in registers inside the vectorized loops. Against the
+# dequantized float32 rows of before (an extra pass over an L2-sized buffer, and a branch per
+# element for e4m3), see scripts/quant_decode_profile.py for the per (key, head) figures.
+
+#: Values per scale block of the ``q8_0`` format (the vector loops' block size; any other
+#: block that is not a whole row goes through the scalar loops).
+Q8_BLOCK = 32
 
 
-@overload(quant_block, fastmath=FASTMATH)
-def _quant_block(qz, scr, k_cache, v_cache, block_table, b, b0, n, page_size, h_lo, h_hi,
-                 kbase, vbase, koff, voff, khs, vhs):
-    if isinstance(qz, (types.NoneType, types.Omitted)):
-        return (lambda qz, scr, k_cache, v_cache, block_table, b, b0, n, page_size, h_lo, h_hi,
-                kbase, vbase, koff, voff, khs, vhs: (kbase, vbase, koff, voff, khs, vhs))
+def _splat(builder, x, vty):
+    """A vector of type ``vty`` with every lane ``x``."""
+    i32 = ir.IntType(32)
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
 
-    def dequantized(qz, scr, k_cache, v_cache, block_table, b, b0, n, page_size, h_lo, h_hi,
-                    kbase, vbase, koff, voff, khs, vhs):
-        ks, vs, kd, vd, fmt = qz
-        kx, vx, kqo, vqo = scr
-        e_len = k_cache.shape[3]
-        ev = v_cache.shape[3]
-        kxp = data_ptr(kx)
-        vxp = data_ptr(vx)
-        page = b0 // page_size
-        slot = b0 - page * page_size
-        for j in range(n):
-            p = block_table[b, page]
-            for h in range(h_lo, h_hi):
-                dequantize_row(ptr_add(kbase, koff[j] + h * khs), ptr_add(kxp, kqo[j] + h * e_len),
-                               e_len, fmt, ks, p, slot, h, kd[b, h])
-                dequantize_row(ptr_add(vbase, voff[j] + h * vhs), ptr_add(vxp, vqo[j] + h * ev),
-                               ev, fmt, vs, p, slot, h, vd[b, h])
-            slot += 1
-            if slot == page_size:
-                slot = 0
-                page += 1
-        return kxp, vxp, kqo, vqo, e_len, ev
-    return dequantized
+
+def _convert(builder, x, fmt):
+    """The float32 vector of the vector ``x`` of int8 values or fp8 bit patterns (format
+    ``fmt``), branch-free: int8 by a conversion, e5m2 as float16's top byte, e4m3fn's magnitude
+    bits shifted into float16's place times 2^8 with a select for its NaN pattern."""
+    width = x.type.count
+    fvty = ir.VectorType(ir.FloatType(), width)
+    if fmt == FMT_INT8:
+        return builder.sitofp(x, fvty)
+    i16v = ir.VectorType(ir.IntType(16), width)
+    hvty = ir.VectorType(ir.HalfType(), width)
+
+    def c16(v):
+        return ir.Constant(i16v, [v] * width)
+    u = builder.zext(x, i16v)
+    if fmt == FMT_E5M2:
+        return builder.fpext(builder.bitcast(builder.shl(u, c16(8)), hvty), fvty)
+    mag = builder.and_(u, c16(0x7F))
+    h = builder.or_(builder.shl(builder.and_(u, c16(0x80)), c16(8)), builder.shl(mag, c16(7)))
+    f = builder.fmul(builder.fpext(builder.bitcast(h, hvty), fvty),
+                     ir.Constant(fvty, [256.0] * width))
+    return builder.select(builder.icmp_unsigned("==", mag, c16(0x7F)),
+                          ir.Constant(fvty, [float("nan")] * width), f)
+
+
+def _fma(builder, vty):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
+                                          f"llvm.fma.v{vty.count}f32")
+
+
+def q_lane_dots(n_rows, n_keys, width, fmt, qblk):
+    """Make an intrinsic ``f(q, q_stride, kbase, koff, kh, e_len, sc, sc_stride, out)``: as
+    :func:`._llvm.lane_dots` (float32 rows ``q + r * q_stride``, keys ``kbase + koff[kk] + kh``,
+    ``out[r * n_keys + kk]``), the keys 8-bit values of format ``fmt`` (int8 pointers),
+    converted in registers. ``qblk`` None: plain dot products (``sc`` unused; the caller
+    multiplies by the one scale of a row). ``qblk`` (a multiple of ``width``): key ``kk``'s
+    block ``c`` of ``qblk`` elements has the scale ``sc[kk * sc_stride + c]``, and each block's
+    lane sums (a fresh product, ``qblk / width`` vectors) are added into the accumulators by one
+    multiply-add with it. ``e_len`` a positive multiple of ``width`` (and of ``qblk``)."""
+    assert n_rows * n_keys == width
+    n_sub = 1 if qblk is None else qblk // width
+    f32p = types.CPointer(types.float32)
+
+    @intrinsic
+    def _q_lane_dots(typingctx, q, q_stride, kbase, koff, kh, e_len, sc, sc_stride, out):
+        if not (q == f32p == sc == out and kbase == types.CPointer(types.int8)
+                and koff == types.CPointer(types.int64)
+                and all(isinstance(t, types.Integer) for t in (q_stride, kh, e_len, sc_stride))):
+            return None
+        sig = types.void(q, q_stride, kbase, koff, kh, e_len, sc, sc_stride, out)
+
+        def codegen(context, builder, signature, args):
+            qp, _, kb, ko, _, _, scp, _, op = args
+            i64 = ir.IntType(64)
+            qs, khv, el, scs = (context.cast(builder, args[i], signature.args[i], types.int64)
+                                for i in (1, 4, 5, 7))
+            vty = ir.VectorType(ir.FloatType(), width)
+            bvty = ir.VectorType(ir.IntType(8), width)
+            fma = _fma(builder, vty)
+            rows = [builder.gep(qp, [builder.mul(qs, ir.Constant(i64, r))])
+                    for r in range(n_rows)]
+            keys = [builder.gep(kb, [builder.add(builder.load(
+                builder.gep(ko, [ir.Constant(i64, k)])), khv)]) for k in range(n_keys)]
+            scales = [builder.gep(scp, [builder.mul(scs, ir.Constant(i64, k))])
+                      for k in range(n_keys)]
+            entry = builder.block
+            loop = builder.append_basic_block("q_lane_dots.loop")
+            done = builder.append_basic_block("q_lane_dots.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            e = builder.phi(i64)
+            e.add_incoming(ir.Constant(i64, 0), entry)
+            c = builder.phi(i64)
+            c.add_incoming(ir.Constant(i64, 0), entry)
+            accs = []
+            for _ in range(width):
+                a = builder.phi(vty)
+                a.add_incoming(ir.Constant(vty, None), entry)
+                accs.append(a)
+
+            def vload(p, ty, sub, align):
+                at = builder.add(e, ir.Constant(i64, sub * width))
+                return builder.load(builder.bitcast(builder.gep(p, [at]), ty.as_pointer()),
+                                    align=align)
+
+            qv = [[vload(p, vty, u, 4) for u in range(n_sub)] for p in rows]
+            kv = [[_convert(builder, vload(p, bvty, u, 1), fmt) for u in range(n_sub)]
+                  for p in keys]
+            new = []
+            for r in range(n_rows):
+                for k in range(n_keys):
+                    acc = accs[r * n_keys + k]
+                    if qblk is None:
+                        new.append(builder.call(fma, [qv[r][0], kv[k][0], acc]))
+                        continue
+                    t = builder.fmul(qv[r][0], kv[k][0], flags=("contract",))
+                    for u in range(1, n_sub):
+                        t = builder.call(fma, [qv[r][u], kv[k][u], t])
+                    s = _splat(builder, builder.load(builder.gep(scales[k], [c])), vty)
+                    new.append(builder.call(fma, [s, t, acc]))
+            e_next = builder.add(e, ir.Constant(i64, width * n_sub))
+            e.add_incoming(e_next, builder.block)
+            c.add_incoming(builder.add(c, ir.Constant(i64, 1)), builder.block)
+            for a, x in zip(accs, new):
+                a.add_incoming(x, builder.block)
+            builder.cbranch(builder.icmp_signed("<", e_next, el), loop, done)
+            builder.position_at_end(done)
+            builder.store(_sum_tree(builder, new, width),
+                          builder.bitcast(op, vty.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _q_lane_dots
+
+
+def q_rows_pv(n_rows, n_vec, width, fmt, qblk):
+    """Make an intrinsic ``f(acc, acc_stride, p, p_stride, p_cstride, vbase, voff, vh, n)``: as
+    :func:`._llvm.rows_pv` (``acc[r * acc_stride + d] += w * v_j[d]`` over the keys ``j < n``
+    in order, ``v_j = vbase + voff[j] + vh``, ``d < n_vec * width``), the values 8-bit of
+    format ``fmt`` (int8 pointers) converted in registers, and the weight of row ``r``, key
+    ``j``, vector ``u`` (elements ``u * width ..``) ``p[r * p_stride + c * p_cstride + j]``
+    with ``c = u * width // qblk`` (``qblk`` None: ``c = 0``): the probabilities with the
+    values' scales of their blocks folded in."""
+    f32p = types.CPointer(types.float32)
+
+    @intrinsic
+    def _q_rows_pv(typingctx, acc, acc_stride, p, p_stride, p_cstride, vbase, voff, vh, n):
+        if not (acc == p == f32p and vbase == types.CPointer(types.int8)
+                and voff == types.CPointer(types.int64)
+                and all(isinstance(t, types.Integer)
+                        for t in (acc_stride, p_stride, p_cstride, vh, n))):
+            return None
+        sig = types.void(acc, acc_stride, p, p_stride, p_cstride, vbase, voff, vh, n)
+
+        def codegen(context, builder, signature, args):
+            ap, _, pp, _, _, vb, vo, _, _ = args
+            i64 = ir.IntType(64)
+            as_, ps, pcs, vhv, nv = (context.cast(builder, args[i], signature.args[i],
+                                                  types.int64) for i in (1, 3, 4, 7, 8))
+            vty = ir.VectorType(ir.FloatType(), width)
+            bvty = ir.VectorType(ir.IntType(8), width)
+            fma = _fma(builder, vty)
+
+            def vptr(base, off, u, ty):
+                return builder.bitcast(
+                    builder.gep(base, [builder.add(off, ir.Constant(i64, u * width))]),
+                    ty.as_pointer())
+
+            aptrs = [[vptr(ap, builder.mul(as_, ir.Constant(i64, r)), u, vty)
+                      for u in range(n_vec)] for r in range(n_rows)]
+            n_c = 1 if qblk is None else (n_vec * width + qblk - 1) // qblk
+            prows = [[builder.gep(pp, [builder.add(builder.mul(ps, ir.Constant(i64, r)),
+                                                   builder.mul(pcs, ir.Constant(i64, cc)))])
+                      for cc in range(n_c)] for r in range(n_rows)]
+            init = [[builder.load(a, align=4) for a in row] for row in aptrs]
+            entry = builder.block
+            loop = builder.append_basic_block("q_rows_pv.loop")
+            done = builder.append_basic_block("q_rows_pv.done")
+            builder.cbranch(builder.icmp_signed(">", nv, ir.Constant(i64, 0)), loop, done)
+            builder.position_at_end(loop)
+            j = builder.phi(i64)
+            j.add_incoming(ir.Constant(i64, 0), entry)
+            accs = []
+            for row in init:
+                accs.append([])
+                for x in row:
+                    a = builder.phi(vty)
+                    a.add_incoming(x, entry)
+                    accs[-1].append(a)
+            off = builder.add(builder.load(builder.gep(vo, [j])), vhv)
+            vs = [_convert(builder, builder.load(vptr(vb, off, u, bvty), align=1), fmt)
+                  for u in range(n_vec)]
+            new = []
+            for r in range(n_rows):
+                ws = [_splat(builder, builder.load(builder.gep(prows[r][cc], [j])), vty)
+                      for cc in range(n_c)]
+                new.append([builder.call(fma, [ws[0 if qblk is None else u * width // qblk],
+                                               vs[u], accs[r][u]]) for u in range(n_vec)])
+            j_next = builder.add(j, ir.Constant(i64, 1))
+            j.add_incoming(j_next, builder.block)
+            for r in range(n_rows):
+                for u in range(n_vec):
+                    accs[r][u].add_incoming(new[r][u], builder.block)
+            builder.cbranch(builder.icmp_signed("<", j_next, nv), loop, done)
+            builder.position_at_end(done)
+            res = []
+            for r in range(n_rows):
+                for u in range(n_vec):
+                    x = builder.phi(vty)
+                    x.add_incoming(init[r][u], entry)
+                    x.add_incoming(new[r][u], loop)
+                    res.append((x, aptrs[r][u]))
+            for x, a in res:
+                builder.store(x, a, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _q_rows_pv
