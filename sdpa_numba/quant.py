@@ -32,16 +32,17 @@ arrays.
 import numpy as np
 
 from ._bf16 import is_bfloat16
-from .cpu.quant import (FMT_E4M3, FMT_E5M2, dequantize_blocks, dequantize_fp8, float_to_fp8,
-                        fp8_to_float32, quantize_blocks, quantize_fp8)
+from .cpu.quant import (dequantize_blocks, dequantize_fp8, float_to_fp8, fp8_to_float32,
+                        quantize_blocks, quantize_fp8)
 from .problem.quant import Q8_0_BLOCK, quant_kind
+from .score.formats import E4M3_MAX, E5M2_MAX, FMT_E4M3, FMT_E5M2
 
 __all__ = ["quantize_kv", "dequantize_kv", "FORMATS", "quantize_blocks", "quantize_fp8",
            "dequantize_blocks", "dequantize_fp8", "float_to_fp8", "fp8_to_float32"]
 
 #: The formats' names.
 FORMATS = ("int8", "q8_0", "e4m3fn", "e5m2")
-_FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
+_FP8_MAX = {"e4m3fn": E4M3_MAX, "e5m2": E5M2_MAX}
 _FP8_CODE = {"e4m3fn": FMT_E4M3, "e5m2": FMT_E5M2}
 
 

@@ -467,6 +467,61 @@ def prefetch(typingctx, ptr):
     return sig, codegen
 
 
+def splat(builder, x, vty):
+    """Scalar ``x`` broadcast to every lane of vector type ``vty``."""
+    i32 = ir.IntType(32)
+    first = builder.insert_element(ir.Constant(vty, None), x, ir.Constant(i32, 0))
+    return builder.shuffle_vector(first, ir.Constant(vty, None),
+                                  ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+
+
+def over_keys(builder, name, init, n, step):
+    """The loop of an intrinsic that keeps rows of accumulator vectors in registers over the
+    keys ``j = 0 .. n - 1`` (``n`` an int64 value; none when ``n <= 0``): ``accs =
+    step(j, accs)`` per key, from ``init`` (rows of vectors). Returns the accumulators after
+    the loop (phis: ``init`` where it did not run)."""
+    i64 = ir.IntType(64)
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    j = builder.phi(i64)
+    j.add_incoming(ir.Constant(i64, 0), entry)
+    accs = []
+    for row in init:
+        accs.append([])
+        for x in row:
+            a = builder.phi(x.type)
+            a.add_incoming(x, entry)
+            accs[-1].append(a)
+    new = step(j, accs)
+    end = builder.block
+    j_next = builder.add(j, ir.Constant(i64, 1))
+    j.add_incoming(j_next, end)
+    for row_a, row_new in zip(accs, new):
+        for a, x in zip(row_a, row_new):
+            a.add_incoming(x, end)
+    builder.cbranch(builder.icmp_signed("<", j_next, n), loop, done)
+    builder.position_at_end(done)
+    result = []
+    for row_init, row_new in zip(init, new):
+        result.append([])
+        for x0, x in zip(row_init, row_new):
+            ph = builder.phi(x0.type)
+            ph.add_incoming(x0, entry)
+            ph.add_incoming(x, end)
+            result[-1].append(ph)
+    return result
+
+
+def store_rows(builder, rows, ptrs):
+    """Store rows of vectors ``rows`` at the matching rows of pointers ``ptrs``."""
+    for row, row_ptrs in zip(rows, ptrs):
+        for x, a in zip(row, row_ptrs):
+            builder.store(x, a, align=4)
+
+
 def rows_pv(n_rows, n_vec, width):
     """Make an intrinsic ``f(acc, acc_stride, p, p_stride, vbase, voff, vh, n)``: for the rows
     ``r < n_rows``, ``acc[r * acc_stride + d] += p[r * p_stride + j] * v_j[d]`` for the keys
@@ -509,46 +564,18 @@ def rows_pv(n_rows, n_vec, width):
             prows = [builder.gep(pp, [builder.mul(ps, ir.Constant(i64, r))])
                      for r in range(n_rows)]
             init = [[builder.load(a, align=4) for a in row] for row in aptrs]
-            entry = builder.block
-            loop = builder.append_basic_block("rows_pv.loop")
-            done = builder.append_basic_block("rows_pv.done")
-            builder.cbranch(builder.icmp_signed(">", nv, ir.Constant(i64, 0)), loop, done)
-            builder.position_at_end(loop)
-            j = builder.phi(i64)
-            j.add_incoming(ir.Constant(i64, 0), entry)
-            accs = []
-            for row in init:
-                accs.append([])
-                for x in row:
-                    a = builder.phi(vty)
-                    a.add_incoming(x, entry)
-                    accs[-1].append(a)
-            off = builder.add(builder.load(builder.gep(vo, [j])), vhv)
-            vs = [builder.load(vptr(vb, off, v), align=4) for v in range(n_vec)]
-            new = []
-            for r in range(n_rows):
-                w = builder.load(builder.gep(prows[r], [j]))
-                wv = builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(vty, None), w, ir.Constant(ir.IntType(32), 0)),
-                    ir.Constant(vty, None), ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                        [0] * width))
-                new.append([builder.call(fma, [wv, vs[v], accs[r][v]]) for v in range(n_vec)])
-            j_next = builder.add(j, ir.Constant(i64, 1))
-            j.add_incoming(j_next, builder.block)
-            for r in range(n_rows):
-                for v in range(n_vec):
-                    accs[r][v].add_incoming(new[r][v], builder.block)
-            builder.cbranch(builder.icmp_signed("<", j_next, nv), loop, done)
-            builder.position_at_end(done)
-            res = []
-            for r in range(n_rows):
-                for v in range(n_vec):
-                    x = builder.phi(vty)
-                    x.add_incoming(init[r][v], entry)
-                    x.add_incoming(new[r][v], loop)
-                    res.append((x, aptrs[r][v]))
-            for x, a in res:
-                builder.store(x, a, align=4)
+
+            def step(j, accs):
+                off = builder.add(builder.load(builder.gep(vo, [j])), vhv)
+                vs = [builder.load(vptr(vb, off, v), align=4) for v in range(n_vec)]
+                new = []
+                for r in range(n_rows):
+                    wv = splat(builder, builder.load(builder.gep(prows[r], [j])), vty)
+                    new.append([builder.call(fma, [wv, vs[v], accs[r][v]])
+                                for v in range(n_vec)])
+                return new
+
+            store_rows(builder, over_keys(builder, "rows_pv", init, nv, step), aptrs)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -27,17 +27,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._llvm import _sum_tree, float32_to_half_bits, half_bits_to_float32
+from ._llvm import (_sum_tree, float32_to_half_bits, half_bits_to_float32, over_keys, splat,
+                    store_rows)
+from ..score.formats import E4M3_MAX, E5M2_MAX, FMT_E4M3, FMT_E5M2, FMT_INT8, INT8_MAX
 from .options import CALLED, INLINE
-
-FMT_INT8 = 0
-FMT_E4M3 = 1
-FMT_E5M2 = 2
-
-#: Saturation bound (the largest finite value) of each format, and absmax / MAX is the scale.
-INT8_MAX = 127.0
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
 
 
 @njit(**INLINE)
@@ -217,14 +210,6 @@ def _quant_scratch(qz, h_len, n_rows, bn):
 Q8_BLOCK = 32
 
 
-def _splat(builder, x, vty):
-    """A vector of type ``vty`` with every lane ``x``."""
-    i32 = ir.IntType(32)
-    one = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(i32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
-                                  ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
-
-
 def _convert(builder, x, fmt):
     """The float32 vector of the vector ``x`` of int8 values or fp8 bit patterns (format
     ``fmt``), branch-free: int8 by a conversion, e5m2 as float16's top byte, e4m3fn's magnitude
@@ -322,7 +307,7 @@ def q_lane_dots(n_rows, n_keys, width, fmt, qblk):
                     t = builder.fmul(qv[r][0], kv[k][0], flags=("contract",))
                     for u in range(1, n_sub):
                         t = builder.call(fma, [qv[r][u], kv[k][u], t])
-                    s = _splat(builder, builder.load(builder.gep(scales[k], [c])), vty)
+                    s = splat(builder, builder.load(builder.gep(scales[k], [c])), vty)
                     new.append(builder.call(fma, [s, t, acc]))
             e_next = builder.add(e, ir.Constant(i64, width * n_sub))
             e.add_incoming(e_next, builder.block)
@@ -380,45 +365,20 @@ def q_rows_pv(n_rows, n_vec, width, fmt, qblk):
                                                    builder.mul(pcs, ir.Constant(i64, cc)))])
                       for cc in range(n_c)] for r in range(n_rows)]
             init = [[builder.load(a, align=4) for a in row] for row in aptrs]
-            entry = builder.block
-            loop = builder.append_basic_block("q_rows_pv.loop")
-            done = builder.append_basic_block("q_rows_pv.done")
-            builder.cbranch(builder.icmp_signed(">", nv, ir.Constant(i64, 0)), loop, done)
-            builder.position_at_end(loop)
-            j = builder.phi(i64)
-            j.add_incoming(ir.Constant(i64, 0), entry)
-            accs = []
-            for row in init:
-                accs.append([])
-                for x in row:
-                    a = builder.phi(vty)
-                    a.add_incoming(x, entry)
-                    accs[-1].append(a)
-            off = builder.add(builder.load(builder.gep(vo, [j])), vhv)
-            vs = [_convert(builder, builder.load(vptr(vb, off, u, bvty), align=1), fmt)
-                  for u in range(n_vec)]
-            new = []
-            for r in range(n_rows):
-                ws = [_splat(builder, builder.load(builder.gep(prows[r][cc], [j])), vty)
-                      for cc in range(n_c)]
-                new.append([builder.call(fma, [ws[0 if qblk is None else u * width // qblk],
-                                               vs[u], accs[r][u]]) for u in range(n_vec)])
-            j_next = builder.add(j, ir.Constant(i64, 1))
-            j.add_incoming(j_next, builder.block)
-            for r in range(n_rows):
-                for u in range(n_vec):
-                    accs[r][u].add_incoming(new[r][u], builder.block)
-            builder.cbranch(builder.icmp_signed("<", j_next, nv), loop, done)
-            builder.position_at_end(done)
-            res = []
-            for r in range(n_rows):
-                for u in range(n_vec):
-                    x = builder.phi(vty)
-                    x.add_incoming(init[r][u], entry)
-                    x.add_incoming(new[r][u], loop)
-                    res.append((x, aptrs[r][u]))
-            for x, a in res:
-                builder.store(x, a, align=4)
+
+            def step(j, accs):
+                off = builder.add(builder.load(builder.gep(vo, [j])), vhv)
+                vs = [_convert(builder, builder.load(vptr(vb, off, u, bvty), align=1), fmt)
+                      for u in range(n_vec)]
+                new = []
+                for r in range(n_rows):
+                    ws = [splat(builder, builder.load(builder.gep(prows[r][cc], [j])), vty)
+                          for cc in range(n_c)]
+                    new.append([builder.call(fma, [ws[0 if qblk is None else u * width // qblk],
+                                                   vs[u], accs[r][u]]) for u in range(n_vec)])
+                return new
+
+            store_rows(builder, over_keys(builder, "q_rows_pv", init, nv, step), aptrs)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -23,7 +23,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from ..cpu.quant import E4M3_MAX, E5M2_MAX, FMT_E4M3, FMT_E5M2, FMT_INT8, INT8_MAX
+from ..score.formats import E4M3_MAX, E5M2_MAX, FMT_E4M3, FMT_E5M2, FMT_INT8, INT8_MAX
 from .arrays import as_strided, is_simulated_mode
 from .storage import load, storage_view
 

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..score.formats import FMT_E4M3, FMT_E5M2, FMT_INT8
 from .arguments import shape_str
 
 #: The block of values a q8_0 scale covers along the head dim.
 Q8_0_BLOCK = 32
 
-#: Format codes of the kernels (:mod:`sdpa_numba.cpu.quant`).
-_FMT = {"int8": 0, "q8_0": 0, "e4m3fn": 1, "e5m2": 2}
+#: Format codes of the kernels (:mod:`sdpa_numba.score.formats`).
+_FMT = {"int8": FMT_INT8, "q8_0": FMT_INT8, "e4m3fn": FMT_E4M3, "e5m2": FMT_E5M2}
 _FP8 = {"float8_e4m3fn": "e4m3fn", "float8_e5m2": "e5m2"}
 
 
