@@ -134,6 +134,22 @@ def rope():
                  _run(args, {"NUMBA_NUM_THREADS": "2"}))
 
 
+def cascade():
+    """Shared-prefix (cascade) attention against per-request paged decode and one batched
+    paged call (scripts/bench_cascade.py, issue 31's case)."""
+    args = ["scripts/bench_cascade.py", "--threads", "2"]
+    out = _run(args, {"PYTHONPATH": str(ROOT)})
+    return _code(f"PYTHONPATH=. {PY} {' '.join(args)}", out)
+
+
+def mla():
+    """Absorbed MLA decode with the value cache a view of the key cache, against a separate
+    copy and NumPy's read (scripts/bench_mla.py)."""
+    args = ["scripts/bench_mla.py", "--threads", "2"]
+    out = _run(args, {"PYTHONPATH": str(ROOT)})
+    return _code(f"PYTHONPATH=. {PY} {' '.join(args)}", out)
+
+
 def quant_errors():
     """The 8-bit cache formats' error against the original float cache
     (scripts/quant_errors.py)."""
@@ -177,7 +193,7 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "quant_errors": quant_errors, "rope": rope,
+              "decode": decode, "cascade": cascade, "mla": mla, "quant_errors": quant_errors, "rope": rope,
               "decode_quant": decode_quant, "varlen": varlen, "variants": variants, "layers": layers,
               "jax": jax}
 
@@ -191,7 +207,9 @@ def _stamp():
     info = json.loads(_run(["-m", "sdpa_numba", "info", "--json"]))
     cpu = info["cpu"]["name"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"*Measured {when} at commit `{commit}` on {cpu} ({os.cpu_count()} cores, "
+            f"load average {load:.1f} at the start, "
             f"{info['threading_layer']} threading layer, Python {platform.python_version()}), "
             f"by `python docs/make_numbers.py`.*\n\n")
 
