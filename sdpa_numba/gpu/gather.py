@@ -114,7 +114,7 @@ def gather_rows(cache, rows):
 def _scatter_sum(dst, g, start, order, n):
     """Slot ``s`` of ``dst (slots, H, E)``: the sum, in float64 and in the order of
     ``order[start[s]:start[s + 1]]``, of the packed rows of ``g`` gathered from it (0 for a
-    slot no sequence read), rounded once to ``dst``'s dtype."""
+    slot no sequence read), then stored in ``dst``'s dtype."""
     t = cuda.grid(1)
     if t < n:
         ne = dst.shape[2]
@@ -129,24 +129,31 @@ def _scatter_sum(dst, g, start, order, n):
         dst[s, h, e] = store(acc, dst)
 
 
-def scatter_sum_rows(g, rows_host, n_slots):
+def scatter_sum_rows(g, rows_host, shape):
     """The gradients ``g (n, H, E)`` (device, of the packed rows gathered by
     :func:`gather_rows` from the flat slots ``rows_host``, a NumPy int64 array) summed back
-    into their slots: a new C-contiguous ``(n_slots, H, E)`` device array of ``g``'s dtype,
-    zero where no row came from.
+    into their slots: a new C-contiguous device array of ``g``'s dtype and ``shape`` (the
+    cache's: its slots, then ``(H, E)``), zero where no row came from.
 
     Deterministic, without atomics: each slot is summed by one thread per element, in float64,
     over its rows in packed order (a stable sort of ``rows_host`` on the host gives each slot's
-    range), then rounded once; the host's ``np.add.at`` in float64 adds in the same order.
+    range), then rounded to ``g``'s dtype (bfloat16: through float32); the host's
+    ``np.add.at`` in float64 adds in the same order.
+    Atomic adds would be as fast here but leave the order of a shared slot's additions (and
+    so its rounding) to the scheduler.
     """
     _, h, e = tuple(g.shape)
+    shape = tuple(int(n) for n in shape)
+    n_slots = int(np.prod(shape, dtype=np.int64)) // max(h * e, 1) if h * e else 0
     rows_host = np.asarray(rows_host, np.int64)
     order = np.argsort(rows_host, kind="stable").astype(np.int64)
     start = np.zeros(n_slots + 1, np.int64)
     np.cumsum(np.bincount(rows_host, minlength=n_slots), out=start[1:])
-    y = device_array((n_slots, h, e), g.dtype)
+    y = device_array(shape, g.dtype)
     n = n_slots * h * e
     if n:
-        _scatter_sum[_grid(n)](storage_view(y), storage_view(g), cuda.to_device(start),
+        item = g.dtype.itemsize
+        flat = as_strided(y, (n_slots, h, e), (h * e * item, e * item, item))
+        _scatter_sum[_grid(n)](storage_view(flat), storage_view(g), cuda.to_device(start),
                                cuda.to_device(order), n)
     return y
