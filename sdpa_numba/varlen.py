@@ -344,7 +344,7 @@ def _backward_over_cache(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     ragged batch, so its gradients are those of the forward over the cache. The target picks
     the gather and the scatter (NumPy's indexing, or the kernels of
     :mod:`sdpa_numba.gpu.gather`); both sum a shared slot's gradients in float64, in packed
-    order, rounded once."""
+    order, then rounded to the dtype."""
     import numpy as np
 
     from .problem.kvcache import cache_rows, cache_varlen_problem
