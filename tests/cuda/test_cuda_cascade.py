@@ -120,3 +120,19 @@ def test_bad_input_is_refused_and_nothing_is_written(rng):
     assert np.isnan(out.copy_to_host()).all()
     with pytest.raises(TypeError):  # a mix of host and device arrays: the target's refusal
         cascade_attention(q, dev(pk), pk, kc, kc, 2)
+
+
+def test_float16_against_the_cpu(rng):
+    # float16 storage, float32 compute: each level rounded to float16 before the merge, on
+    # both targets; within a unit or two in the last place of the CPU's result.
+    q, pk, pv, kc, vc = _make(rng, 5, np.float16)
+    kc, vc, table = _paged(rng, kc, vc, 3)
+    cpu_out, cpu_lse = cascade_attention(q, pk, pv, kc, vc, LENS, block_table=table,
+                                         return_lse=True)
+    out, lse = cascade_attention(dev(q), dev(pk), dev(pv), dev(kc), dev(vc), LENS,
+                                 block_table=table, return_lse=True)
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    np.testing.assert_allclose(out.astype(np.float32), cpu_out.astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(lse, cpu_lse, rtol=1e-5, atol=1e-5)
