@@ -16,6 +16,10 @@ its own suffix in a key/value cache, attended as two levels merged by log-sum-ex
 Everything is validated before anything is written (the suffix through its plan,
 :func:`sdpa_numba.kvcache_plan`; the prefix by :func:`sdpa_numba.problem.cascade.check_prefix`):
 a refused call appends nothing and leaves ``out`` untouched.
+
+The same steps run for host and CUDA arrays: the target (:mod:`sdpa_numba.targets`) only
+picks how the queries are folded into rows and the rows unfolded (copies of strided views:
+NumPy's, or the kernels of :mod:`sdpa_numba.gpu.gather`).
 """
 
 from typing import Any
@@ -27,7 +31,7 @@ from .host_arrays import as_numpy
 from .kvcache import kvcache_plan
 from .merge import merge_attention_states
 from .problem.arguments import check_flag
-from .problem.cascade import check_prefix, fold_queries, unfold_rows
+from .problem.cascade import check_prefix, fold_view, swap_last_view, unfold_view
 from .problem.out import check_out
 from .targets import CUDA, HOST, target_of
 
@@ -87,11 +91,14 @@ def cascade_attention(q: Any, prefix_k: Any, prefix_v: Any, k_cache: Any, v_cach
     ------
     TypeError, ValueError
         For bad input, naming the argument, before anything is read or written.
-    NotImplementedError
-        For CUDA arrays (the shared level's folding of the queries is host code).
 
     Notes
     -----
+    Host arrays run on the CPU kernels, CUDA arrays (Numba, CuPy, PyTorch; all on one device)
+    on the CUDA kernels, with the same steps: the queries are folded into rows (and the
+    results back) by copies, NumPy's on the host and small bit-copy kernels on the device
+    (:mod:`sdpa_numba.gpu.gather`); the results come back as q's kind of array.
+
     The prefix is read by the dense forward's tasks (one per key/value head and chunk of up
     to 512 query rows), not by each request: with ``R = B * Lq * Hq / H`` rows per head, it
     is read about ``max(R / 512, 16 / H)`` times per call (the forward splits the rows until
@@ -105,16 +112,8 @@ def cascade_attention(q: Any, prefix_k: Any, prefix_v: Any, k_cache: Any, v_cach
     named = [("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v), ("k_cache", k_cache),
              ("v_cache", v_cache), ("k", k), ("v", v), ("out", out)]
     target = target_of(named, required=("q", "prefix_k", "prefix_v", "k_cache", "v_cache"))
-    if target is CUDA:
-        raise NotImplementedError(
-            "cascade_attention runs on the CPU only: its shared level folds the batch's "
-            "queries into one block of rows with host code; for CUDA arrays, call "
-            "attention_with_kvcache over each request's concatenated cache")
     return_lse = check_flag("return_lse", return_lse)
-    appending = k is not None
-    k_cache = as_numpy("k_cache", k_cache, writable=appending)
-    v_cache = as_numpy("v_cache", v_cache, writable=appending)
-    (q, prefix_k, prefix_v, k, v, out), restore = _adopt_rest(q, prefix_k, prefix_v, k, v, out)
+    (q, prefix_k, prefix_v, k_cache, v_cache, k, v, out), restore = _adopt(target, named)
     plan = kvcache_plan(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                         is_causal=is_causal, scale=scale)
     p = plan.problem
@@ -122,32 +121,71 @@ def cascade_attention(q: Any, prefix_k: Any, prefix_v: Any, k_cache: Any, v_cach
     if out is not None:
         check_out(p, out, (("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v),
                            ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)),
-                  HOST.address)
+                  target.address)
+    # Validated: from here on, only writes. The target picks how arrays are copied (NumPy, or
+    # the bit-copy kernels of sdpa_numba.gpu.gather); the views are the same for both.
+    packed, copy_into = _moves(target)
+    view = target.as_strided
     b, lq, hq, _ = p.q_shape
     h = p.k_cache_shape[2]
+    r = b * lq * (hq // h)
     # The shared level: one block of rows per key/value head against the prefix.
-    rows = fold_queries(q, h)
+    rows = packed(fold_view(q, h, view), (1, h, r, q.shape[3]))
     pre_out, pre_lse = scaled_dot_product_attention(
-        rows, prefix_k.transpose(1, 0, 2)[None], prefix_v.transpose(1, 0, 2)[None],
-        scale=p.scale, return_lse=True)
-    pre_out = unfold_rows(pre_out, (b, lq, hq))
-    pre_lse = unfold_rows(pre_lse, (b, lq, hq))
-    # The unique level (the append happens here), then the merge, both as (B, Lq, Hq, ..).
+        rows, _heads_first(prefix_k, view), _heads_first(prefix_v, view), scale=p.scale,
+        return_lse=True)
+    pre_out = packed(unfold_view(pre_out, (b, lq, hq), view), (b, lq, hq, pre_out.shape[3]))
+    pre_lse = packed(unfold_view(pre_lse, (b, lq, hq), view), (b, lq, hq))
+    # The unique level (the append happens here), then the merge, both as (B, Lq, Hq, ..),
+    # contiguous (the CUDA merge takes its rows in one launch then).
     suf_out, suf_lse = plan.run(q, k_cache, v_cache, k=k, v=v, return_lse=True)
-    merged, lse = merge_attention_states(pre_out, pre_lse, suf_out,
-                                         suf_lse.transpose(0, 2, 1))
+    suf_lse = packed(swap_last_view(suf_lse, view), (b, lq, hq))
+    merged, lse = merge_attention_states(pre_out, pre_lse, suf_out, suf_lse)
     if out is not None:
-        out[...] = merged
+        copy_into(out, merged)
         merged = out
     merged = restore(merged)
-    return (merged, restore(np.ascontiguousarray(lse.transpose(0, 2, 1)))) if return_lse \
+    return (merged, restore(packed(swap_last_view(lse, view), (b, hq, lq)))) if return_lse \
         else merged
 
 
-def _adopt_rest(q, prefix_k, prefix_v, k, v, out):
-    """The operands other than the caches as NumPy arrays (no copies), and ``restore``."""
-    arrays, restore = HOST.adopt([("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v),
-                                  ("k", k), ("v", v)], out)
+def _adopt(target, named):
+    """The operands (``named``'s order, ``out`` last) as the target's arrays, without copies
+    (the caches are written by an append, ``out`` by the result), and ``restore``."""
+    *named, (_, out) = named
+    if target is CUDA:
+        arrays, restore = CUDA.adopt(named, out)
+        CUDA.check_strides(list(zip((n for n, _ in named), arrays)))
+    else:
+        appending = named[5][1] is not None
+        caches = [as_numpy(n, x, writable=appending) for n, x in named[3:5]]
+        arrays, restore = HOST.adopt([*named[:3], *named[5:]], out)
+        arrays = [*arrays[:3], *caches, *arrays[3:]]
     if out is None:
         arrays = [*arrays, None]
     return arrays, restore
+
+
+def _heads_first(x, view):
+    """The prefix ``x (P, H, E)`` as the dense forward's ``(1, H, P, E)`` (a view)."""
+    (n, h, e), (sn, sh, se) = tuple(x.shape), tuple(x.strides)
+    return view(x, (1, h, n, e), (0, sh, sn, se))
+
+
+def _moves(target):
+    """``(packed, copy_into)`` of ``target``: ``packed(view, shape)``, a new C-contiguous
+    array of ``shape`` with ``view``'s elements in C order; ``copy_into(dst, src)``,
+    ``dst[...] = src``."""
+    if target is CUDA:
+        from .gpu.gather import copy_into, packed_copy
+
+        return packed_copy, copy_into
+    return _host_packed, _host_copy_into
+
+
+def _host_packed(view, shape):
+    return np.ascontiguousarray(view).reshape(shape)
+
+
+def _host_copy_into(dst, src):
+    dst[...] = src

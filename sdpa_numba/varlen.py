@@ -15,7 +15,7 @@ from .dropout import params as dropout_params
 from .problem import check_dropout, check_flag, check_out, check_seed
 from .problem.variant_table import check_names, takes_variants, variant_grads
 from .problem.varlen import varlen_plan
-from .targets import target_of
+from .targets import CUDA, target_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -119,8 +119,8 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         ``alignment="bottom_right"`` and no ``score_mod`` / ``mask_mod`` bit for bit its
         result with ``cu_seqlens_q`` and ``cache_seqlens=seqused_k``). Its gradients:
         :func:`varlen_attention_backward` with the same ``block_table`` / ``seqused_k``
-        (NumPy arrays). No dropout (NotImplementedError). CUDA arrays run the decode kernel's CUDA twin (tested on
-        Numba's CUDA simulator, not yet timed on a GPU).
+        (host or CUDA arrays). No dropout (NotImplementedError). CUDA arrays run the decode
+        kernel's CUDA twin (tested on Numba's CUDA simulator, not yet timed on a GPU).
     seqused_k : array of ints, shape (B,), keyword-only, optional
         The keys of each sequence (FlashAttention's ``seqused_k``): with ``block_table``,
         the first ``seqused_k[b]`` tokens through its pages (at most ``max_pages *
@@ -274,9 +274,11 @@ def varlen_attention_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, l
         ``v`` (the caches): each key's gradient at its slot, summed where sequences share a
         page, zero in slots no sequence reads. The keys are gathered into a packed copy
         (``sum(seqused_k)`` rows) for the packed backward and their gradients scattered
-        back: memory for one packed copy of the used keys, values and their gradients. NumPy
-        arrays only (CUDA arrays: NotImplementedError); no dropout (NotImplementedError, as
-        the forward).
+        back: memory for one packed copy of the used keys, values and their gradients. Host
+        or CUDA arrays (on CUDA the gather and the scatter are small kernels, tested on
+        Numba's CUDA simulator only); a slot read by several sequences gets their gradients
+        summed in float64 in the sequences' order, then rounded to the dtype, on either
+        target, so the result is deterministic. No dropout (NotImplementedError, as the forward).
 
     Other Parameters
     ----------------
@@ -339,42 +341,73 @@ def _backward_over_cache(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     sequence reads gathered into a packed copy, the packed backward run on it, and the keys'
     and values' gradients scattered back to the slots they came from (added where pages are
     shared). The packed backward sees the same rows, positions and lengths as the forward's
-    ragged batch, so its gradients are those of the forward over the cache."""
+    ragged batch, so its gradients are those of the forward over the cache. The target picks
+    the gather and the scatter (NumPy's indexing, or the kernels of
+    :mod:`sdpa_numba.gpu.gather`); both sum a shared slot's gradients in float64, in packed
+    order, then rounded to the dtype."""
     import numpy as np
 
     from .problem.kvcache import cache_rows, cache_varlen_problem
-    from .targets import HOST
 
     named = [("q", q), ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)]
-    if target_of(named, ("q", "grad_out", "k", "v", "out", "lse")) is not HOST:
-        raise NotImplementedError(
-            "varlen_attention_backward with block_table / seqused_k runs on NumPy (host) "
-            "arrays only: it gathers the keys on the host")
+    target = target_of(named, ("q", "grad_out", "k", "v", "out", "lse"))
     if check_dropout(dropout_p) > 0:
         raise NotImplementedError("dropout_p > 0 with block_table / seqused_k is not built "
                                   "(the forward draws no dropout mask over a cache)")
-    (q, grad_out, k, v, out, lse), restore = HOST.adopt(named)
-    check_names("varlen_attention_backward", variants, target=HOST)
+    (q, grad_out, k, v, out, lse), restore = target.adopt(named)
+    check_names("varlen_attention_backward", variants, target=target)
+    strided = None
+    if target is CUDA:
+        from .gpu.arrays import as_strided as strided
+
+        target.check_strides(list(zip((n for n, _ in named), (q, grad_out, k, v, out, lse))))
     k_cache, v_cache, p = cache_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, **variants)
+        max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale, as_strided=strided,
+        **variants)
     used = p.kv_lens
     rows = cache_rows(p.table, used, int(k_cache.shape[1]))
-    flat_k = k_cache.reshape((-1,) + k_cache.shape[2:])
-    flat_v = v_cache.reshape((-1,) + v_cache.shape[2:])
+    gather, scatter = _cache_moves(target)
     cu_k = np.concatenate(([0], np.cumsum(used))).astype(np.int64)
     grads = varlen_attention_backward(
-        grad_out, q, flat_k[rows], flat_v[rows], out, lse, cu_seqlens_q, cu_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, is_causal=is_causal, scale=scale,
-        seed=seed, **variants)
+        grad_out, q, gather(k_cache, rows), gather(v_cache, rows), out, lse, cu_seqlens_q,
+        cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, is_causal=is_causal,
+        scale=scale, seed=seed, **variants)
+    return (restore(grads[0]), restore(scatter(grads[1], rows, k_cache, k.shape)),
+            restore(scatter(grads[2], rows, v_cache, v.shape))) + tuple(grads[3:])
+
+
+def _cache_moves(target):
+    """``(gather, scatter)`` of ``target``: ``gather(cache, rows)``, the flat slots ``rows``
+    of the cache ``(num_pages, page_size, H, E)`` packed; ``scatter(g, rows, cache, shape)``,
+    the packed rows' gradients ``g`` summed into an array of ``shape`` (the cache's slots)."""
+    if target is CUDA:
+        from .gpu.gather import gather_rows, scatter_sum_rows
+
+        def gather_dev(cache, rows):
+            from numba import cuda
+
+            return gather_rows(cache, cuda.to_device(rows))
+
+        def scatter_dev(g, rows, cache, shape):
+            return scatter_sum_rows(g, rows, shape)
+
+        return gather_dev, scatter_dev
+    return _host_gather, _host_scatter
+
+
+def _host_gather(cache, rows):
+    return cache.reshape((-1,) + cache.shape[2:])[rows]
+
+
+def _host_scatter(g, rows, cache, shape):
+    import numpy as np
+
+    n_slots = cache.shape[0] * cache.shape[1]
     shared = np.unique(rows).size < rows.size
-
-    def scatter(g, like):
-        full = np.zeros((flat_k.shape[0],) + g.shape[1:], np.float64 if shared else g.dtype)
-        if shared:  # pages read by several sequences: their gradients add
-            np.add.at(full, rows, g)
-        else:
-            full[rows] = g
-        return full.astype(g.dtype, copy=False).reshape(like.shape)
-
-    return (grads[0], scatter(grads[1], k), scatter(grads[2], v)) + tuple(grads[3:])
+    full = np.zeros((n_slots,) + g.shape[1:], np.float64 if shared else g.dtype)
+    if shared:  # pages read by several sequences: their gradients add
+        np.add.at(full, rows, g)
+    else:
+        full[rows] = g
+    return full.astype(g.dtype, copy=False).reshape(shape)

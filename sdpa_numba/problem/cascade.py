@@ -1,10 +1,11 @@
 """The validated shared prefix of a cascade (shared-prefix) attention call:
 :func:`check_prefix` checks the prefix's keys and values of
 :func:`sdpa_numba.cascade_attention` against the suffix's validated
-:class:`~sdpa_numba.problem.kvcache.KVCacheProblem` (shapes, strides and dtypes alone).
+:class:`~sdpa_numba.problem.kvcache.KVCacheProblem` (shapes, strides and dtypes alone);
+:func:`fold_view`, :func:`unfold_view` and :func:`swap_last_view` are the views (shapes and
+strides alone, through a target's ``as_strided``) that the target copies to fold the batch's
+queries into rows and back.
 """
-
-import numpy as np
 
 from .arguments import shape_str
 from .dtypes import check_storage_dtype
@@ -29,21 +30,31 @@ def check_prefix(p, prefix_k, prefix_v):
     return int(prefix_k.shape[0])
 
 
-def fold_queries(q, h):
-    """``q (B, Lq, Hq, E)`` as the rows of one block per key/value head, ``(1, H, B * Lq *
-    g, E)`` (``g = Hq / H``; row ``(b * Lq + t) * g + i`` of head ``h`` is query head ``h * g
-    + i`` of token ``t`` of sequence ``b``): a copy."""
-    b, lq, hq, e = q.shape
+def fold_view(q, h, as_strided):
+    """``q (B, Lq, Hq, E)`` seen as ``(H, B, Lq, g, E)`` (``g = Hq / H``), a view made by the
+    target's ``as_strided`` from q's own strides: copied in C order and read as ``(1, H, B *
+    Lq * g, E)``, these are the rows of one block per key/value head (row ``(b * Lq + t) * g
+    + i`` of head ``h`` is query head ``h * g + i`` of token ``t`` of sequence ``b``)."""
+    b, lq, hq, e = tuple(q.shape)
     g = hq // h
-    return np.ascontiguousarray(
-        q.reshape(b, lq, h, g, e).transpose(2, 0, 1, 3, 4)).reshape(1, h, b * lq * g, e)
+    sb, st, sh, se = tuple(q.strides)
+    return as_strided(q, (h, b, lq, g, e), (g * sh, sb, st, sh, se))
 
 
-def unfold_rows(x, shape):
-    """The inverse of :func:`fold_queries` for ``x (1, H, B * Lq * g, ...)``: ``(B, Lq, Hq,
-    ...)`` with ``shape = (B, Lq, Hq)`` (a view where it can be)."""
+def unfold_view(x, shape, as_strided):
+    """The inverse of :func:`fold_view` for the rows ``x (1, H, B * Lq * g, ...)``: a view
+    ``(B, Lq, H, g, ...)``, which copied in C order is ``(B, Lq, Hq, ...)``, with ``shape =
+    (B, Lq, Hq)``."""
     b, lq, hq = shape
-    h = x.shape[1]
-    rest = x.shape[3:]
-    return x.reshape(h, b, lq, hq // h, *rest).transpose(1, 2, 0, 3, *range(4, 4 + len(rest))
-                                                         ).reshape(b, lq, hq, *rest)
+    xs, xst = tuple(x.shape), tuple(x.strides)
+    h = xs[1]
+    s_h, s_r = xst[1], xst[2]
+    g = hq // h
+    return as_strided(x, (b, lq, h, g, *xs[3:]), (lq * g * s_r, g * s_r, s_h, s_r, *xst[3:]))
+
+
+def swap_last_view(x, as_strided):
+    """``x (B, m, n)`` seen as ``(B, n, m)`` (the lse's ``(B, Hq, Lq)`` and ``(B, Lq, Hq)``
+    layouts), a view."""
+    (b, m, n), (sb, sm, sn) = tuple(x.shape), tuple(x.strides)
+    return as_strided(x, (b, n, m), (sb, sn, sm))
