@@ -1025,7 +1025,10 @@ def main(argv=None):
         if args.simulate:
             from sdpa_numba.gpu import Blocks, options
 
+            from sdpa_numba.gpu import decode
+
             options.BLOCKS = Blocks(4, 4, 4, 2)
+            decode.THREADS = 32  # the simulator runs each thread in Python (any count works)
         matched &= bench_cascade(args, started, Device(args.simulate))
     if not matched:
         print("some results differ from torch's beyond tolerance", flush=True)
