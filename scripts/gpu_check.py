@@ -41,6 +41,16 @@
    FlashAttention's ``flash_attn_varlen_func`` (float16) if installed. TFLOP/s count the
    causal work of each sequence, ``Σ_b 2·H·L_b²·D`` (twice that for the backward).
    ``--skip-varlen`` leaves it out.
+7. Times shared-prefix decode (issue 31): B16 requests sharing a 4096-token prefix, each with
+   256 tokens of its own, Hq32 H8 D128, one decode step, float16 and float32, pages of 16
+   and 64 keys: ``cascade_attention`` (the prefix one contiguous copy, the suffixes paged)
+   against 16 independent paged ``attention_with_kvcache`` calls over each request's full
+   cache (prefix + suffix) and one batched paged call whose block tables share the prefix's
+   pages (scripts/bench_cascade.py's comparison, on the device). Reported as ms, GB/s of the
+   K+V bytes each must read (cascade: the prefix once), their share of the streaming read,
+   the speedup over the per-request calls and the largest difference from the CPU kernel's
+   result of the same call, then whether issue 31's targets (cascade >= 8x per-request and
+   >= 80% of the read bandwidth, float16) are met. ``--skip-cascade`` leaves it out.
 
 Usage::
 
@@ -48,11 +58,12 @@ Usage::
     python scripts/gpu_check.py --quick    # smaller problems, fewer runs
     python scripts/gpu_check.py --only-variants  # the soft cap and window against flex
     python scripts/gpu_check.py --only-varlen    # packed batches: one launch vs one per sequence
+    python scripts/gpu_check.py --only-cascade   # shared-prefix decode: cascade vs paged calls
     python scripts/gpu_check.py --simulate # no GPU: the same logic on Numba's CUDA simulator,
                                            # tiny sizes (checks the script, times nothing real)
 
 Exit status: 0 when the tests passed and every timed result (output and gradients) matched
-torch, 1 otherwise,
+torch (quantized decode and the cascade: the CPU kernel's result of the same call), 1 otherwise,
 2 when there is no GPU to run on.
 """
 
