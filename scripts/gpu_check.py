@@ -815,6 +815,9 @@ def cascade_inputs(rng, dt, B, P, S, Hq, H, D, page):
     with the prefix's pages once, shared by every request's table (``P % page == 0``)."""
     import numpy as np
 
+    if P % page:  # the shared pages hold the prefix alone
+        raise ValueError(f"the prefix ({P} keys) must fill whole pages of {page} keys")
+
     def paged(x, table):  # x (B, n, H, D) in the pages of ``table`` (B, ceil(n / page))
         n, per = x.shape[1], table.shape[1]
         c = np.zeros((table.size, page, H, D), dt)
