@@ -41,6 +41,16 @@
    FlashAttention's ``flash_attn_varlen_func`` (float16) if installed. TFLOP/s count the
    causal work of each sequence, ``Σ_b 2·H·L_b²·D`` (twice that for the backward).
    ``--skip-varlen`` leaves it out.
+7. Times shared-prefix decode (issue 31): B16 requests sharing a 4096-token prefix, each with
+   256 tokens of its own, Hq32 H8 D128, one decode step, float16 and float32, pages of 16
+   and 64 keys: ``cascade_attention`` (the prefix one contiguous copy, the suffixes paged)
+   against 16 independent paged ``attention_with_kvcache`` calls over each request's full
+   cache (prefix + suffix) and one batched paged call whose block tables share the prefix's
+   pages (scripts/bench_cascade.py's comparison, on the device). Reported as ms, GB/s of the
+   K+V bytes each must read (cascade: the prefix once), their share of the streaming read,
+   the speedup over the per-request calls and the largest difference from the CPU kernel's
+   result of the same call, then whether issue 31's targets (cascade >= 8x per-request and
+   >= 80% of the read bandwidth, float16) are met. ``--skip-cascade`` leaves it out.
 
 Usage::
 
@@ -48,11 +58,12 @@ Usage::
     python scripts/gpu_check.py --quick    # smaller problems, fewer runs
     python scripts/gpu_check.py --only-variants  # the soft cap and window against flex
     python scripts/gpu_check.py --only-varlen    # packed batches: one launch vs one per sequence
+    python scripts/gpu_check.py --only-cascade   # shared-prefix decode: cascade vs paged calls
     python scripts/gpu_check.py --simulate # no GPU: the same logic on Numba's CUDA simulator,
                                            # tiny sizes (checks the script, times nothing real)
 
 Exit status: 0 when the tests passed and every timed result (output and gradients) matched
-torch, 1 otherwise,
+torch (quantized decode and the cascade: the CPU kernel's result of the same call), 1 otherwise,
 2 when there is no GPU to run on.
 """
 
@@ -80,6 +91,10 @@ def parse_args(argv=None):
                     help="skip the varlen (packed batch) timings")
     ap.add_argument("--only-varlen", action="store_true",
                     help="time only varlen (implies --skip-tests)")
+    ap.add_argument("--skip-cascade", action="store_true",
+                    help="skip the shared-prefix (cascade) decode timings")
+    ap.add_argument("--only-cascade", action="store_true",
+                    help="time only the cascade (implies --skip-tests)")
     ap.add_argument("--skip-variants", action="store_true",
                     help="do not time the variants (soft cap, sliding window)")
     ap.add_argument("--only-variants", action="store_true",
@@ -778,6 +793,149 @@ def bench_decode_quant(args, started, dev):
     return ok
 
 
+def cascade_configs(args):
+    """(dtype name, B, prefix P, suffix S, Hq, H, D, page size) of each timed cascade problem:
+    issue 31's case (B16 sharing a 4096-token prefix, 256 own tokens each, Hq32 H8 D128),
+    pages of 16 and 64 keys."""
+    if args.simulate:  # odd suffix (a partly used last page), the prefix a whole number of pages
+        shapes, pages = [(3, 8, 5, 4, 2, 4)], (4,)
+    elif args.quick:
+        shapes, pages = [(16, 2048, 128, 32, 8, 128)], (16,)
+    else:
+        shapes, pages = [(16, 4096, 256, 32, 8, 128)], (16, 64)
+    return [(dtype, *shape, page) for dtype in ("float16", "float32") for shape in shapes
+            for page in pages]
+
+
+def cascade_inputs(rng, dt, B, P, S, Hq, H, D, page):
+    """Host arrays of one cascade problem, as :func:`sdpa_numba.cascade_attention` and the
+    two paged peers take them (scripts/bench_cascade.py's layouts): ``q``; the prefix
+    ``(P, H, D)`` once; the suffixes in shuffled pages and their table; each request's full
+    cache (prefix + suffix) in its own shuffled pages and their table; and the batch's pages
+    with the prefix's pages once, shared by every request's table (``P % page == 0``)."""
+    import numpy as np
+
+    if P % page:  # the shared pages hold the prefix alone
+        raise ValueError(f"the prefix ({P} keys) must fill whole pages of {page} keys")
+
+    def paged(x, table):  # x (B, n, H, D) in the pages of ``table`` (B, ceil(n / page))
+        n, per = x.shape[1], table.shape[1]
+        c = np.zeros((table.size, page, H, D), dt)
+        c[table.reshape(-1)] = np.pad(x, ((0, 0), (0, per * page - n), (0, 0), (0, 0))
+                                      ).reshape(-1, page, H, D)
+        return c
+
+    q = rng.standard_normal((B, 1, Hq, D)).astype(dt)
+    pk, pv = (rng.standard_normal((P, H, D)).astype(dt) for _ in range(2))
+    sk, sv = (rng.standard_normal((B, S, H, D)).astype(dt) for _ in range(2))
+    s_per, f_per = -(-S // page), -(-(P + S) // page)
+    s_table = rng.permutation(B * s_per).reshape(B, s_per).astype(np.int32)
+    f_table = rng.permutation(B * f_per).reshape(B, f_per).astype(np.int32)
+    full_k, full_v = (np.concatenate([np.broadcast_to(p, (B, P, H, D)), s], 1)
+                      for p, s in ((pk, sk), (pv, sv)))
+    skc, svc = paged(sk, s_table), paged(sv, s_table)
+    p_per = P // page
+    shared = [np.concatenate([p.reshape(p_per, page, H, D), c]) for p, c in
+              ((pk, skc), (pv, svc))]
+    sh_table = np.concatenate([np.arange(p_per)[None].repeat(B, 0), p_per + s_table],
+                              1).astype(np.int32)
+    return dict(q=q, pk=pk, pv=pv, skc=skc, svc=svc, s_table=s_table,
+                fkc=paged(full_k, f_table), fvc=paged(full_v, f_table), f_table=f_table,
+                shk=shared[0], shv=shared[1], sh_table=sh_table)
+
+
+def bench_cascade(args, started, dev):
+    """Shared-prefix decode (issue 31): :func:`sdpa_numba.cascade_attention` (the prefix one
+    contiguous copy, the suffixes paged) against ``B`` independent paged
+    ``attention_with_kvcache`` calls over each request's full cache (prefix + suffix) and one
+    batched paged call whose tables share the prefix's pages, on the device. Each is reported
+    as the bytes it must read per second (cascade: the prefix once and the suffixes; the
+    others: the prefix once per request), as a share of the device's streaming read, and as
+    its speedup over the per-request calls; each result is checked against the CPU kernel's
+    result of the same call on the same host arrays. Returns ``ok``."""
+    import numpy as np
+
+    import sdpa_numba
+
+    runs = args.runs or (1 if args.simulate else 5 if args.quick else 20)
+    warmup = 1 if args.simulate else 3
+    read = read_bandwidth(dev, args.simulate)
+    awk, cascade = sdpa_numba.attention_with_kvcache, sdpa_numba.cascade_attention
+    rows, ok = [], True
+    for dtype, B, P, S, Hq, H, D, page in cascade_configs(args):
+        if time.perf_counter() - started > BUDGET_S:
+            print(f"time budget spent: skipping cascade {dtype} page {page}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        dt = np_dtype(dtype)
+        h = cascade_inputs(np.random.default_rng(4), dt, B, P, S, Hq, H, D, page)
+        d = {name: dev.put(x)[0] for name, x in h.items() if not name.endswith("table")}
+        s_lens, f_lens = np.full(B, S, np.int32), np.full(B, P + S, np.int32)
+        outs = {name: dev.put(np.full_like(h["q"], np.nan))[0]
+                for name in ("cascade", "per-request", "batched, shared pages")}
+        calls = {  # name: (the device call, the same call on the host arrays)
+            "cascade": (
+                lambda: cascade(d["q"], d["pk"], d["pv"], d["skc"], d["svc"], s_lens,
+                                block_table=h["s_table"], out=outs["cascade"]),
+                lambda: cascade(h["q"], h["pk"], h["pv"], h["skc"], h["svc"], s_lens,
+                                block_table=h["s_table"])),
+            "per-request": (
+                lambda: [awk(d["q"][i:i + 1], d["fkc"], d["fvc"], f_lens[i:i + 1],
+                             block_table=h["f_table"][i:i + 1],
+                             out=outs["per-request"][i:i + 1]) for i in range(B)],
+                lambda: np.concatenate([awk(h["q"][i:i + 1], h["fkc"], h["fvc"],
+                                            f_lens[i:i + 1], block_table=h["f_table"][i:i + 1])
+                                        for i in range(B)])),
+            "batched, shared pages": (
+                lambda: awk(d["q"], d["shk"], d["shv"], f_lens, block_table=h["sh_table"],
+                            out=outs["batched, shared pages"]),
+                lambda: awk(h["q"], h["shk"], h["shv"], f_lens, block_table=h["sh_table"])),
+        }
+        item = dt.itemsize
+        nbytes = {"cascade": (P + B * S) * H * 2 * D * item}
+        nbytes["per-request"] = nbytes["batched, shared pages"] = B * (P + S) * H * 2 * D * item
+        times = {name: dev.time(fn, warmup, runs) for name, (fn, _) in calls.items()}
+        for name, (_, on_host) in calls.items():
+            got, want = dev.to_numpy(outs[name]), on_host()
+            err = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max())
+            ok &= rel_err(got, want) <= FORWARD_TOL[dtype]  # NaN (a row not written) fails
+            rows.append((dtype, B, P, S, Hq, H, D, page, name, times[name], nbytes[name],
+                         times["per-request"] / times[name], err))
+        print(f"  timed cascade {dtype} B={B} P={P} S={S} page {page} in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+    print_cascade_table(rows, read, args.simulate)
+    return ok
+
+
+def print_cascade_table(rows, read, simulate):
+    head = (f"{'dtype':8} {'B':>2} {'P':>5} {'S':>4} {'Hq':>3} {'H':>2} {'D':>4} {'page':>4} "
+            f"| {'call':22} | {'ms':>8} {'GB/s':>7} {'% read':>6} | {'vs per-req':>10} | "
+            f"{'max |diff| vs CPU':>17}")
+    print_head("Cascade: B requests sharing a P-token prefix, S own tokens each, one decode "
+               "step (issue 31)", head)
+    for dtype, B, P, S, Hq, H, D, page, name, t, nbytes, speedup, err in rows:
+        print(f"{dtype:8} {B:>2} {P:>5} {S:>4} {Hq:>3} {H:>2} {D:>4} {page:>4} | {name:22} | "
+              f"{t * 1e3:>8.3f} {nbytes / t / 1e9:>7.1f} "
+              f"{'n/a' if read is None else f'{100 * nbytes / t / read:.0f}%':>6} | "
+              f"{speedup:>9.2f}x | {err:>17.1e}")
+    print("\nGB/s: the K+V bytes each must read / its time (cascade: the prefix once and the "
+          "suffixes; per-request and batched: the prefix once per request); % read: of the "
+          "device's streaming read ("
+          + ("not measured on the simulator" if read is None else f"{read / 1e9:.0f} GB/s, "
+             "torch.sum of 1 GiB") + "). vs per-req = per-request time / this time. "
+          "per-request: B paged attention_with_kvcache calls over each request's prefix + "
+          "suffix; batched, shared pages: one paged call whose tables share the prefix's "
+          "pages. max |diff|: against the CPU kernel's result of the same call.")
+    issue = [r for r in rows if r[0] == "float16" and r[1:7] == (16, 4096, 256, 32, 8, 128)
+             and r[8] == "cascade"]
+    for r in issue if read is not None else ():
+        t, nbytes, speedup = r[9], r[10], r[11]
+        print(f"issue 31 (float16, page {r[7]}): cascade {speedup:.1f}x per-request (target "
+              f">= 8x: {'met' if speedup >= 8 else 'NOT met'}), "
+              f"{100 * nbytes / t / read:.0f}% of the read bandwidth (target >= 80%: "
+              f"{'met' if nbytes / t >= 0.8 * read else 'NOT met'})")
+
+
 def print_decode_table(rows, read, simulate):
     peer = "torch (CPU)" if simulate else "torch"
     head = (f"{'case':4} {'dtype':8} {'B':>2} {'Hq':>3} {'H':>2} {'S':>6} {'D':>4} {'page':>4} | "
@@ -849,12 +1007,14 @@ def main(argv=None):
         print(f"GPU: {what}", flush=True)
     passed = True
     if args.only_varlen:
-        args.skip_tests = args.skip_variants = args.skip_decode = True
+        args.skip_tests = args.skip_variants = args.skip_decode = args.skip_cascade = True
+    if args.only_cascade:
+        args.skip_tests = args.skip_variants = args.skip_decode = args.skip_varlen = True
     if not args.skip_tests and not args.only_variants:
         passed, seconds = run_tests(args.simulate)
         print(f"tests/cuda {'passed' if passed else 'FAILED'} in {seconds:.0f}s", flush=True)
     matched = True
-    if not args.skip_bench and not args.only_variants and not args.only_varlen:
+    if not (args.skip_bench or args.only_variants or args.only_varlen or args.only_cascade):
         matched = bench(args, started)
     if not args.skip_bench and not args.skip_variants:
         if args.simulate:
@@ -875,6 +1035,15 @@ def main(argv=None):
 
             options.BLOCKS = Blocks(4, 4, 4, 2)
         matched &= bench_varlen(args, started, Device(args.simulate))
+    if not args.skip_bench and not args.skip_cascade and not args.only_variants:
+        if args.simulate:
+            from sdpa_numba.gpu import Blocks, options
+
+            from sdpa_numba.gpu import decode
+
+            options.BLOCKS = Blocks(4, 4, 4, 2)
+            decode.THREADS = 32  # the simulator runs each thread in Python (any count works)
+        matched &= bench_cascade(args, started, Device(args.simulate))
     if not matched:
         print("some results differ from torch's beyond tolerance", flush=True)
     print(f"\ngpu_check done in {time.perf_counter() - started:.0f}s", flush=True)

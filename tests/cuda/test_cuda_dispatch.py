@@ -139,10 +139,10 @@ def test_numba_device_arrays_in_numba_out():
     assert rel_err(out.copy_to_host(), reference.attention(q, q, q)[0]) <= 1e-5
 
 
-def _gpu_check(*args):
+def _gpu_check(*args, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.skipif(REAL_GPU, reason="on a GPU the script would really run")
@@ -153,7 +153,26 @@ def test_gpu_check_without_a_gpu_says_so():
 
 
 def test_gpu_check_logic_on_the_simulator():
-    done = _gpu_check("--simulate", "--skip-tests", "--runs", "1")
+    # every section, uncached compiles on a shared CPU: about 4 minutes
+    done = _gpu_check("--simulate", "--skip-tests", "--runs", "1", timeout=480)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TFLOP/s" in done.stdout and "float16" in done.stdout
     assert "Backward" in done.stdout and "differ from torch" not in done.stdout
+    assert "Cascade:" in done.stdout  # the last section ran (issue 31's table)
+
+
+def test_gpu_check_only_cascade_on_the_simulator():
+    # --only-cascade: the cascade table alone (no tests, no other section), a row per call
+    # and dtype, each matching the CPU kernel's result of the same call.
+    done = _gpu_check("--simulate", "--only-cascade", "--runs", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "Cascade:" in out and "tests/cuda" not in out
+    assert not any(title in out for title in ("Forward", "Variants", "Decode", "Varlen"))
+    rows = [line.split("|") for line in out.splitlines()
+            if line.startswith(("float16 ", "float32 "))]
+    calls = ("cascade", "per-request", "batched, shared pages")
+    assert sorted((r[0].split()[0], r[1].strip()) for r in rows) == sorted(
+        (dt, c) for dt in ("float16", "float32") for c in calls)
+    for r in rows:
+        assert float(r[-1]) <= (1e-3 if r[0].startswith("float16") else 1e-6), r
