@@ -188,10 +188,10 @@ def _is_quantized(qz):
 
 def quant_scratch(qz, h_len, n_rows, bn):
     """None for float caches; for a quantized one ``(ksc, vsc, wts)``, float32: the scales of a
-    block of ``bn`` keys of all ``h_len`` heads with the descales folded in, ``ksc[(j * h_len +
-    h) * nbk + c]`` (``nbk`` blocks a key row) and ``vsc`` alike, and the ``n_rows`` rows'
-    weights of P V with the value scales folded in, ``wts[(i * nbv + c) * bn + j]`` (jitted
-    code only)."""
+    block of ``bn`` keys of all ``h_len`` heads with the descales folded in, ``ksc[(h * nbk +
+    c) * bn + j]`` (``nbk`` blocks a key row; a head's keys next to each other, as the vector
+    loops read them) and ``vsc`` alike, and the ``n_rows`` rows' weights of P V with the value
+    scales folded in, ``wts[(i * nbv + c) * bn + j]`` (jitted code only)."""
     raise NotImplementedError("quant_scratch is only callable from jitted code")
 
 
