@@ -324,3 +324,36 @@ def test_quantize_from_a_users_njit_code():
     np.testing.assert_array_equal(scales, sq)
     np.testing.assert_array_equal(bits, x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
     assert one == np.array(1.0, ml_dtypes.float8_e5m2).view(np.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("hq", [2, 8])
+def test_every_fp8_pattern_read_by_the_kernel(rng, fmt, hq):
+    # Every finite bit pattern (subnormals, both zeros, the largest) in the keys and values
+    # that the vector loops read (E = 128, float32 queries) and in the keys left over to the
+    # scalar loops (37 keys: 32 in vector passes), MHA (hq 2) and GQA (four rows a head);
+    # then a NaN pattern in one key of head 1: that head's rows NaN, head 0's as before.
+    dt = getattr(ml_dtypes, f"float8_{fmt}")
+    every = np.arange(256, dtype=np.uint8)
+    finite = every[np.isfinite(every.view(dt).astype(np.float32))]
+    B, H, S, E = 1, 2, 37, 128
+    kq = rng.choice(finite, (B, S, H, E)).astype(np.uint8)
+    vq = rng.choice(finite, (B, S, H, E)).astype(np.uint8)
+    kq[0, :2, 0] = np.resize(finite, (2, E))  # each pattern at least once in a key row
+    kq[0, :2, 1] = np.resize(finite[::-1], (2, E))
+    vq[0, 3:5, 1] = np.resize(finite, (2, E))
+    top = float(ml_dtypes.finfo(dt).max)
+    ks = np.array([[0.5 / top, 2.0 / top]], np.float32)  # (B, H): scores of order 1
+    vs = np.array([[1.0, 0.25]], np.float32)
+    q = rng.standard_normal((B, 1, hq, E)).astype(np.float32)
+    seqlens = np.array([S])
+    k64 = kq.view(dt).astype(np.float64) * ks[:, None, :, None]
+    v64 = vq.view(dt).astype(np.float64) * vs[:, None, :, None]
+    out, lse = kvattn(q, kq.view(dt), vq.view(dt), seqlens, k_scale=ks, v_scale=vs,
+                      return_lse=True)
+    check_against_reference(q, k64, v64, seqlens, out, lse, True, tol=F32)
+    kq[0, 30, 1, 77] = 0x7F  # NaN in both formats
+    nan_out = kvattn(q, kq.view(dt), vq.view(dt), seqlens, k_scale=ks, v_scale=vs)
+    g = hq // H
+    assert np.isnan(nan_out[0, 0, g:]).all()
+    np.testing.assert_array_equal(nan_out[0, 0, :g], out[0, 0, :g])

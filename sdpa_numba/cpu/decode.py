@@ -68,8 +68,8 @@ from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inl
 from ..problem.kvcache import key_bounds_loop
 from .merge import part_weights
 from .online_softmax import finalize_row, softmax_row
-from .quant import (FMT_E5M2, FMT_INT8, FMT_E4M3, Q8_BLOCK, e4m3_value, e5m2_value,
-                    is_quantized, q_lane_dots, q_rows_pv, quant_scratch)
+from .quant import (E4M3_FOLD, FMT_E5M2, FMT_INT8, FMT_E4M3, Q8_BLOCK, e4m3_half_value,
+                    e5m2_value, is_quantized, q_lane_dots, q_rows_pv, quant_scratch)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
 from .scratch import aligned_empty
@@ -349,20 +349,30 @@ def _registers_pv(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff
 
 
 @njit(**INLINE)
-def _block_scales(sc, d, b, block_table, b0, n, page_size, h_lo, h_hi, out):
-    """``out[(j * H + h) * nb + c] = sc[page, slot, h, c] * d[b, h]`` (float32) for the keys
-    ``j < n`` of the block from key ``b0`` of sequence ``b`` and the heads ``h_lo .. h_hi -
-    1``: a quantized cache's scales (float32 or float16 as uint16) times its descales, once a
-    block (``nb / E`` of the values' work)."""
+def _block_scales(sc, d, fold, b, block_table, b0, n, page_size, h_lo, h_hi, out):
+    """``out[(h * nb + c) * BN + j] = sc[page, slot, h, c] * (d[b, h] * fold)`` (float32) for
+    the keys ``j < n`` of the block from key ``b0`` of sequence ``b`` and the heads ``h_lo ..
+    h_hi - 1``: a quantized cache's scales (float32 or float16 as uint16) times its descales
+    (and ``fold``, a power of two: :data:`.quant.E4M3_FOLD`), once a block (``nb / E`` of the
+    values' work), a head's keys next to each other (the vector loops read them as one
+    vector). By pointers from the arrays' strides: indexing the 4-d scales checked each index
+    for wraparound, a few ns per (key, head), a tenth of a quantized key's time."""
     h_len, nb = sc.shape[2], sc.shape[3]
+    isz = sc.itemsize
+    sps, sss = sc.strides[0] // isz, sc.strides[1] // isz
+    shs, scs = sc.strides[2] // isz, sc.strides[3] // isz
+    scp = data_ptr(sc)
+    dp = ptr_add(data_ptr(d), b * (d.strides[0] // d.itemsize))
+    dhs = d.strides[1] // d.itemsize
+    op = data_ptr(out)
     page = b0 // page_size
     slot = b0 - page * page_size
     for j in range(n):
-        p = block_table[b, page]
+        row = ptr_add(scp, block_table[b, page] * sps + slot * sss)
         for h in range(h_lo, h_hi):
-            dh = d[b, h]
+            dh = dp[h * dhs] * fold
             for c in range(nb):
-                out[(j * h_len + h) * nb + c] = np.float32(load(sc[p, slot, h, c]) * dh)
+                op[(h * nb + c) * BN + j] = np.float32(load(row[h * shs + c * scs]) * dh)
         slot += 1
         if slot == page_size:
             slot = 0
@@ -390,21 +400,20 @@ def _quant_format(fmt, value, vector):
 
     @njit(**INLINE)
     def qdot(qr, kp, e_len, nb, scp):
-        # sum_c scale_c * sum_{e in c} q_e k_e
+        # sum_c scale_c * sum_{e in c} q_e k_e (block c's scale at scp[c * BN])
         blk = e_len // nb
         x = np.float32(0.0)
         for c in range(nb):
             t = np.float32(0.0)
             for e in range(c * blk, (c + 1) * blk):
                 t += qr[e] * value(kp[e])
-            x += t * scp[c]
+            x += t * scp[c * BN]
         return x
 
     @njit(**INLINE)
     def scores(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
                vbase, voff, vhs, ev):
         j = 0
-        sst = h_len * nb  # from one key's scales to the next's
         if vector and e_len > 0 and e_len % LANES == 0 and (nb == 1 or e_len == nb * Q8_BLOCK):
             kofp = data_ptr(koff)
             sums = _sums(sp)
@@ -413,7 +422,7 @@ def _quant_format(fmt, value, vector):
                 for h in range(h_lo, h_hi):
                     i0 = h * rows
                     kh = h * khs
-                    scp = ptr_add(kscp, (j * h_len + h) * nb)
+                    scp = ptr_add(kscp, h * nb * BN + j)  # the keys' scales, block c at c * BN
                     if rows >= 4:
                         # These keys' values into L2 for P V, as lanewise_scores does (GQA).
                         for jj in range(j, j + kb):
@@ -424,20 +433,16 @@ def _quant_format(fmt, value, vector):
                         while rr + 4 <= rows:
                             q0 = ptr_add(qp, (i0 + rr) * e_len)
                             if nb == 1:  # one scale a key: times the reduced score
-                                d4(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, sums)
-                                for r in range(4):
-                                    for kk in range(KB):
-                                        sp[(i0 + rr + r) * BN + j + kk] = (sums[r * KB + kk]
-                                                                          * scp[kk * sst])
+                                d4(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, BN, sums)
                             else:
-                                d4b(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, sums)
-                                for r in range(4):
-                                    for kk in range(KB):
-                                        sp[(i0 + rr + r) * BN + j + kk] = sums[r * KB + kk]
+                                d4b(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, BN, sums)
+                            for r in range(4):
+                                for kk in range(KB):
+                                    sp[(i0 + rr + r) * BN + j + kk] = sums[r * KB + kk]
                             rr += 4
                         for jj in range(j, j + kb):  # the rows left over, key by key
                             kp = ptr_add(kbase, koff[jj] + kh)
-                            sc = ptr_add(kscp, (jj * h_len + h) * nb)
+                            sc = ptr_add(kscp, h * nb * BN + jj)
                             for r2 in range(rr, rows):
                                 sp[(i0 + r2) * BN + jj] = qdot(ptr_add(qp, (i0 + r2) * e_len),
                                                                kp, e_len, nb, sc)
@@ -446,16 +451,14 @@ def _quant_format(fmt, value, vector):
                             o = ptr_add(sp, (i0 + rr) * BN + j)
                             q0 = ptr_add(qp, (i0 + rr) * e_len)
                             if nb == 1:
-                                d1(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, o)
-                                for kk in range(LANES):
-                                    o[kk] *= scp[kk * sst]
+                                d1(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, BN, o)
                             else:
-                                d1b(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, sst, o)
+                                d1b(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, BN, o)
                 j += kb
         for jj in range(j, n):
             for h in range(h_lo, h_hi):
                 kp = ptr_add(kbase, koff[jj] + h * khs)
-                sc = ptr_add(kscp, (jj * h_len + h) * nb)
+                sc = ptr_add(kscp, h * nb * BN + jj)
                 for rr in range(rows):
                     i = h * rows + rr
                     sp[i * BN + jj] = qdot(ptr_add(qp, i * e_len), kp, e_len, nb, sc)
@@ -511,7 +514,7 @@ def _quant_format(fmt, value, vector):
 
 
 _QUANT = {vector: [_quant_format(f, v, vector) for f, v in ((FMT_INT8, _int8_value),
-                                                              (FMT_E4M3, e4m3_value),
+                                                              (FMT_E4M3, e4m3_half_value),
                                                               (FMT_E5M2, e5m2_value))]
           for vector in (True, False)}
 
@@ -536,7 +539,8 @@ def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
              block_table, b0, page_size, vbase, voff, vhs, ev):
         ks, _, kd, _, fmt = qz
         ksc = scr[0]
-        _block_scales(ks, kd, b, block_table, b0, n, page_size, h_lo, h_hi, ksc)
+        fold = np.float32(E4M3_FOLD if fmt == FMT_E4M3 else 1.0)
+        _block_scales(ks, kd, fold, b, block_table, b0, n, page_size, h_lo, h_hi, ksc)
         h_len, nb = ks.shape[2], ks.shape[3]
         kscp = data_ptr(ksc)
         if fmt == FMT_INT8:
@@ -571,16 +575,22 @@ def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, blo
              page_size, kbase, koff, kss, khs, e_len, ahead):
         _, vs, _, vd, fmt = qz
         vsc, wts = scr[1], scr[2]
-        _block_scales(vs, vd, b, block_table, b0, n, page_size, h_lo, h_hi, vsc)
-        h_len, nb = vs.shape[2], vs.shape[3]
-        # The weights with the values' scales folded in, per scale block.
+        fold = np.float32(E4M3_FOLD if fmt == FMT_E4M3 else 1.0)
+        _block_scales(vs, vd, fold, b, block_table, b0, n, page_size, h_lo, h_hi, vsc)
+        nb = vs.shape[3]
+        wp = data_ptr(wts)
+        vscp = data_ptr(vsc)
+        # The weights with the values' scales folded in, per scale block (by pointers: a
+        # vector loop).
         for h in range(h_lo, h_hi):
             for rr in range(rows):
                 i = h * rows + rr
                 for c in range(nb):
+                    wr = ptr_add(wp, (i * nb + c) * BN)
+                    pr = ptr_add(sp, i * BN)
+                    vr = ptr_add(vscp, (h * nb + c) * BN)
                     for j in range(n):
-                        wts[(i * nb + c) * BN + j] = sp[i * BN + j] * vsc[(j * h_len + h) * nb + c]
-        wp = data_ptr(wts)
+                        wr[j] = pr[j] * vr[j]
         if fmt == FMT_INT8:
             p_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
                  khs, e_len, ahead)

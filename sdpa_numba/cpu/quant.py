@@ -62,6 +62,17 @@ def e4m3_value(bits):
 
 
 @njit(**INLINE)
+def e4m3_half_value(bits):
+    """The float32 value of the e4m3fn bit pattern ``bits`` times 2^-8 (:data:`E4M3_FOLD`),
+    NaN for its NaN pattern: as the vector loops read it (:func:`_convert`), the 2^8 folded
+    into the scales."""
+    u = np.int32(bits) & 0xFF
+    mag = u & 0x7F
+    x = half_bits_to_float32(np.uint16(((u & 0x80) << 8) | (mag << 7)))
+    return np.float32(np.nan) if mag == 0x7F else x
+
+
+@njit(**INLINE)
 def float_to_fp8(x, fmt):
     """The fp8 bit pattern (an int in 0 .. 255) of the finite number ``x``: rounded to nearest
     even, saturated to the format's largest finite value (``fmt`` FMT_E4M3 or FMT_E5M2)."""
@@ -177,10 +188,10 @@ def _is_quantized(qz):
 
 def quant_scratch(qz, h_len, n_rows, bn):
     """None for float caches; for a quantized one ``(ksc, vsc, wts)``, float32: the scales of a
-    block of ``bn`` keys of all ``h_len`` heads with the descales folded in, ``ksc[(j * h_len +
-    h) * nbk + c]`` (``nbk`` blocks a key row) and ``vsc`` alike, and the ``n_rows`` rows'
-    weights of P V with the value scales folded in, ``wts[(i * nbv + c) * bn + j]`` (jitted
-    code only)."""
+    block of ``bn`` keys of all ``h_len`` heads with the descales folded in, ``ksc[(h * nbk +
+    c) * bn + j]`` (``nbk`` blocks a key row; a head's keys next to each other, as the vector
+    loops read them) and ``vsc`` alike, and the ``n_rows`` rows' weights of P V with the value
+    scales folded in, ``wts[(i * nbv + c) * bn + j]`` (jitted code only)."""
     raise NotImplementedError("quant_scratch is only callable from jitted code")
 
 
@@ -205,6 +216,10 @@ def _quant_scratch(qz, h_len, n_rows, bn):
 # dequantized float32 rows of before (an extra pass over an L2-sized buffer, and a branch per
 # element for e4m3), see scripts/quant_decode_profile.py for the per (key, head) figures.
 
+#: What the vector loops' e4m3fn values are short of (:func:`_convert`: float16's pattern of
+#: the value times 2^-8), folded into the scales by the caller: exact, a power of two.
+E4M3_FOLD = 256.0
+
 #: Values per scale block of the ``q8_0`` format (the vector loops' block size; any other
 #: block that is not a whole row goes through the scalar loops).
 Q8_BLOCK = 32
@@ -212,8 +227,9 @@ Q8_BLOCK = 32
 
 def _convert(builder, x, fmt):
     """The float32 vector of the vector ``x`` of int8 values or fp8 bit patterns (format
-    ``fmt``), branch-free: int8 by a conversion, e5m2 as float16's top byte, e4m3fn's magnitude
-    bits shifted into float16's place times 2^8 with a select for its NaN pattern."""
+    ``fmt``), branch-free: int8 by a conversion, e5m2 as float16's top byte, e4m3fn as its
+    value times 2^-8 (:data:`E4M3_FOLD`: the caller folds 2^8 into the scales) with a select
+    for its NaN pattern."""
     width = x.type.count
     fvty = ir.VectorType(ir.FloatType(), width)
     if fmt == FMT_INT8:
@@ -223,14 +239,18 @@ def _convert(builder, x, fmt):
 
     def c16(v):
         return ir.Constant(i16v, [v] * width)
-    u = builder.zext(x, i16v)
     if fmt == FMT_E5M2:
-        return builder.fpext(builder.bitcast(builder.shl(u, c16(8)), hvty), fvty)
-    mag = builder.and_(u, c16(0x7F))
-    h = builder.or_(builder.shl(builder.and_(u, c16(0x80)), c16(8)), builder.shl(mag, c16(7)))
-    f = builder.fmul(builder.fpext(builder.bitcast(h, hvty), fvty),
-                     ir.Constant(fvty, [256.0] * width))
-    return builder.select(builder.icmp_unsigned("==", mag, c16(0x7F)),
+        return builder.fpext(builder.bitcast(builder.shl(builder.zext(x, i16v), c16(8)), hvty),
+                             fvty)
+    # e4m3fn s.eeee.mmm: sign-extended to 16 bits and shifted left by 7, the sign fills bits
+    # 15 and 14 and eeee.mmm lands in float16's bits 13 .. 7; with bit 14 cleared that is
+    # float16's pattern of the value times 2^-8, subnormals included (three integer
+    # operations, where the sign and the magnitude placed apart took five).
+    h = builder.and_(builder.shl(builder.sext(x, i16v), c16(7)), c16(0xBF80))
+    f = builder.fpext(builder.bitcast(h, hvty), fvty)
+    i8v = x.type
+    mag = builder.and_(x, ir.Constant(i8v, [0x7F] * width))
+    return builder.select(builder.icmp_unsigned("==", mag, ir.Constant(i8v, [0x7F] * width)),
                           ir.Constant(fvty, [float("nan")] * width), f)
 
 
@@ -240,29 +260,37 @@ def _fma(builder, vty):
 
 
 def q_lane_dots(n_rows, n_keys, width, fmt, qblk):
-    """Make an intrinsic ``f(q, q_stride, kbase, koff, kh, e_len, sc, sc_stride, out)``: as
-    :func:`._llvm.lane_dots` (float32 rows ``q + r * q_stride``, keys ``kbase + koff[kk] + kh``,
-    ``out[r * n_keys + kk]``), the keys 8-bit values of format ``fmt`` (int8 pointers),
-    converted in registers. ``qblk`` None: plain dot products (``sc`` unused; the caller
-    multiplies by the one scale of a row). ``qblk`` (a multiple of ``width``): key ``kk``'s
-    block ``c`` of ``qblk`` elements has the scale ``sc[kk * sc_stride + c]``, and each block's
-    lane sums (a fresh product, ``qblk / width`` vectors) are added into the accumulators by one
-    multiply-add with it. ``e_len`` a positive multiple of ``width`` (and of ``qblk``)."""
+    """Make an intrinsic ``f(q, q_stride, kbase, koff, kh, e_len, sc, sc_cstride, out)``: as
+    :func:`._llvm.lane_dots` (float32 rows ``q + r * q_stride``, keys ``kbase + koff[kk] +
+    kh``, ``out[r * n_keys + kk]``), the keys 8-bit values of format ``fmt`` (int8 pointers),
+    converted in registers, and the scales folded in: key ``kk``'s scale of its block ``c`` is
+    ``sc[kk + c * sc_cstride]`` (the keys' scales of a block next to each other). ``qblk``
+    None: one scale a row, the reduced dot products multiplied by their keys' scales (one
+    vector multiply). ``qblk`` (a multiple of ``width``): each block of ``qblk`` elements'
+    lane sums (a fresh product, ``qblk / width`` vectors) are added into the accumulators by
+    one multiply-add with its scale. ``e_len`` a positive multiple of ``width`` (and of
+    ``qblk``).
+
+    The keys are addressed from ``kbase`` and their offsets (reloaded from ``koff`` in the
+    loop), not by ``n_keys`` pointers: these stay live across the loop, and with the
+    accumulators, the row pointers and the counters they outnumber x86-64's 16 integer
+    registers and spill."""
     assert n_rows * n_keys == width
     n_sub = 1 if qblk is None else qblk // width
     f32p = types.CPointer(types.float32)
 
     @intrinsic
-    def _q_lane_dots(typingctx, q, q_stride, kbase, koff, kh, e_len, sc, sc_stride, out):
+    def _q_lane_dots(typingctx, q, q_stride, kbase, koff, kh, e_len, sc, sc_cstride, out):
         if not (q == f32p == sc == out and kbase == types.CPointer(types.int8)
                 and koff == types.CPointer(types.int64)
-                and all(isinstance(t, types.Integer) for t in (q_stride, kh, e_len, sc_stride))):
+                and all(isinstance(t, types.Integer) for t in (q_stride, kh, e_len, sc_cstride))):
             return None
-        sig = types.void(q, q_stride, kbase, koff, kh, e_len, sc, sc_stride, out)
+        sig = types.void(q, q_stride, kbase, koff, kh, e_len, sc, sc_cstride, out)
 
         def codegen(context, builder, signature, args):
             qp, _, kb, ko, _, _, scp, _, op = args
             i64 = ir.IntType(64)
+            i32 = ir.IntType(32)
             qs, khv, el, scs = (context.cast(builder, args[i], signature.args[i], types.int64)
                                 for i in (1, 4, 5, 7))
             vty = ir.VectorType(ir.FloatType(), width)
@@ -270,10 +298,8 @@ def q_lane_dots(n_rows, n_keys, width, fmt, qblk):
             fma = _fma(builder, vty)
             rows = [builder.gep(qp, [builder.mul(qs, ir.Constant(i64, r))])
                     for r in range(n_rows)]
-            keys = [builder.gep(kb, [builder.add(builder.load(
-                builder.gep(ko, [ir.Constant(i64, k)])), khv)]) for k in range(n_keys)]
-            scales = [builder.gep(scp, [builder.mul(scs, ir.Constant(i64, k))])
-                      for k in range(n_keys)]
+            # Key kk's row from the base: its offset plus the head's (loaded in the loop).
+            kbh = builder.gep(kb, [khv])
             entry = builder.block
             loop = builder.append_basic_block("q_lane_dots.loop")
             done = builder.append_basic_block("q_lane_dots.done")
@@ -289,15 +315,20 @@ def q_lane_dots(n_rows, n_keys, width, fmt, qblk):
                 a.add_incoming(ir.Constant(vty, None), entry)
                 accs.append(a)
 
-            def vload(p, ty, sub, align):
-                at = builder.add(e, ir.Constant(i64, sub * width))
+            def vload(p, off, ty, sub, align):
+                at = builder.add(off, ir.Constant(i64, sub * width))
                 return builder.load(builder.bitcast(builder.gep(p, [at]), ty.as_pointer()),
                                     align=align)
 
-            qv = [[vload(p, vty, u, 4) for u in range(n_sub)] for p in rows]
-            kv = [[_convert(builder, vload(p, bvty, u, 1), fmt) for u in range(n_sub)]
-                  for p in keys]
+            qv = [[vload(p, e, vty, u, 4) for u in range(n_sub)] for p in rows]
+            kv = []
+            for k in range(n_keys):
+                off = builder.add(builder.load(builder.gep(ko, [ir.Constant(i64, k)])), e)
+                kv.append([_convert(builder, vload(kbh, off, bvty, u, 1), fmt)
+                           for u in range(n_sub)])
             new = []
+            if qblk is not None:
+                cs = builder.mul(c, scs)
             for r in range(n_rows):
                 for k in range(n_keys):
                     acc = accs[r * n_keys + k]
@@ -307,7 +338,8 @@ def q_lane_dots(n_rows, n_keys, width, fmt, qblk):
                     t = builder.fmul(qv[r][0], kv[k][0], flags=("contract",))
                     for u in range(1, n_sub):
                         t = builder.call(fma, [qv[r][u], kv[k][u], t])
-                    s = splat(builder, builder.load(builder.gep(scales[k], [c])), vty)
+                    at = builder.add(cs, ir.Constant(i64, k))
+                    s = splat(builder, builder.load(builder.gep(scp, [at])), vty)
                     new.append(builder.call(fma, [s, t, acc]))
             e_next = builder.add(e, ir.Constant(i64, width * n_sub))
             e.add_incoming(e_next, builder.block)
@@ -316,8 +348,14 @@ def q_lane_dots(n_rows, n_keys, width, fmt, qblk):
                 a.add_incoming(x, builder.block)
             builder.cbranch(builder.icmp_signed("<", e_next, el), loop, done)
             builder.position_at_end(done)
-            builder.store(_sum_tree(builder, new, width),
-                          builder.bitcast(op, vty.as_pointer()), align=4)
+            res = _sum_tree(builder, new, width)
+            if qblk is None:  # times the keys' scales: lane r * n_keys + kk takes sc[kk]
+                kvty = ir.VectorType(ir.FloatType(), n_keys)
+                ks = builder.load(builder.bitcast(scp, kvty.as_pointer()), align=4)
+                idx = ir.Constant(ir.VectorType(i32, width),
+                                  [kk for _ in range(n_rows) for kk in range(n_keys)])
+                res = builder.fmul(res, builder.shuffle_vector(ks, ks, idx))
+            builder.store(res, builder.bitcast(op, vty.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen

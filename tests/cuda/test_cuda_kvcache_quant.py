@@ -140,6 +140,27 @@ def test_variants_and_left_padding_with_int8_cache(rng, variant):
                             causal, tol=F32, leftpad=leftpad, **kw)
 
 
+@pytest.mark.parametrize("variant,fmt", [("window", "e4m3fn"), ("window_not_causal", "e5m2"),
+                                         ("chunk", "q8_0"), ("mods", "int8")])
+def test_window_chunk_and_mask_mod_with_quantized_cache(rng, variant, fmt):
+    # The masks that cut a block (a sliding window, chunked attention, a user's mask_mod with
+    # a score_mod) over a quantized cache: as the CPU's call on the same cache, and within
+    # float32 rounding of the float64 reference over the dequantized cache. Sequences long
+    # enough for several of the small blocks and chunks, one with a single key; GQA, Lq = 2.
+    B, Lq, Hq, H, S = 3, 2, 4, 2, 14
+    E, Ev = (32, 32) if fmt == "q8_0" else (7, 5)
+    kq, ks, vq, vs = _quantized(rng, fmt, B, S, H, E, Ev)
+    q = rng.standard_normal((B, Lq, Hq, E)).astype(np.float32)
+    seqlens = np.array([13, 1, 9])
+    kw = VARIANTS[variant](rng, B, Hq)
+    gpu, cpu = _run_both(q, kq, vq, ks, vs, seqlens, **kw)
+    _same_as_cpu(gpu, cpu)
+    causal = kw.pop("is_causal", True)
+    check_against_reference(q, dequantize_kv(kq, ks, dtype=np.float64),
+                            dequantize_kv(vq, vs, dtype=np.float64), seqlens, gpu[0], gpu[1],
+                            causal, tol=F32, **kw)
+
+
 def test_ragged_batch_appends_as_the_cpu(rng):
     # cu_seqlens_q: each sequence's new keys are its query rows (one with none).
     Hq, H, E, S = 2, 1, 32, 10
