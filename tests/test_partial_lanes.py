@@ -1,10 +1,10 @@
 """The forward's partial blocks of query rows: only the lanes of real rows are computed.
 
 A block of BM = 64 query rows with ``n < 64`` real ones computes ``ceil(n / 16) * 16`` lanes
-(``sdpa_numba.cpu.microkernel.LANE_CHUNK``) in its tile products, softmax and P·V. The lanes
-past them hold whatever the last tile left (or zeros): a lane counted wrong would show as a
-wrong or unwritten (NaN-poisoned) row here, against the float64 reference, at row counts on
-either side of the chunk edges. The tile product's narrowed form is also checked on its own:
+(``sdpa_numba.cpu.microkernel.LANE_CHUNK``) in its score tiles. The lanes past them hold
+whatever the last tile left (or zeros): a lane counted wrong would show as a wrong or
+unwritten (NaN-poisoned) row here, against the float64 reference, at row counts on either
+side of the chunk edges. The tile product's narrowed form is also checked on its own:
 the columns it computes are bitwise those of the whole tile (its docstring's promise), and it
 touches no other column. (Compiled with the kernels' fast-math flags: the inlined passes take
 their caller's, and without ``contract`` the whole tile's sums are not fused multiply-adds.)
@@ -16,8 +16,7 @@ from numba import njit
 
 from checks import check, randn
 from sdpa_numba.cpu._llvm import data_ptr
-from sdpa_numba.cpu.microkernel import (LANE_CHUNK, MR_WIDE, NR, tile_product,
-                                        tile_product_lanes)
+from sdpa_numba.cpu.microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product
 from sdpa_numba.cpu.options import CALLED
 
 ROWS = [1, 15, 16, 17, 33, 48, 63, 65, 129]
@@ -65,36 +64,26 @@ def _row_scaled(a, b, c, alpha, lanes):
                  data_ptr(alpha), MR_WIDE, lanes)
 
 
-@njit(**CALLED)  # the kernels' flags: the inlined passes take the caller's
-def _lane_scaled(a, b, c, alpha, lanes):
-    tile_product_lanes(data_ptr(a), a.shape[1], 1, data_ptr(b), NR, data_ptr(c), NR,
-                       a.shape[1], data_ptr(alpha), MR_WIDE, lanes)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("kind", ["set", "row", "lane"])
+@pytest.mark.parametrize("kind", ["set", "row"])
 def test_narrowed_tile_is_bitwise_the_whole_tiles(rng, dtype, kind):
-    K = 77
+    K = 77  # a run-time k_len, as the forward's scores (E)
     a = randn(rng, (MR_WIDE, K), dtype) * 3
     b = randn(rng, (K, NR), dtype)
     c0 = randn(rng, (MR_WIDE, NR), dtype)
-    alpha = rng.random(NR if kind == "lane" else MR_WIDE).astype(dtype)
+    alpha = rng.random(MR_WIDE).astype(dtype)
 
     def run(c, lanes):
         if kind == "set":
             _set(a, b, c, lanes)
-        elif kind == "row":
-            _row_scaled(a, b, c, alpha, lanes)
         else:
-            _lane_scaled(a, b, c, alpha, lanes)
+            _row_scaled(a, b, c, alpha, lanes)
 
     whole = c0.copy()
     run(whole, NR)
     ref = a.astype(np.float64) @ b.astype(np.float64)
     if kind == "row":
         ref += alpha[:, None] * c0
-    elif kind == "lane":
-        ref += alpha[None, :] * c0
     assert np.abs(whole - ref).max() <= 1e-4 * np.abs(ref).max()
     for lanes in range(LANE_CHUNK, NR, LANE_CHUNK):
         c = c0.copy()

@@ -231,7 +231,7 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
 
 
 @njit(**CALLED)
-def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, lanes):
+def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi):
     """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
 
     Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
@@ -243,10 +243,6 @@ def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, lanes):
     tile row ``j`` with ``i - j`` outside ``[w_lo, w_hi]`` (the window's band, see
     :func:`attend_rows`); the caller passes it only for tiles that nothing else masks.
 
-    ``lanes``: the first lanes that hold real rows, a multiple of LANE_CHUNK (BM: all); lanes
-    past it are neither read nor written (the tile's partial sub-block). Fewer than BM are done
-    a chunk of LANE_CHUNK lanes at a time, each lane with the arithmetic of the whole tile's.
-
     Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
     converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
     into the scale) would overflow for finite scores beyond FLT_MAX / log2(e) (a mask of
@@ -255,29 +251,6 @@ def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, lanes):
     """
     no_inline()  # as the tile products: a call of its own
     prefer_512_bit()
-    if lanes >= BM:
-        _softmax_lanes(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, BM, 0)
-    else:
-        if cap > 0:
-            # Not fused into the chunks' max pass: LLVM unrolls a loop of LANE_CHUNK
-            # iterations fully and divides each score on its own (vdivss), which rounds
-            # differently from the vectors' reciprocal estimate (vrcp14ps and a Newton step)
-            # the whole tile gets. This loop over the whole rows is vectorized as that one.
-            for t in range(n_keys * BM):
-                st[t] = scaled_tanh(st[t], cap)
-        for c0 in range(0, lanes, LANE_CHUNK):
-            _softmax_lanes(ptr_add(st, c0), n_keys, ptr_add(m, c0), ptr_add(l, c0),
-                           ptr_add(alpha, c0), cap - cap, window, w_lo, w_hi, LANE_CHUNK, c0)
-    # P·V always runs over all BN keys: a constant trip count keeps its accumulator in
-    # registers (a runtime one measured 4x slower), so keys past n_keys get p = 0.
-    for t in range(n_keys * BM, BN * BM):
-        st[t] = 0
-
-
-@njit(**INLINE)
-def _softmax_lanes(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, width, lane0):
-    """:func:`_softmax_tile` on ``width`` lanes (a constant: BM, or LANE_CHUNK) from lane
-    ``lane0``: ``st``, ``m``, ``l``, ``alpha`` point at that lane, tile rows stay BM apart."""
     # The lane state is worked on in stack buffers and copied in and out: LLVM cannot prove
     # that the pointers m, l and alpha don't overlap, and kept the loops over them scalar
     # (64 scalar exp2 per tile for alpha alone); a private alloca overlaps nothing.
@@ -287,9 +260,9 @@ def _softmax_lanes(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, width, lane
     total = _lanes(m)
     a = _lanes(m)
     l_new = _lanes(m)
-    for i in range(width):
+    for i in range(BM):
         m_old[i] = m[i]
-    for i in range(width):
+    for i in range(BM):
         m_new[i] = m_old[i]
     if window:
         # The band test in the max pass, lane-wise: a pass of its own (_mask_tile, scalar
@@ -297,21 +270,21 @@ def _softmax_lanes(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, width, lane
         # as floats compare in the scores' vector width; the bounds are small integers
         # (clamped by the caller), exact in any float type.
         lane = _lanes(m)
-        for i in range(width):
-            lane[i] = lane0 + i
+        for i in range(BM):
+            lane[i] = i
         neg_inf = cast(-np.inf, m_old[0])
         for j in range(n_keys):
             row = ptr_add(st, j * BM)
             lo = cast(w_lo + j, m_old[0])
             hi = cast(w_hi + j, m_old[0])
             if cap > 0:
-                for i in range(width):
+                for i in range(BM):
                     s = scaled_tanh(row[i], cap)
                     s = s if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
                     row[i] = s
                     m_new[i] = s if s > m_new[i] else m_new[i]
             else:
-                for i in range(width):
+                for i in range(BM):
                     s = row[i] if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
                     row[i] = s
                     m_new[i] = s if s > m_new[i] else m_new[i]
@@ -320,35 +293,39 @@ def _softmax_lanes(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi, width, lane
         # operands push out of L1) cost twice as much.
         for j in range(n_keys):
             row = ptr_add(st, j * BM)
-            for i in range(width):
+            for i in range(BM):
                 s = scaled_tanh(row[i], cap)
                 row[i] = s
                 m_new[i] = s if s > m_new[i] else m_new[i]
     else:
         for j in range(n_keys):
             row = ptr_add(st, j * BM)
-            for i in range(width):
+            for i in range(BM):
                 m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
     c = cast(LOG2E, m_old[0])
-    for i in range(width):
+    for i in range(BM):
         # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
         m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
         a[i] = exp2((m_old[i] - m_use[i]) * c)
         total[i] = 0
     for j in range(n_keys):
         row = ptr_add(st, j * BM)
-        for i in range(width):
+        for i in range(BM):
             p = exp2((row[i] - m_use[i]) * c)
             row[i] = p
             total[i] += p
-    for i in range(width):
+    for i in range(BM):
         l_new[i] = a[i] * l[i] + total[i]
-    for i in range(width):
+    for i in range(BM):
         l[i] = l_new[i]
-    for i in range(width):
+    for i in range(BM):
         m[i] = m_new[i]
-    for i in range(width):
+    for i in range(BM):
         alpha[i] = a[i]
+    # P·V always runs over all BN keys: a constant trip count keeps its accumulator in
+    # registers (a runtime one measured 4x slower), so keys past n_keys get p = 0.
+    for t in range(n_keys * BM, BN * BM):
+        st[t] = 0
 
 
 @njit(**CALLED)
@@ -394,25 +371,28 @@ def _packed_stride(ev_pad, itemsize):
 
 
 @njit(**CALLED)
-def _accumulate(pt, vb, ldv, ev_pad, acc, alpha, lanes):
+def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
     """accᵀ = accᵀ diag(alpha) + Vᵀ Pᵀ for one sub-block: ``pt`` is Pᵀ (BN x BM), ``vb`` BN x
-    ev_pad (row stride ``ldv``), ``acc`` is accᵀ, ev_pad x BM, all row-major; in the first
-    ``lanes`` query lanes only (a multiple of LANE_CHUNK; BM: all).
+    ev_pad (row stride ``ldv``), ``acc`` is accᵀ, ev_pad x BM, all row-major.
 
     Queries on the lanes, as in the score tiles: V is read by broadcasts, so its rows need
     no alignment and full blocks are read in place whatever their address.
     """
     no_inline()
+    # All BM lanes, even for a partial sub-block (unlike the scores): with the constant trip
+    # count over BN keys, LLVM reorders the whole tile's sums over keys (fast-math reassoc),
+    # and the narrowed tile's chunks, summed in written order, gave other last bits
+    # (measured). Lanes past the real rows hold finite values, whose P·V is never output.
     # ev_pad is a multiple of 4: what the 6-row tiles leave is done in 4-row tiles (two of
     # them in place of the last 6-row tile when 2 rows are left).
     rest = ev_pad % MR_WIDE
     n_six = max(ev_pad - rest - (MR_WIDE if rest == 2 else 0), 0)
     for d0 in range(0, n_six, MR_WIDE):
         tile_product_lanes(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN,
-                           alpha, MR_WIDE, lanes)
+                           alpha, MR_WIDE)
     for d0 in range(n_six, ev_pad, 4):
         tile_product_lanes(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN,
-                           alpha, 4, lanes)
+                           alpha, 4)
 
 
 @njit(**INLINE)
@@ -483,8 +463,9 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     ks = aligned_empty(max(BN * e_len, 1), ct)
     ldvs = _packed_stride(ev_pad, lse.itemsize)
     vs = aligned_full(max(BN * ldvs, 1), 0, ct)
-    # Zeroed: a partial sub-block's tiles leave its lanes past ``lanes`` as they were, and the
-    # passes over whole rows (soft cap, dropout, a scale) should meet no garbage there.
+    # Zeroed: a partial sub-block's score tiles leave its lanes past ``lanes`` as they were,
+    # and the passes over all lanes (softmax, soft cap, dropout, P·V) should meet no garbage
+    # there (their results in those lanes are never output).
     st = aligned_full(BN * BM, 0, ct)
     acc = aligned_full(max(n_pad * ev_pad, 1), 0, ct)
     m = aligned_full(n_pad, -np.inf, ct)
@@ -547,9 +528,10 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             if state == BLOCK_EMPTY:
                 continue
             n_real = min(BM, n - r0)
-            # Only the lanes of real rows (whole chunks of LANE_CHUNK) are computed: one row
-            # costs the arithmetic of LANE_CHUNK, not of BM. Each lane's arithmetic is the
-            # same whatever the count, so the rows' results are bitwise unchanged.
+            # Only the lanes of real rows (whole chunks of LANE_CHUNK) are computed in the
+            # score tile; the softmax and P·V take all BM lanes (see _accumulate; a softmax
+            # in chunks of LANE_CHUNK lanes, fully unrolled, gave other last bits in some rows
+            # of the parallel kernel). The scores' lanes are bitwise unchanged.
             lanes = min(BM, (n_real + LANE_CHUNK - 1) // LANE_CHUNK * LANE_CHUNK)
             _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys, lanes)
             if w != 1:
@@ -577,11 +559,11 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             w_lo = min(max(-r.right - d, -BN - 1), BM + 1)
             w_hi = min(max(r.left - d, -BN - 1), BM + 1)
             _softmax_tile(p_st, n_keys, ptr_add(p_m, r0), ptr_add(p_l, r0),
-                          ptr_add(p_alpha, r0), cap, band, w_lo, w_hi, lanes)
+                          ptr_add(p_alpha, r0), cap, band, w_lo, w_hi)
             # Dropout (a no-op when None): in P·V only; l keeps the undropped sum.
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),
-                        ptr_add(p_alpha, r0), lanes)
+                        ptr_add(p_alpha, r0))
         if folds and (j0 // BN + 1) % fold_every == 0:
             _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
     if folds:  # the last fold: the totals are the outer ones

@@ -8,10 +8,10 @@ unrolls the loops it lives in vector registers, which is what makes this run nea
 FMA peak. A Numba array would stay in memory. With AVX-512 (32 zmm) a float32 pass holds the
 whole rows x NR tile (16 or 24 zmm); with 16 ymm registers (AVX2) that tile would spill, so the
 NR columns are done as column chunks of :data:`CHUNK_BYTES` per row (6 x 16 float32 = 12 ymm).
-A caller may ask for only the first ``lanes`` columns (the forward's partial block of query
-rows): they are done as chunks of :data:`LANE_CHUNK` columns with either vector width.
 Each ``c[r, j]`` is summed over k in the same order either way, so the result does not depend
-on the tile shape. Rows are independent: row r of c depends only on row r of a, in a fixed
+on the tile shape. :func:`tile_product` may be asked for only the first ``lanes`` columns (the
+forward's partial block of query rows): they are done as chunks of :data:`LANE_CHUNK` columns
+with either vector width. Rows are independent: row r of c depends only on row r of a, in a fixed
 order, so the result of a row never depends on which tile or thread computed it.
 """
 
@@ -40,10 +40,10 @@ WIDE_VECTORS = has_512_bit_vectors()
 #: NR columns): 2 ymm (float32: 16 columns, float64: 8), so a 6-row pass holds 12 of the 16
 #: ymm and leaves room for the loads of b and the broadcast of a.
 CHUNK_BYTES = 64
-#: Columns of the chunks that :func:`tile_product` and :func:`tile_product_lanes` narrow the
-#: tile to when asked for fewer than NR live columns (``lanes``): 16 float32 (one zmm, two
-#: ymm), a multiple of either dtype's AVX2 chunk. A call of the forward with one query row
-#: does the arithmetic of 16 lanes, not of NR.
+#: Columns of the chunks that :func:`tile_product` narrows the tile to when asked for fewer
+#: than NR live columns (``lanes``): 16 float32 (one zmm, two ymm), a multiple of either
+#: dtype's AVX2 chunk. A call of the forward with one query row computes 16 lanes of its
+#: score tiles, not NR.
 LANE_CHUNK = 16
 
 
@@ -153,19 +153,23 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR, lanes=NR)
     lanes : int
         Columns of ``c`` to compute, a run-time multiple of :data:`LANE_CHUNK` up to NR
         (NR: the whole tile, the register pass above). Fewer are done as chunks of
-        LANE_CHUNK columns, each summed over k in the wide tile's order, so every computed
-        column is bitwise the same; columns past ``lanes`` are neither read nor written.
+        LANE_CHUNK columns, each summed over k in written order; columns past ``lanes`` are
+        neither read nor written. Bitwise the whole tile's columns where LLVM keeps the whole
+        tile's sums in written order too, as with a run-time ``k_len`` (the forward's scores,
+        checked by tests/test_partial_lanes.py); with a constant one (the forward's P·V over
+        BN keys) it reordered them under fast-math reassoc, and the chunks gave other last bits.
     """
     prefer_512_bit()
     _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
 
 
 @njit(**INLINE)
-def tile_product_lanes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes=NR):
+def tile_product_lanes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
     """``c = alpha[None, :] * c + a @ b``: :func:`tile_product` with one factor per column
-    (``alpha`` holds NR of them) instead of one per row; ``lanes`` as there."""
+    (``alpha`` holds NR of them) instead of one per row; always the whole tile (the forward's
+    P·V, whose whole tile LLVM sums in its own order, see ``_accumulate`` there)."""
     prefer_512_bit()
-    _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
+    _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, None)
 
 
 def _make_passes(lane_alpha):
