@@ -32,7 +32,7 @@ from ._llvm import (by_symbol, data_ptr, keep_alive, no_inline, prefer_512_bit, 
                     stack_buffer, stash, unstash)
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
-from .microkernel import MR_WIDE, NR, tile_product, tile_product_lanes
+from .microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
@@ -329,8 +329,9 @@ def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi):
 
 
 @njit(**CALLED)
-def _scores(kb, ldk, e_len, qt, st, n_keys):
-    """Sᵀ = K Qᵀ for the first ``n_keys`` keys of a block (rounded up to whole tiles).
+def _scores(kb, ldk, e_len, qt, st, n_keys, lanes):
+    """Sᵀ = K Qᵀ for the first ``n_keys`` keys of a block (rounded up to whole tiles), in the
+    first ``lanes`` query lanes (a multiple of LANE_CHUNK; BM: all).
 
     ``kb`` BN x E (row stride ``ldk``), ``qt`` E x BM (a sub-block of packed queries), ``st``
     BN x BM.
@@ -344,7 +345,7 @@ def _scores(kb, ldk, e_len, qt, st, n_keys):
         # shape compiles once (a remainder tile doubled this function's compile time).
         j = min(jt, BN - MR_WIDE)
         tile_product(ptr_add(kb, j * ldk), ldk, 1, qt, BM, ptr_add(st, j * BM), BM, e_len,
-                     None, MR_WIDE)
+                     None, MR_WIDE, lanes)
 
 
 @njit(**INLINE)
@@ -378,6 +379,10 @@ def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
     no alignment and full blocks are read in place whatever their address.
     """
     no_inline()
+    # All BM lanes, even for a partial sub-block (unlike the scores): with the constant trip
+    # count over BN keys, LLVM reorders the whole tile's sums over keys (fast-math reassoc),
+    # and the narrowed tile's chunks, summed in written order, gave other last bits
+    # (measured). Lanes past the real rows hold finite values, whose P·V is never output.
     # ev_pad is a multiple of 4: what the 6-row tiles leave is done in 4-row tiles (two of
     # them in place of the last 6-row tile when 2 rows are left).
     rest = ev_pad % MR_WIDE
@@ -458,7 +463,10 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     ks = aligned_empty(max(BN * e_len, 1), ct)
     ldvs = _packed_stride(ev_pad, lse.itemsize)
     vs = aligned_full(max(BN * ldvs, 1), 0, ct)
-    st = aligned_empty(BN * BM, ct)
+    # Zeroed: a partial sub-block's score tiles leave its lanes past ``lanes`` as they were,
+    # and the passes over all lanes (softmax, soft cap, dropout, P·V) should meet no garbage
+    # there (their results in those lanes are never output).
+    st = aligned_full(BN * BM, 0, ct)
     acc = aligned_full(max(n_pad * ev_pad, 1), 0, ct)
     m = aligned_full(n_pad, -np.inf, ct)
     l = aligned_full(n_pad, 0, ct)
@@ -520,7 +528,12 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             if state == BLOCK_EMPTY:
                 continue
             n_real = min(BM, n - r0)
-            _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys)
+            # Only the lanes of real rows (whole chunks of LANE_CHUNK) are computed in the
+            # score tile; the softmax and P·V take all BM lanes (see _accumulate; a softmax
+            # in chunks of LANE_CHUNK lanes, fully unrolled, gave other last bits in some rows
+            # of the parallel kernel). The scores' lanes are bitwise unchanged.
+            lanes = min(BM, (n_real + LANE_CHUNK - 1) // LANE_CHUNK * LANE_CHUNK)
+            _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys, lanes)
             if w != 1:
                 times(p_st, n_keys * BM, score_w)
             in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)

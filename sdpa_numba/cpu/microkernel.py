@@ -9,7 +9,9 @@ FMA peak. A Numba array would stay in memory. With AVX-512 (32 zmm) a float32 pa
 whole rows x NR tile (16 or 24 zmm); with 16 ymm registers (AVX2) that tile would spill, so the
 NR columns are done as column chunks of :data:`CHUNK_BYTES` per row (6 x 16 float32 = 12 ymm).
 Each ``c[r, j]`` is summed over k in the same order either way, so the result does not depend
-on the tile shape. Rows are independent: row r of c depends only on row r of a, in a fixed
+on the tile shape. :func:`tile_product` may be asked for only the first ``lanes`` columns (the
+forward's partial block of query rows): they are done as chunks of :data:`LANE_CHUNK` columns
+with either vector width. Rows are independent: row r of c depends only on row r of a, in a fixed
 order, so the result of a row never depends on which tile or thread computed it.
 """
 
@@ -38,6 +40,11 @@ WIDE_VECTORS = has_512_bit_vectors()
 #: NR columns): 2 ymm (float32: 16 columns, float64: 8), so a 6-row pass holds 12 of the 16
 #: ymm and leaves room for the loads of b and the broadcast of a.
 CHUNK_BYTES = 64
+#: Columns of the chunks that :func:`tile_product` narrows the tile to when asked for fewer
+#: than NR live columns (``lanes``): 16 float32 (one zmm, two ymm), a multiple of either
+#: dtype's AVX2 chunk. A call of the forward with one query row computes 16 lanes of its
+#: score tiles, not NR.
+LANE_CHUNK = 16
 
 
 def _make_pass(fold, width):
@@ -127,7 +134,7 @@ def _tile_pass(fold, width):
 
 
 @njit(**INLINE)
-def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR):
+def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR, lanes=NR):
     """``c = a @ b`` over a rows x NR tile, or ``c = alpha[:, None] * c + a @ b``.
 
     Parameters
@@ -143,59 +150,105 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR):
     rows : int
         Rows of the tile, a compile-time constant: ``MR`` or ``MR_WIDE`` (float64 tiles are
         done 2 rows at a time).
+    lanes : int
+        Columns of ``c`` to compute, a run-time multiple of :data:`LANE_CHUNK` up to NR
+        (NR: the whole tile, the register pass above). Fewer are done as chunks of
+        LANE_CHUNK columns, each summed over k in written order; columns past ``lanes`` are
+        neither read nor written. Bitwise the whole tile's columns where LLVM keeps the whole
+        tile's sums in written order too, as with a run-time ``k_len`` (the forward's scores,
+        checked by tests/test_partial_lanes.py); with a constant one (the forward's P·V over
+        BN keys) it reordered them under fast-math reassoc, and the chunks gave other last bits.
     """
     prefer_512_bit()
-    _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+    _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
 
 
 @njit(**INLINE)
 def tile_product_lanes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
     """``c = alpha[None, :] * c + a @ b``: :func:`tile_product` with one factor per column
-    (``alpha`` holds NR of them) instead of one per row."""
+    (``alpha`` holds NR of them) instead of one per row; always the whole tile (the forward's
+    P·V, whose whole tile LLVM sums in its own order, see ``_accumulate`` there)."""
     prefer_512_bit()
-    _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+    _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, None)
 
 
 def _make_passes(lane_alpha):
     """The register passes of :func:`tile_product` (``lane_alpha`` False: one factor of alpha
     per row) or :func:`tile_product_lanes` (True: one per column), for jitted code only."""
 
-    def passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+    def passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
         raise NotImplementedError("the register passes are only callable from jitted code")
 
     @overload(passes, inline="always", **CALLED)
-    def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+    def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
         # Chosen by type when the caller is typed, so that no code for the other dtype's
         # passes or the other kind of start reaches LLVM (it did, as dead branches, and
         # doubled the forward's compile time).
         scaled = not isinstance(alpha, types.NoneType)
         fold = (_lane_fold if lane_alpha else _row_fold) if scaled else _set
+        per_column = scaled and lane_alpha
+        # A caller that never narrows the tile (the backward) omits ``lanes``: no code for
+        # the narrow chunks reaches LLVM.
+        whole_only = isinstance(lanes, (types.Omitted, types.NoneType))
         if not WIDE_VECTORS:
-            return _column_chunks(fold, CHUNK_BYTES * 8 // a.dtype.bitwidth, scaled and lane_alpha)
-        tile_pass = _tile_pass(fold, NR)
-        if a.dtype != types.float64:
-            # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass.
-            def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-                tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+            chunks = _column_chunks(fold, CHUNK_BYTES * 8 // a.dtype.bitwidth, per_column)
+            if whole_only:
+                def all_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+                    chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, NR)
 
-            return one_pass
+                return all_chunks
 
-        # float64 rows are 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill;
-        # splitting columns instead kept the accumulator in memory in our measurements).
-        if scaled and not lane_alpha:
-            def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-                for r0 in range(0, rows, 2):
-                    tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc),
-                              ldc, k_len, ptr_add(alpha, r0), 2)
-        else:  # no alpha, or one per column: the same for every pair of rows
-            def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-                for r0 in range(0, rows, 2):
-                    tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc),
-                              ldc, k_len, alpha, 2)
+            def some_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+                chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
 
-        return row_pairs
+            return some_chunks
+        whole = _whole_tile(fold, a.dtype != types.float64, scaled and not lane_alpha)
+        if whole_only:
+            def whole_tile(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+                whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+            return whole_tile
+        narrow = _column_chunks(fold, LANE_CHUNK, per_column)
+
+        def whole_or_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+            if lanes >= NR:
+                whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+            else:
+                narrow(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
+
+        return whole_or_chunks
 
     return passes
+
+
+def _whole_tile(fold, float32, per_row):
+    """The whole rows x NR tile with AVX-512 (32 zmm): ``float32``, one pass; float64, passes
+    of 2 rows; ``per_row``: ``alpha`` has one factor per row, so each pair takes its own."""
+    tile_pass = _tile_pass(fold, NR)
+    if float32:
+        # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass.
+        @njit(**INLINE)
+        def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+        return one_pass
+
+    # float64 rows are 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill;
+    # splitting columns instead kept the accumulator in memory in our measurements).
+    if per_row:
+        @njit(**INLINE)
+        def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            for r0 in range(0, rows, 2):
+                tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc),
+                          ldc, k_len, ptr_add(alpha, r0), 2)
+    else:  # no alpha, or one per column: the same for every pair of rows
+        @njit(**INLINE)
+        def row_pairs(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+            for r0 in range(0, rows, 2):
+                tile_pass(ptr_add(a, r0 * a_rs), a_rs, a_ks, b, ldb, ptr_add(c, r0 * ldc),
+                          ldc, k_len, alpha, 2)
+
+    return row_pairs
 
 
 _passes = _make_passes(False)
@@ -203,18 +256,21 @@ _lane_passes = _make_passes(True)
 
 
 def _column_chunks(fold, width, per_column):
-    """The tile as NR / ``width`` passes over all its rows, one per chunk of ``width`` columns
-    (the register tile for CPUs with 16 vector registers); ``per_column``: ``alpha`` has one
-    factor per column, so each chunk takes its own."""
+    """The first ``lanes`` columns of the tile as ``lanes / width`` passes over all its rows,
+    one per chunk of ``width`` columns (the register tile for CPUs with 16 vector registers,
+    and the narrowed tile); ``per_column``: ``alpha`` has one factor per column, so each chunk
+    takes its own."""
     tile_pass = _tile_pass(fold, width)
     if per_column:
-        def chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-            for j0 in range(0, NR, width):
+        @njit(**INLINE)
+        def chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+            for j0 in range(0, lanes, width):
                 tile_pass(a, a_rs, a_ks, ptr_add(b, j0), ldb, ptr_add(c, j0), ldc, k_len,
                           ptr_add(alpha, j0), rows)
     else:  # no alpha, or one per row: the same for every chunk
-        def chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-            for j0 in range(0, NR, width):
+        @njit(**INLINE)
+        def chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+            for j0 in range(0, lanes, width):
                 tile_pass(a, a_rs, a_ks, ptr_add(b, j0), ldb, ptr_add(c, j0), ldc, k_len,
                           alpha, rows)
     return chunks
