@@ -82,17 +82,20 @@ def packed_copy(view, shape):
     return y
 
 
+@cuda.jit(device=True, inline="always")
+def _row_head_column(t, dst):
+    """Element ``t`` of the C-ordered ``dst (rows, H, E)`` as its ``(row, head, column)``."""
+    e = t % dst.shape[2]
+    r = t // dst.shape[2]
+    return r // dst.shape[1], r % dst.shape[1], e
+
+
 @cuda.jit
 def _gather(dst, cache, rows, page_size, n):
     """``dst[i, h, e] = cache[rows[i] // page_size, rows[i] % page_size, h, e]``."""
     t = cuda.grid(1)
     if t < n:
-        ne = dst.shape[2]
-        nh = dst.shape[1]
-        e = t % ne
-        r = t // ne
-        h = r % nh
-        i = r // nh
+        i, h, e = _row_head_column(t, dst)
         row = rows[i]
         dst[i, h, e] = cache[row // page_size, row % page_size, h, e]
 
@@ -117,12 +120,7 @@ def _scatter_sum(dst, g, start, order, n):
     slot no sequence read), then stored in ``dst``'s dtype."""
     t = cuda.grid(1)
     if t < n:
-        ne = dst.shape[2]
-        nh = dst.shape[1]
-        e = t % ne
-        r = t // ne
-        h = r % nh
-        s = r // nh
+        s, h, e = _row_head_column(t, dst)
         acc = 0.0
         for j in range(start[s], start[s + 1]):
             acc += np.float64(load(g[order[j], h, e]))
