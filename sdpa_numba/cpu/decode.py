@@ -357,7 +357,7 @@ def _block_scales(sc, d, fold, b, block_table, b0, n, page_size, h_lo, h_hi, out
     values' work), a head's keys next to each other (the vector loops read them as one
     vector). By pointers from the arrays' strides: indexing the 4-d scales checked each index
     for wraparound, a few ns per (key, head), a tenth of a quantized key's time."""
-    h_len, nb = sc.shape[2], sc.shape[3]
+    nb = sc.shape[3]
     isz = sc.itemsize
     sps, sss = sc.strides[0] // isz, sc.strides[1] // isz
     shs, scs = sc.strides[2] // isz, sc.strides[3] // isz
