@@ -24,8 +24,6 @@ NumPy's, or the kernels of :mod:`sdpa_numba.gpu.gather`).
 
 from typing import Any
 
-import numpy as np
-
 from .api import scaled_dot_product_attention
 from .host_arrays import as_numpy
 from .kvcache import kvcache_plan
@@ -122,9 +120,9 @@ def cascade_attention(q: Any, prefix_k: Any, prefix_v: Any, k_cache: Any, v_cach
         check_out(p, out, (("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v),
                            ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)),
                   target.address)
-    # Validated: from here on, only writes. The target picks how arrays are copied (NumPy, or
-    # the bit-copy kernels of sdpa_numba.gpu.gather); the views are the same for both.
-    packed, copy_into = _moves(target)
+    # Validated: from here on, only writes. The target copies (NumPy, or the bit-copy kernels
+    # of sdpa_numba.gpu.gather); the views are the same for both.
+    packed = target.packed
     view = target.as_strided
     b, lq, hq, _ = p.q_shape
     h = p.k_cache_shape[2]
@@ -142,7 +140,7 @@ def cascade_attention(q: Any, prefix_k: Any, prefix_v: Any, k_cache: Any, v_cach
     suf_lse = packed(swap_last_view(suf_lse, view), (b, lq, hq))
     merged, lse = merge_attention_states(pre_out, pre_lse, suf_out, suf_lse)
     if out is not None:
-        copy_into(out, merged)
+        target.copy_into(out, merged)
         merged = out
     merged = restore(merged)
     return (merged, restore(packed(swap_last_view(lse, view), (b, hq, lq)))) if return_lse \
@@ -170,22 +168,3 @@ def _heads_first(x, view):
     """The prefix ``x (P, H, E)`` as the dense forward's ``(1, H, P, E)`` (a view)."""
     (n, h, e), (sn, sh, se) = tuple(x.shape), tuple(x.strides)
     return view(x, (1, h, n, e), (0, sh, sn, se))
-
-
-def _moves(target):
-    """``(packed, copy_into)`` of ``target``: ``packed(view, shape)``, a new C-contiguous
-    array of ``shape`` with ``view``'s elements in C order; ``copy_into(dst, src)``,
-    ``dst[...] = src``."""
-    if target is CUDA:
-        from .gpu.gather import copy_into, packed_copy
-
-        return packed_copy, copy_into
-    return _host_packed, _host_copy_into
-
-
-def _host_packed(view, shape):
-    return np.ascontiguousarray(view).reshape(shape)
-
-
-def _host_copy_into(dst, src):
-    dst[...] = src

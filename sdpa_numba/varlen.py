@@ -367,47 +367,14 @@ def _backward_over_cache(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
         **variants)
     used = p.kv_lens
     rows = cache_rows(p.table, used, int(k_cache.shape[1]))
-    gather, scatter = _cache_moves(target)
     cu_k = np.concatenate(([0], np.cumsum(used))).astype(np.int64)
+    # The used slots packed, the packed backward, then each slot's gradient summed back (the
+    # target moves: NumPy, or sdpa_numba.gpu.gather's kernels).
     grads = varlen_attention_backward(
-        grad_out, q, gather(k_cache, rows), gather(v_cache, rows), out, lse, cu_seqlens_q,
-        cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, is_causal=is_causal,
-        scale=scale, seed=seed, **variants)
-    return (restore(grads[0]), restore(scatter(grads[1], rows, k_cache, k.shape)),
-            restore(scatter(grads[2], rows, v_cache, v.shape))) + tuple(grads[3:])
+        grad_out, q, target.gather_rows(k_cache, rows), target.gather_rows(v_cache, rows), out,
+        lse, cu_seqlens_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        is_causal=is_causal, scale=scale, seed=seed, **variants)
+    return (restore(grads[0]),
+            restore(target.scatter_sum_rows(grads[1], rows, k_cache, k.shape)),
+            restore(target.scatter_sum_rows(grads[2], rows, v_cache, v.shape))) + tuple(grads[3:])
 
-
-def _cache_moves(target):
-    """``(gather, scatter)`` of ``target``: ``gather(cache, rows)``, the flat slots ``rows``
-    of the cache ``(num_pages, page_size, H, E)`` packed; ``scatter(g, rows, cache, shape)``,
-    the packed rows' gradients ``g`` summed into an array of ``shape`` (the cache's slots)."""
-    if target is CUDA:
-        from .gpu.gather import gather_rows, scatter_sum_rows
-
-        def gather_dev(cache, rows):
-            from numba import cuda
-
-            return gather_rows(cache, cuda.to_device(rows))
-
-        def scatter_dev(g, rows, cache, shape):
-            return scatter_sum_rows(g, rows, shape)
-
-        return gather_dev, scatter_dev
-    return _host_gather, _host_scatter
-
-
-def _host_gather(cache, rows):
-    return cache.reshape((-1,) + cache.shape[2:])[rows]
-
-
-def _host_scatter(g, rows, cache, shape):
-    import numpy as np
-
-    n_slots = cache.shape[0] * cache.shape[1]
-    shared = np.unique(rows).size < rows.size
-    full = np.zeros((n_slots,) + g.shape[1:], np.float64 if shared else g.dtype)
-    if shared:  # pages read by several sequences: their gradients add
-        np.add.at(full, rows, g)
-    else:
-        full[rows] = g
-    return full.astype(g.dtype, copy=False).reshape(shape)

@@ -17,7 +17,7 @@ from .arrays import as_strided
 from .merge import merge_row
 from .reduce import THREADS
 
-__all__ = ["merge_into", "add_into", "zeros", "full", "contiguous_copy"]
+__all__ = ["merge_into", "add_into", "zeros", "full"]
 
 
 def _grid(n):
@@ -90,14 +90,3 @@ def zeros(shape, dtype):
 def full(shape, value, dtype):
     """A device array filled with ``value``."""
     return cuda.to_device(np.full(shape, value, dtype))
-
-
-def contiguous_copy(x):
-    """A C-contiguous device copy of device array ``x`` (through the host when ``x`` is not
-    contiguous itself: broadcast or strided shards are rare, and copied once per call)."""
-    y = cuda.device_array(tuple(x.shape), dtype=x.dtype)
-    if x.is_c_contiguous():
-        y.copy_to_device(x)
-    else:
-        y.copy_to_device(np.ascontiguousarray(x.copy_to_host()))
-    return y

@@ -15,7 +15,6 @@ def _gpu_launchers():
 class Cuda(Target):
     """What running on a CUDA device means: see :mod:`sdpa_numba.targets`."""
 
-
     @staticmethod
     def adopt(named, out=None):
         """Numba device arrays of the operands and ``restore``
@@ -74,10 +73,45 @@ class Cuda(Target):
 
     @staticmethod
     def copy(x):
-        """A C-contiguous copy of device array ``x``, on the device."""
-        from ..gpu.ring import contiguous_copy
+        """A C-contiguous copy of device array ``x``, on the device (any strides)."""
+        return Cuda.packed(x, tuple(x.shape))
 
-        return contiguous_copy(x)
+    # Moves between layouts (sdpa_numba.cascade, the paged varlen backward), by the bit-copy
+    # kernels of sdpa_numba.gpu.gather.
+
+    @staticmethod
+    def packed(view, shape):
+        """A new C-contiguous device array of ``shape`` with ``view``'s elements in C order
+        (:func:`sdpa_numba.gpu.gather.packed_copy`)."""
+        from ..gpu.gather import packed_copy
+
+        return packed_copy(view, shape)
+
+    @staticmethod
+    def copy_into(dst, src):
+        """``dst[...] = src`` on the device (:func:`sdpa_numba.gpu.gather.copy_into`)."""
+        from ..gpu.gather import copy_into
+
+        copy_into(dst, src)
+
+    @staticmethod
+    def gather_rows(cache, rows):
+        """The flat slots ``rows`` (a NumPy int64 array) of the device ``cache (num_pages,
+        page_size, H, E)``, packed (:func:`sdpa_numba.gpu.gather.gather_rows`)."""
+        from numba import cuda
+
+        from ..gpu.gather import gather_rows
+
+        return gather_rows(cache, cuda.to_device(rows))
+
+    @staticmethod
+    def scatter_sum_rows(g, rows, cache, shape):
+        """The packed rows' gradients ``g`` summed into the slots ``rows`` of a device array
+        of zeros of ``shape``, deterministically
+        (:func:`sdpa_numba.gpu.gather.scatter_sum_rows`)."""
+        from ..gpu.gather import scatter_sum_rows
+
+        return scatter_sum_rows(g, rows, shape)
 
     @staticmethod
     def zeros(shape, dtype):

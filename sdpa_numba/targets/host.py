@@ -58,7 +58,39 @@ class Host(Target):
     @staticmethod
     def copy(x):
         """A C-contiguous copy of ``x``."""
-        return np.ascontiguousarray(x).copy()
+        return np.array(x, order="C")
+
+    # Moves between layouts (sdpa_numba.cascade, the paged varlen backward).
+
+    @staticmethod
+    def packed(view, shape):
+        """A new C-contiguous array of ``shape`` with ``view``'s elements in C order."""
+        return np.array(view, order="C").reshape(shape)
+
+    @staticmethod
+    def copy_into(dst, src):
+        """``dst[...] = src``."""
+        dst[...] = src
+
+    @staticmethod
+    def gather_rows(cache, rows):
+        """The flat slots ``rows`` (int64) of ``cache (num_pages, page_size, H, E)``, packed
+        as ``(len(rows), H, E)``."""
+        return cache.reshape((-1,) + cache.shape[2:])[rows]
+
+    @staticmethod
+    def scatter_sum_rows(g, rows, cache, shape):
+        """The packed rows' gradients ``g`` summed into the slots ``rows`` of an array of zeros
+        of ``shape`` (``cache``'s slots): pages read by several sequences add, in float64,
+        rounded once."""
+        n_slots = cache.shape[0] * cache.shape[1]
+        shared = np.unique(rows).size < rows.size
+        full = np.zeros((n_slots,) + g.shape[1:], np.float64 if shared else g.dtype)
+        if shared:
+            np.add.at(full, rows, g)
+        else:
+            full[rows] = g
+        return full.astype(g.dtype, copy=False).reshape(shape)
 
     @staticmethod
     def zeros(shape, dtype):
