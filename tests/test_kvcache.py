@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 import sdpa_numba.cpu.launch_decode as launch_decode
-from checks import TOL, rel_err
-from kvcache_checks import (VARIANTS, at_thread_counts, check_against_reference, logical,
-                            paged_copy, paged_pair)
+from checks import TOL
+from kvcache_checks import VARIANTS, at_thread_counts, check_against_reference, paged_pair
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_numba.cpu.decode import BN, CHUNK
 

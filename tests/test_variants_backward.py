@@ -20,7 +20,7 @@ from numba import njit, typeof
 
 from sdpa_numba.block_mask import K_BLOCK as MASK_BK, Q_BLOCK as MASK_BQ
 from sdpa_numba.cpu.launch_backward import _entry
-from sdpa_numba.problem.variants import sinks_grad
+from sdpa_numba.problem.variant_table import sinks_grad
 from sdpa_numba.dropout import NO_DROPOUT, keep_mask, params
 from sdpa_numba.score import recipe as R
 

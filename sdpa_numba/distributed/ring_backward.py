@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..problem import compute_dtype
-from ..problem.variants import sinks_grad
+from ..problem.variant_table import sinks_grad
 from .agreement import Collective
 from .call import prepare
 from .steps import block_plan, take_rows

@@ -6,7 +6,7 @@ operands out as strided 4-D views (nothing copied) and splits the batch into lau
 dropout batch offset that keeps the mask's flat batch index), as on the CPU. The kernels write gradients at the full
 broadcast shapes in the compute dtype; :func:`.reduce.sum_to` sums them over each input's
 broadcast dims and casts them to the input's dtype, on the device. The gradient of sinks is
-the public layer's (:func:`sdpa_numba.problem.variants.sinks_grad`).
+the public layer's (:func:`sdpa_numba.problem.variant_table.sinks_grad`).
 """
 
 from ..score.blocks import K_BLOCK, Q_BLOCK

@@ -362,7 +362,7 @@ def _sample_mod_arg(spec):
 def _recipe_type(ct, alibi, sinks, mods=None, block_mask=True):
     """The Numba type of the NumPy API's recipe with (or without) ALiBi slopes, sinks and the
     user's functions (C-contiguous arrays of the compute dtype,
-    :func:`sdpa_numba.problem.variants.check_alibi`; with ``block_mask``, a ``mask_mod``
+    :func:`sdpa_numba.problem.variant_table.check_alibi`; with ``block_mask``, a ``mask_mod``
     comes with a block mask, as the dense API's,
     :func:`sdpa_numba.problem.block_mask.with_block_mask`; the serving functions' come
     without)."""

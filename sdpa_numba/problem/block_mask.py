@@ -16,7 +16,8 @@ from numba import njit, prange
 from ..score.blocks import (BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, K_BLOCK, Q_BLOCK, BlockMask,
                             block_counts)
 from ..score.recipe import NO_LIMIT, key_range, recipe
-from .variants import check_function, check_mod_args, host_array
+from .variant_table import host_array
+from .variants import check_function, check_mod_args
 
 
 @njit(cache=False)

@@ -25,7 +25,8 @@ from .dtypes import check_storage_dtype, compute_dtype
 from .out import given_arrays
 from .quant import check_scales, quant_spec
 from .rope import rope_problem
-from .variants import check_alignment, host_array, variants_recipe
+from .variant_table import host_array
+from .variants import check_alignment, variants_recipe
 from .varlen import check_cu_seqlens, check_max_seqlen, host_ints
 
 

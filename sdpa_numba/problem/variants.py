@@ -20,8 +20,7 @@ import numpy as np
 
 from ..score import recipe as R
 from ..score.blocks import K_BLOCK, Q_BLOCK, BlockMask, block_counts
-from .variant_table import (BY_NAME, PER_HEAD, check_alibi, check_sinks, host_array,  # noqa: F401
-                            is_default, sinks_grad)
+from .variant_table import BY_NAME, PER_HEAD, is_default
 
 _ALIGNMENTS = ("top_left", "bottom_right")
 

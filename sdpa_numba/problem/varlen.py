@@ -14,7 +14,8 @@ from ..score.recipe import Recipe
 from .arguments import check_flag, check_scale, shape_str
 from .dtypes import check_storage_dtype, compute_dtype
 from .out import given_arrays
-from .variants import check_alignment, host_array, variants_recipe
+from .variant_table import host_array
+from .variants import check_alignment, variants_recipe
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from sdpa_numba.gpu.arrays import device_array
 from sdpa_numba.gpu.backward import backward
 from sdpa_numba.gpu.forward import forward
 from sdpa_numba.problem import plan
-from sdpa_numba.problem.variants import sinks_grad
+from sdpa_numba.problem.variant_table import sinks_grad
 from sdpa_numba.score.recipe import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, NO_LIMIT, recipe
 from sdpa_cuda_testing import dev, permuted, rel_err
 
@@ -392,7 +392,7 @@ def test_public_block_mask_built_per_call(monkeypatch):
     from sdpa_numba.problem import block_mask as bmod
 
     rng = np.random.default_rng(13)
-    L = S = 70
+    L = 70
     doc = np.repeat([0, 1], [64, 6]).astype(np.int64)  # blocks: full, empty, empty, full
     q, k, v, g = (rng.standard_normal((1, 1, L, 4)).astype(np.float32) for _ in range(4))
     kw = dict(mask_mod=same_doc_1d, mod_args=(dev(doc),))
