@@ -158,6 +158,17 @@ def quant_errors():
     return f"```bash\nPYTHONPATH=. {PY} {' '.join(args)}\n```\n\n{out}"
 
 
+def quant_greedy():
+    """Greedy decoding of a small random-weight model with 8-bit caches against a float32
+    cache (scripts/quant_greedy.py), at transformers' initial weight scale and a larger one."""
+    parts = []
+    for init in ("0.02", "0.1"):
+        args = ["scripts/quant_greedy.py", "--init", init]
+        out = _run(args, {"PYTHONPATH": str(ROOT)})
+        parts.append(f"```bash\nPYTHONPATH=. {PY} {' '.join(args)}\n```\n\n{out}")
+    return "\n".join(parts)
+
+
 def varlen():
     """The varlen preset: a packed ragged batch, forward and backward, against torch's two
     ways (a padded batch with a mask; a loop of per-sequence calls)."""
@@ -193,7 +204,8 @@ def check():
 GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
-              "decode": decode, "cascade": cascade, "mla": mla, "quant_errors": quant_errors, "rope": rope,
+              "decode": decode, "cascade": cascade, "mla": mla, "quant_errors": quant_errors,
+              "quant_greedy": quant_greedy, "rope": rope,
               "decode_quant": decode_quant, "varlen": varlen, "variants": variants, "layers": layers,
               "jax": jax}
 
