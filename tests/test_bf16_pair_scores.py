@@ -71,11 +71,12 @@ def _tile(q, k, c, n_keys, lanes, st):
     e_len = q.shape[1]
     qp = pair_scores.pair_buffer(q, n_pad * e_len)
     kp = pair_scores.pair_buffer(q, 64 * e_len)
-    f = pair_scores.pack_query_pairs(q, 0, n, n_pad, c, qp)
+    ok = pair_scores.pair_flags(q, n_pad // 64)
+    f = pair_scores.pack_query_pairs(q, 0, n, n_pad, c, qp, ok)
     pair_scores.pack_key_pairs(k, 0, k.shape[0], kp)
     pair_scores.pair_scores(k, 0, k.shape[0], kp, qp, 0, data_ptr(st), n_keys, lanes)
     keep_alive((qp, kp))
-    return f
+    return f, pair_scores.all_flags(ok)
 
 
 @needs_pair_dot
@@ -89,7 +90,8 @@ def test_tiles_against_float64(rng, n, nj, e_len, lanes, c):
     q = randn(rng, (n, e_len)).view(np.int16)
     k = randn(rng, (nj, e_len)).view(np.int16)
     st = np.full(64 * 64, np.nan, np.float32)
-    f = _tile(q, k, c, nj, lanes, st)
+    f, q_ok = _tile(q, k, c, nj, lanes, st)
+    assert q_ok
     assert 1 <= f < 2 and f == c / 2.0 ** np.floor(np.log2(c))
     got = st.reshape(64, 64)[:nj, :min(n, lanes)].astype(np.float64) * f
     qf, kf = (np.asarray(x.view(BF16), np.float64) for x in (q, k))
@@ -168,3 +170,23 @@ def test_subnormal_inputs_take_the_float32_path(rng, which):
     assert np.std(want) > 0.1  # not the uniform softmax's mean of v
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -7, atol=2 ** -7)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-4, atol=1e-4)
+
+
+@needs_pair_dot
+@pytest.mark.parametrize("which", ["query", "key"])
+def test_a_subnormal_changes_only_its_own_tiles(rng, which):
+    # The float32 path is taken per tile (64 rows x 64 keys), not per task: rows 0..63 do not
+    # see query row 100 nor (causal) key 100, so their bits do not change when that one holds
+    # a subnormal, though they share a task with it (16 heads: tasks of all 150 rows).
+    q, k, v = (randn(rng, (1, 16, 150, 64)) for _ in range(3))
+    base, base_lse = sdpa(q, k, v, is_causal=True, return_lse=True)
+    x = (q if which == "query" else k).copy()
+    x[0, 0, 100, 5] = np.asarray(1e-39, BF16)
+    args = (x, k, v) if which == "query" else (q, x, v)
+    out, lse = sdpa(*args, is_causal=True, return_lse=True)
+    # lse in float32 (the bfloat16 outputs' rounding could hide a difference)
+    assert (lse[0, 0, :64] == base_lse[0, 0, :64]).all()
+    assert (out[0, 0, :64].view(np.int16) == base[0, 0, :64].view(np.int16)).all()
+    ref_out, _ = reference.attention(*args, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref_out, rtol=2 ** -7,
+                               atol=2 ** -7)

@@ -34,8 +34,8 @@ from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
-from .pair_scores import (keys_normal, pack_key_pairs, pack_query_pairs, pair_buffer,
-                          pair_scores)
+from .pair_scores import (all_flags, flag, keys_normal, pack_key_pairs, pack_query_pairs, pair_buffer,
+                          pair_flags, pair_scores)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty, aligned_full
@@ -486,16 +486,21 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     # dtypes and CPUs, and pairs is then False at compile time.
     qp = pair_buffer(q, n_pad * e_len)
     kp = pair_buffer(q, BN * e_len)
+    q_ok = pair_flags(q, n_pad // BM)
     pairs = qp is not None and e_len % 2 == 0
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
     j_begin, kv_end = key_range(r, i0, i1 - 1, s_len)
-    w = 1.0
+    # Subnormal queries or keys, which vdpbf16ps reads as zeros, take the float32 path, per
+    # tile of BM rows (aligned to multiples of BM) and BN keys, so that a row's bits depend on
+    # its own tiles only, never on the rows its task shares (chunks depend on the shape).
+    packs = True  # whether some tile takes the float32 path: its packed queries are needed
+    pair_w = 1.0
     if pairs:
-        # The scores are multiplied by w: the part of c not folded into the packed queries.
-        # Subnormal queries or keys (which vdpbf16ps reads as zeros) take the float32 path.
-        w = pack_query_pairs(q, i0, n, n_pad, c, qp)
-        pairs = w != 0 and keys_normal(k, j_begin // BN * BN, kv_end, kp)
-    if not pairs:
+        # The pair scores are multiplied by pair_w: the part of c not folded into qp.
+        pair_w = pack_query_pairs(q, i0, n, n_pad, c, qp, q_ok)
+        packs = not (all_flags(q_ok) and keys_normal(k, j_begin // BN * BN, kv_end, kp))
+    w = 1.0
+    if packs:
         qscale = cast(c, lse)
         _pack_queries(q, i0, n, n_pad, qscale, qt)
         # Queries that overflowed with c are packed with c / w, the scores then times w.
@@ -524,9 +529,8 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
         # Tiles read ev_pad - Ev (up to 3) elements past the end of the block's last row:
         # in place only if they are still inside V (rows may overlap: ldv < Ev).
         v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv
-        _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not (k_in_place or pairs), not v_in_place)
-        if pairs:
-            pack_key_pairs(k, j0, nj, kp)
+        _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place and packs, not v_in_place)
+        k_ok = pairs and pack_key_pairs(k, j0, nj, kp)
         p_kb = block_start(k, j0, ldk, p_ks, k_in_place)
         p_vb = block_start(v, j0, ldv, p_vs, v_in_place)
         ldkb = ldk if k_in_place else e_len
@@ -549,12 +553,14 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             # in chunks of LANE_CHUNK lanes, fully unrolled, gave other last bits in some rows
             # of the parallel kernel). The scores' lanes are bitwise unchanged.
             lanes = min(BM, (n_real + LANE_CHUNK - 1) // LANE_CHUNK * LANE_CHUNK)
-            if pairs:
+            sw = score_w
+            if k_ok and flag(q_ok, r0 // BM):
                 pair_scores(k, j0, nj, kp, qp, r0, p_st, n_keys, lanes)
+                sw = cast(pair_w, lse)
             else:
                 _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys, lanes)
-            if w != 1:
-                times(p_st, n_keys * BM, score_w)
+            if sw != 1:
+                times(p_st, n_keys * BM, sw)
             in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)
             per_element = element and (not blocked or state == BLOCK_PARTIAL)
             # A tile that only the window masks is masked in the softmax's first pass (a
@@ -609,7 +615,7 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
                 out[i, d] = store(acc_r[d * BM] * inv, out)
     # Numba frees an array after its last use by name; the loops above used them through
     # raw pointers, so they must live until here.
-    keep_alive((qt, ks, vs, st, acc, m, l, alpha, acc_o, m_o, l_o, qp, kp))
+    keep_alive((qt, ks, vs, st, acc, m, l, alpha, acc_o, m_o, l_o, qp, kp, q_ok))
 
 
 #: attend_rows called by symbol: compiled once, not again in each of the parallel kernel's

@@ -85,15 +85,15 @@ def _ol_pair_buffer(q, n):
 
 
 @njit(**INLINE)
-def _pack(q, i0, n, n_pad, qp, p2):
+def _pack(q, i0, n, n_pad, qp, p2, ok):
     """Pack rows ``[i0, i0 + n)`` of ``q`` times ``p2`` (a power of two, or 1: the bits as
-    they are) into ``qp`` as pairs; lanes past ``n`` are zeros. Returns ``(inf, tiny)``:
-    whether a packed value is infinite, and whether one is subnormal (``vdpbf16ps`` would
-    read it as zero)."""
+    they are) into ``qp`` as pairs; lanes past ``n`` are zeros. ``ok[t]``: whether no packed
+    value of sub-block ``t`` (BM rows) is subnormal (``vdpbf16ps`` would read it as zero).
+    Returns whether a packed value is infinite."""
     e_len = q.shape[1]
     inf = False
-    tiny = False
     for r0 in range(0, n_pad, BM):
+        tiny = False
         blk = ptr_add(data_ptr(qp), r0 * e_len)
         rows = min(BM, n - r0)
         for rr in range(rows):
@@ -112,7 +112,8 @@ def _pack(q, i0, n, n_pad, qp, p2):
         for rr in range(rows, BM):
             for e in range(e_len):
                 blk[(e >> 1) * 2 * BM + 2 * rr + (e & 1)] = 0
-    return inf, tiny
+        ok[r0 // BM] = not tiny
+    return inf
 
 
 @njit(**INLINE)
@@ -121,7 +122,7 @@ def _subnormal(bits):
     return (bits & 0x7F80 == 0) & (bits & 0x7F != 0)
 
 
-def pack_query_pairs(q, i0, n, n_pad, c, qp):
+def pack_query_pairs(q, i0, n, n_pad, c, qp, ok):
     """Pack query rows ``[i0, i0 + n)`` of bfloat16 ``q`` into ``qp`` as pairs (see the module
     doc), scaled by the largest power of two ``2**k <= |c|``; returns the factor left, ``f =
     c / 2**k`` (``1 <= |f| < 2``), by which the caller multiplies the score tiles.
@@ -132,33 +133,32 @@ def pack_query_pairs(q, i0, n, n_pad, c, qp):
     overflows after it too (with the whole ``c`` folded afterwards, a scale below 1 made
     scores of large inputs overflow that the float32 path computes). A query that overflows
     when multiplied by ``2**k`` (k > 0) is packed unscaled, ``f = c``. ``c == 0``: zeros, f =
-    1, as the float32 path (q * 0). Returns 0.0 where a packed query is subnormal (a
-    subnormal query, or one that the power of two made subnormal): ``vdpbf16ps`` would read
-    it as zero, so the caller takes the float32 path. Jitted code only; 1.0 and nothing else
-    where ``qp`` is None.
+    1, as the float32 path (q * 0). ``ok[t]`` (uint8) is set to whether no packed query of
+    sub-block ``t`` is subnormal (a subnormal query, or one that the power of two made
+    subnormal): ``vdpbf16ps`` would read it as zero, so the caller takes the float32 path for
+    that sub-block. Jitted code only; 1.0 and nothing else where ``qp`` is None.
     """
     raise NotImplementedError("pack_query_pairs is only callable from jitted code")
 
 
 @overload(pack_query_pairs, inline="always")
-def _ol_pack_query_pairs(q, i0, n, n_pad, c, qp):
+def _ol_pack_query_pairs(q, i0, n, n_pad, c, qp, ok):
     if isinstance(qp, types.NoneType):
-        return lambda q, i0, n, n_pad, c, qp: 1.0
-    return lambda q, i0, n, n_pad, c, qp: _pack_query_pairs(q, i0, n, n_pad, c, qp)
+        return lambda q, i0, n, n_pad, c, qp, ok: 1.0
+    return lambda q, i0, n, n_pad, c, qp, ok: _pack_query_pairs(q, i0, n, n_pad, c, qp, ok)
 
 
 @njit(**INLINE)
-def _pack_query_pairs(q, i0, n, n_pad, c, qp):
+def _pack_query_pairs(q, i0, n, n_pad, c, qp, ok):
     if c == 0:
         p2, f = 0.0, 1.0
     else:
         frac, ex = math.frexp(c)  # c = frac * 2**ex, 0.5 <= |frac| < 1
         p2, f = math.ldexp(1.0, ex - 1), 2.0 * frac
-    inf, tiny = _pack(q, i0, n, n_pad, qp, np.float32(p2))
-    if inf:
-        inf, tiny = _pack(q, i0, n, n_pad, qp, np.float32(1.0))
+    if _pack(q, i0, n, n_pad, qp, np.float32(p2), ok):
+        _pack(q, i0, n, n_pad, qp, np.float32(1.0), ok)
         f = c
-    return 0.0 if tiny else f
+    return f
 
 
 @njit(**INLINE)
@@ -173,8 +173,9 @@ def keys_normal(k, j_begin, j_end, kp):
     """Whether no key of rows ``[j_begin, j_end)`` of bfloat16 ``k`` has a subnormal element,
     which ``vdpbf16ps`` would read as zero (jitted code only; True where ``kp`` is None).
 
-    One pass over the task's keys, against its 2 E · rows multiply-adds per key element (a
-    sweep over K in bfloat16, ~1% of a task of 512 rows at S = 2048, E = 64)."""
+    The task asks once, for its whole key range, whether it may need the float32 path's
+    packed queries at all; each block is asked again as it is read
+    (:func:`pack_key_pairs`)."""
     raise NotImplementedError("keys_normal is only callable from jitted code")
 
 
@@ -183,28 +184,35 @@ def _ol_keys_normal(k, j_begin, j_end, kp):
     if isinstance(kp, types.NoneType):
         return lambda k, j_begin, j_end, kp: True
 
-    def normal(k, j_begin, j_end, kp):
-        e_len = k.shape[1]
-        for j in range(j_begin, j_end):
-            tiny = False
-            for e in range(e_len):
-                tiny |= _subnormal(k[j, e])
-            if tiny:
-                return False
-        return True
-    return normal
+    return lambda k, j_begin, j_end, kp: _keys_normal(k, j_begin, j_end)
+
+
+@njit(**INLINE)
+def _keys_normal(k, j_begin, j_end):
+    e_len = k.shape[1]
+    for j in range(j_begin, j_end):
+        tiny = False
+        for e in range(e_len):
+            tiny |= _subnormal(k[j, e])
+        if tiny:
+            return False
+    return True
 
 
 def pack_key_pairs(k, j0, nj, kp):
     """Copy keys ``[j0, j0 + nj)`` of ``k`` bit for bit into ``kp`` (BN x E int16) unless the
-    block is read in place (jitted code only; nothing where ``kp`` is None)."""
+    block is read in place; returns whether none of them has a subnormal element (jitted
+    code only; True and nothing else where ``kp`` is None).
+
+    A pass over the block's keys (in L1 after it), against 2 E multiply-adds per key element
+    and query row: measured in the noise."""
     raise NotImplementedError("pack_key_pairs is only callable from jitted code")
 
 
 @overload(pack_key_pairs, inline="always")
 def _ol_pack_key_pairs(k, j0, nj, kp):
     if isinstance(kp, types.NoneType):
-        return lambda k, j0, nj, kp: None
+        return lambda k, j0, nj, kp: True
 
     def copy(k, j0, nj, kp):
         if not _in_place(k, nj):
@@ -212,7 +220,45 @@ def _ol_pack_key_pairs(k, j0, nj, kp):
             for j in range(nj):
                 for e in range(e_len):
                     kp[j * e_len + e] = k[j0 + j, e]
+        return _keys_normal(k, j0, j0 + nj)
     return copy
+
+
+def pair_flags(q, n):
+    """A uint8 array of ``n`` flags for bfloat16 storage ``q`` on a CPU with
+    :data:`PAIR_DOT`, else None (as :func:`pair_buffer`; jitted code only)."""
+    raise NotImplementedError("pair_flags is only callable from jitted code")
+
+
+@overload(pair_flags, inline="always")
+def _ol_pair_flags(q, n):
+    if PAIR_DOT and q.dtype == types.int16:
+        return lambda q, n: np.zeros(n, np.uint8)
+    return lambda q, n: None
+
+
+def all_flags(ok):
+    """Whether every flag of ``ok`` is set; True where ``ok`` is None (jitted code only)."""
+    raise NotImplementedError("all_flags is only callable from jitted code")
+
+
+@overload(all_flags, inline="always")
+def _ol_all_flags(ok):
+    if isinstance(ok, types.NoneType):
+        return lambda ok: True
+    return lambda ok: np.all(ok != 0)
+
+
+def flag(ok, t):
+    """``ok[t] != 0``; False where ``ok`` is None (jitted code only)."""
+    raise NotImplementedError("flag is only callable from jitted code")
+
+
+@overload(flag, inline="always")
+def _ol_flag(ok, t):
+    if isinstance(ok, types.NoneType):
+        return lambda ok, t: False
+    return lambda ok, t: ok[t] != 0
 
 
 def pair_scores(k, j0, nj, kp, qp, r0, st, n_keys, lanes):
