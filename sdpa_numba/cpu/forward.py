@@ -34,8 +34,8 @@ from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
-from .pair_scores import (all_flags, flag, keys_normal, pack_key_pairs, pack_query_pairs, pair_buffer,
-                          pair_flags, pair_scores)
+from .pair_scores import (all_flags, flag, keys_normal, pack_key_pairs, pack_query_pairs,
+                          pair_buffer, pair_flags, pair_scores)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty, aligned_full

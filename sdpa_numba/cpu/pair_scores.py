@@ -18,8 +18,13 @@ scores Sᵀ = K Qᵀ are half the forward's multiply-adds, so this is the scores
 
 The products of bfloat16 are exact in float32 and each lane sums them in a fixed order (pair
 by pair, a pair's first product first), so a row's scores do not depend on its tile or
-thread. The instruction reads bfloat16 subnormals (below 1.2e-38) as zero and flushes float32
-subnormal sums to zero; the float32 path keeps them.
+thread. The instruction reads bfloat16 subnormals (below 1.2e-38) as zero, so a tile of BM
+query rows (aligned to multiples of BM) and BN keys with a subnormal query or key (or a query
+that its power of two makes subnormal) takes the float32 path: decided per tile, a row's bits
+depend on its own tiles only, never on the other rows of its task (whose chunking depends on
+the shape). It also flushes float32 subnormal partial sums to zero: scores below 1.2e-38 in
+magnitude (times the factor left, under 2) that the float32 path would keep, which no softmax
+can tell from 0.
 
 Chosen at import (:data:`PAIR_DOT`) from the CPU Numba compiles for, and only for bfloat16
 storage with an even E: :func:`pair_buffer` gives None for any other storage dtype, so that
