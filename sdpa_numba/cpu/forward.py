@@ -34,8 +34,8 @@ from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
-from .pair_scores import (all_flags, flag, keys_normal, pack_key_pairs, pack_query_pairs,
-                          pair_buffer, pair_flags, pair_scores)
+from .pair_scores import (all_flags, flag, pack_key_pairs, pack_query_pairs, pair_buffer,
+                          pair_flags, pair_scores)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty, aligned_full
@@ -438,6 +438,19 @@ def _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o):
                 acc[t0 + i] = 0
 
 
+@njit(**INLINE)
+def _pack_float_queries(q, i0, n, n_pad, c, qt, like):
+    """Pack query rows ``[i0, i0 + n)`` into ``qt`` times ``c`` (see :func:`_pack_queries`);
+    returns the factor ``w`` the scores are multiplied by (1, or a power of two for queries
+    that overflowed, see :mod:`.scale_fold`)."""
+    _pack_queries(q, i0, n, n_pad, cast(c, like), qt)
+    # Queries that overflowed with c are packed with c / w, the scores then times w.
+    w = split_power(data_ptr(qt), n_pad * q.shape[1], c)
+    if w != 1:
+        _pack_queries(q, i0, n, n_pad, cast(c / w, like), qt)
+    return w
+
+
 @njit(**KERNEL)
 def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=0):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
@@ -493,20 +506,15 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     # Subnormal queries or keys, which vdpbf16ps reads as zeros, take the float32 path, per
     # tile of BM rows (aligned to multiples of BM) and BN keys, so that a row's bits depend on
     # its own tiles only, never on the rows its task shares (chunks depend on the shape).
-    packs = True  # whether some tile takes the float32 path: its packed queries are needed
+    packs = True  # whether the float32 path's queries are packed (else on first use)
     pair_w = 1.0
     if pairs:
         # The pair scores are multiplied by pair_w: the part of c not folded into qp.
         pair_w = pack_query_pairs(q, i0, n, n_pad, c, qp, q_ok)
-        packs = not (all_flags(q_ok) and keys_normal(k, j_begin // BN * BN, kv_end, kp))
+        packs = not all_flags(q_ok)
     w = 1.0
     if packs:
-        qscale = cast(c, lse)
-        _pack_queries(q, i0, n, n_pad, qscale, qt)
-        # Queries that overflowed with c are packed with c / w, the scores then times w.
-        w = split_power(p_qt, n_pad * e_len, c)
-        if w != 1:
-            _pack_queries(q, i0, n, n_pad, cast(c / w, lse), qt)
+        w = _pack_float_queries(q, i0, n, n_pad, c, qt, lse)
     score_w = cast(w, lse)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
@@ -529,8 +537,12 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
         # Tiles read ev_pad - Ev (up to 3) elements past the end of the block's last row:
         # in place only if they are still inside V (rows may overlap: ldv < Ev).
         v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv
-        _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place and packs, not v_in_place)
         k_ok = pairs and pack_key_pairs(k, j0, nj, kp)
+        if not k_ok and not packs:  # a block of subnormal keys: the float32 path's queries
+            w = _pack_float_queries(q, i0, n, n_pad, c, qt, lse)
+            score_w = cast(w, lse)
+            packs = True
+        _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place and packs, not v_in_place)
         p_kb = block_start(k, j0, ldk, p_ks, k_in_place)
         p_vb = block_start(v, j0, ldv, p_vs, v_in_place)
         ldkb = ldk if k_in_place else e_len

@@ -174,34 +174,29 @@ def _in_place(k, nj):
             and k.strides[0] % 2 == 0)
 
 
-def keys_normal(k, j_begin, j_end, kp):
-    """Whether no key of rows ``[j_begin, j_end)`` of bfloat16 ``k`` has a subnormal element,
-    which ``vdpbf16ps`` would read as zero (jitted code only; True where ``kp`` is None).
-
-    The task asks once, for its whole key range, whether it may need the float32 path's
-    packed queries at all; each block is asked again as it is read
-    (:func:`pack_key_pairs`)."""
-    raise NotImplementedError("keys_normal is only callable from jitted code")
-
-
-@overload(keys_normal, inline="always")
-def _ol_keys_normal(k, j_begin, j_end, kp):
-    if isinstance(kp, types.NoneType):
-        return lambda k, j_begin, j_end, kp: True
-
-    return lambda k, j_begin, j_end, kp: _keys_normal(k, j_begin, j_end)
-
-
 @njit(**INLINE)
 def _keys_normal(k, j_begin, j_end):
+    """Whether no element of rows ``[j_begin, j_end)`` of ``k`` is a subnormal bfloat16.
+
+    Per row, the unsigned minimum of ``(bits & 0x7fff) - 1`` in 16 bits (zero wraps to
+    0xffff; subnormals give 0 .. 0x7e): 320 ns per 64 x 64 block (a boolean or per element,
+    490 ns), about 0.5% of the block's score and P·V tiles of one 512-row task (~60 us)."""
     e_len = k.shape[1]
-    for j in range(j_begin, j_end):
-        tiny = False
-        for e in range(e_len):
-            tiny |= _subnormal(k[j, e])
-        if tiny:
-            return False
-    return True
+    count = 0
+    if k.strides[1] == 2 and k.strides[0] % 2 == 0:
+        ld = k.strides[0] // 2
+        for j in range(j_begin, j_end):
+            p = ptr_add(data_ptr(k), j * ld)
+            lo = np.uint16(0xFFFF)
+            for e in range(e_len):
+                x = np.uint16(np.uint16(p[e]) & np.uint16(0x7FFF)) - np.uint16(1)
+                lo = min(lo, np.uint16(x))
+            count += lo < 0x7F
+    else:
+        for j in range(j_begin, j_end):
+            for e in range(e_len):
+                count += _subnormal(k[j, e])
+    return count == 0
 
 
 def pack_key_pairs(k, j0, nj, kp):
