@@ -190,3 +190,23 @@ def test_a_subnormal_changes_only_its_own_tiles(rng, which):
     ref_out, _ = reference.attention(*args, is_causal=True)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref_out, rtol=2 ** -7,
                                atol=2 ** -7)
+
+
+@needs_pair_dot
+def test_rows_do_not_depend_on_batch_or_threads(rng):
+    # With a subnormal key in the third block, so that both paths run in one task.
+    import numba
+
+    q, k, v = (randn(rng, (3, 4, 157, 64)) for _ in range(3))
+    k[1, 2, 140, 7] = np.asarray(-2e-39, BF16)
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        ref, ref_lse = sdpa(q[1:2], k[1:2], v[1:2], is_causal=True, return_lse=True)
+        numba.set_num_threads(threads)
+        out, lse = sdpa(q, k, v, is_causal=True, return_lse=True)
+    finally:
+        numba.set_num_threads(threads)
+    assert (out[1:2].view(np.int16) == ref.view(np.int16)).all()
+    assert (lse[1:2] == ref_lse).all()
+    check_forward(out, lse, q, k, v, is_causal=True)
