@@ -210,3 +210,19 @@ def test_rows_do_not_depend_on_batch_or_threads(rng):
     assert (out[1:2].view(np.int16) == ref.view(np.int16)).all()
     assert (lse[1:2] == ref_lse).all()
     check_forward(out, lse, q, k, v, is_causal=True)
+
+
+@needs_pair_dot
+def test_varlen_against_reference(rng):
+    # varlen reads each sequence's rows of (T, H, E) in place: keys with a row stride of H·E.
+    from sdpa_numba import varlen_attention
+    from varlen_checks import cu, reference_forward
+
+    lq, lk = [70, 1, 130], [90, 64, 131]
+    q = randn(rng, (sum(lq), 4, 64))
+    k, v = randn(rng, (sum(lk), 2, 64)), randn(rng, (sum(lk), 2, 64))
+    out, lse = varlen_attention(q, k, v, cu(lq), cu(lk), is_causal=True, return_lse=True)
+    want, want_lse = reference_forward(q, k, v, cu(lq), cu(lk), is_causal=True)
+    got = np.asarray(out, np.float64)
+    assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max() + 1e-5
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
