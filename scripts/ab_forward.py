@@ -53,7 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--L", type=int, default=1024, help="L = S (default 1024)")
     ap.add_argument("--D", type=int, default=64, help="head dim (default 64)")
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
+    ap.add_argument("--dtype", default="float32", choices=("float16", "bfloat16", "float32",
+                                                                  "float64"))
     ap.add_argument("--rounds", type=int, default=100, help="alternations (default 100)")
     ap.add_argument("--backward", action="store_true",
                     help="time the backward (one head; FLOPs 8 L S D) instead of the forward")
@@ -85,11 +86,16 @@ def _copy_packages(rev, where):
 
 
 def _stored(a):
-    """What the CPU kernels take: float16 as its uint16 bits."""
+    """What the CPU kernels take: float16 as its uint16 bits, bfloat16 as its int16 bits."""
+    if a.dtype.name == "bfloat16":
+        return a.view(np.int16)
     return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 def _loaded(a):
+    if a.dtype == np.int16:
+        from ml_dtypes import bfloat16
+        a = a.view(bfloat16)
     return (a.view(np.float16) if a.dtype == np.uint16 else a).astype(np.float64)
 
 
@@ -113,7 +119,11 @@ def main(argv=None):
         pkgs = {name: importlib.import_module(f"sdpa_{name}.cpu")
                 for name in args.order.split(",")}
         rng = np.random.default_rng(0)
-        dt = np.dtype(args.dtype)
+        if args.dtype == "bfloat16":
+            from ml_dtypes import bfloat16
+            dt = np.dtype(bfloat16)
+        else:
+            dt = np.dtype(args.dtype)
         q, k, v = (rng.standard_normal((1, heads, args.L, args.D)).astype(dt) for _ in range(3))
         if not args.api:
             q, k, v = (_stored(x) for x in (q, k, v))

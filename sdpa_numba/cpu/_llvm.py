@@ -651,3 +651,129 @@ def by_symbol(dispatcher):
     exec(f"def {name}_by_symbol(typingctx, {params}):\n"
          f"    return typer(typingctx, ({params},))\n", scope)
     return intrinsic(scope[f"{name}_by_symbol"])
+
+
+class _BFloat(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite's IR builder has no type for it): only to bitcast int16
+    vectors to the operand type of the bfloat16 dot-product intrinsic."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash(_BFloat)
+
+
+#: Probe for :func:`has_pair_dot`: with AVX-512 BF16, LLVM converts 16 floats to bfloat16
+#: with one ``vcvtneps2bf16``; without it, with integer code (never an error: the probe cannot
+#: abort the process, which asking for the dot-product intrinsic itself would on a CPU that
+#: lacks it).
+_BF16_PROBE_IR = """
+define <16 x bfloat> @probe(<16 x float> %a) {
+  %c = fptrunc <16 x float> %a to <16 x bfloat>
+  ret <16 x bfloat> %c
+}
+"""
+
+
+def has_pair_dot(name=None, features=None):
+    """Whether a CPU has AVX-512 BF16's ``vdpbf16ps`` (16 float32 lanes, each adding the two
+    products of a pair of bfloat16), with 512-bit vectors.
+
+    Parameters
+    ----------
+    name, features : str, optional
+        The CPU name and LLVM feature string (``"+avx512bf16,-avx512vl,..."``) to ask about;
+        by default those Numba's code generator compiles for, so that ``NUMBA_CPU_NAME`` /
+        ``NUMBA_CPU_FEATURES`` are honoured (a feature the string leaves out takes the name's
+        default).
+
+    Returns
+    -------
+    bool
+        Asked of LLVM for that target (see ``_BF16_PROBE_IR``); milliseconds.
+    """
+    import llvmlite.binding as ll
+    from numba.core import codegen, config
+
+    codegen.initialize_llvm()
+    if name is None:
+        name = config.CPU_NAME or ll.get_host_cpu_name()
+    if features is None:
+        features = (config.CPU_FEATURES if config.CPU_FEATURES is not None
+                    else codegen.get_host_cpu_features())
+    tm = ll.Target.from_triple(ll.get_process_triple()).create_target_machine(
+        cpu=name, features=features, opt=2)
+    mod = ll.parse_assembly(_BF16_PROBE_IR)
+    mod.verify()
+    asm = tm.emit_assembly(mod)
+    return "vcvtneps2bf16" in asm and "zmm" in asm
+
+
+def pair_dots(n_rows, n_vec):
+    """Make an intrinsic ``f(a, a_rs, b, c, n_pairs)``: ``c[r * 16 * n_vec + l] = sum over p <
+    n_pairs of a_r[2p] * b[p, l, 0] + a_r[2p + 1] * b[p, l, 1]`` for the rows ``r < n_rows``
+    and lanes ``l < 16 * n_vec``, where ``a_r = a + r * a_rs``: bfloat16 bit patterns (int16
+    pointers), ``b`` packed as pairs (lane ``l`` of pair ``p`` at ``b + p * 2 * BM + 2 * l``,
+    BM = 64 lanes a pair), ``c`` float32 rows of 64 (BM) apart.
+
+    One ``vdpbf16ps`` per 16 lanes and pair, from zero: each lane adds ``a[2p] * b[.., 0]``
+    then ``a[2p + 1] * b[.., 1]`` (exact products of bfloat16; bfloat16 subnormals read as
+    zero and float32 subnormal sums flushed to zero, as the instruction does). A pair of
+    ``a_r`` is broadcast as one 32-bit load (no alignment needed); the ``n_rows x n_vec``
+    accumulators stay in registers. Only for CPUs with :func:`has_pair_dot`: LLVM cannot
+    select the instruction elsewhere.
+    """
+    lanes_per_pair = 64  # BM of the forward; the pair stride of b
+
+    @intrinsic
+    def _pair_dots(typingctx, a, a_rs, b, c, n_pairs):
+        if not (a == b == types.CPointer(types.int16) and c == types.CPointer(types.float32)
+                and isinstance(a_rs, types.Integer) and isinstance(n_pairs, types.Integer)):
+            return None
+        sig = types.void(a, a_rs, b, c, n_pairs)
+
+        def codegen(context, builder, signature, args):
+            ap, _, bp, cp, _ = args
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            ars, npairs = (context.cast(builder, args[i], signature.args[i], types.int64)
+                           for i in (1, 4))
+            fv = ir.VectorType(ir.FloatType(), 16)
+            iv = ir.VectorType(ir.IntType(16), 32)
+            bv = ir.VectorType(_BFloat(), 32)
+            dot = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(fv, [fv, bv, bv]),
+                "llvm.x86.avx512bf16.dpbf16ps.512")
+            rows = [builder.bitcast(builder.gep(ap, [builder.mul(ars, ir.Constant(i64, r))]),
+                                    i32.as_pointer()) for r in range(n_rows)]
+            b32 = builder.bitcast(bp, iv.as_pointer())
+            init = [[ir.Constant(fv, None)] * n_vec for _ in range(n_rows)]
+
+            def step(p, accs):
+                # Pair p: 32 bits at a_r + 2p (i32 index p), lanes at b + p * 2 * 64 int16
+                # (each <32 x i16> vector holds 16 lanes' pairs).
+                bvs = [builder.bitcast(builder.load(
+                    builder.gep(b32, [builder.add(builder.mul(p, ir.Constant(
+                        i64, lanes_per_pair // 16)), ir.Constant(i64, v))]), align=2), bv)
+                    for v in range(n_vec)]
+                new = []
+                for r in range(n_rows):
+                    x = builder.load(builder.gep(rows[r], [p]), align=2)
+                    xv = builder.bitcast(splat(builder, x, ir.VectorType(i32, 16)), bv)
+                    new.append([builder.call(dot, [accs[r][v], xv, bvs[v]])
+                                for v in range(n_vec)])
+                return new
+
+            out = over_keys(builder, "pair_dots", init, npairs, step)
+            for r in range(n_rows):
+                for v in range(n_vec):
+                    ptr = builder.gep(cp, [ir.Constant(i64, r * lanes_per_pair + 16 * v)])
+                    builder.store(out[r][v], builder.bitcast(ptr, fv.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _pair_dots

@@ -34,6 +34,8 @@ from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product, tile_product_lanes
 from .online_softmax import LOG2E
+from .pair_scores import (all_flags, flag, pack_key_pairs, pack_query_pairs, pair_buffer,
+                          pair_flags, pair_scores)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty, aligned_full
@@ -436,6 +438,19 @@ def _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o):
                 acc[t0 + i] = 0
 
 
+@njit(**INLINE)
+def _pack_float_queries(q, i0, n, n_pad, c, qt, like):
+    """Pack query rows ``[i0, i0 + n)`` into ``qt`` times ``c`` (see :func:`_pack_queries`);
+    returns the factor ``w`` the scores are multiplied by (1, or a power of two for queries
+    that overflowed, see :mod:`.scale_fold`)."""
+    _pack_queries(q, i0, n, n_pad, cast(c, like), qt)
+    # Queries that overflowed with c are packed with c / w, the scores then times w.
+    w = split_power(data_ptr(qt), n_pad * q.shape[1], c)
+    if w != 1:
+        _pack_queries(q, i0, n, n_pad, cast(c / w, like), qt)
+    return w
+
+
 @njit(**KERNEL)
 def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=0):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
@@ -480,13 +495,26 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     # A soft cap c takes the scores as s / c: its 1 / c is folded into the queries' scale
     # (one multiply per query element instead of one per score).
     c = scale if r.softcap <= 0 else scale / r.softcap
-    qscale = cast(c, lse)
-    _pack_queries(q, i0, n, n_pad, qscale, qt)
+    # bfloat16 scores by vdpbf16ps (see .pair_scores): qp and kp are None for other storage
+    # dtypes and CPUs, and pairs is then False at compile time.
+    qp = pair_buffer(q, n_pad * e_len)
+    kp = pair_buffer(q, BN * e_len)
+    q_ok = pair_flags(q, n_pad // BM)
+    pairs = qp is not None and e_len % 2 == 0
     p_qt, p_ks, p_vs, p_st = data_ptr(qt), data_ptr(ks), data_ptr(vs), data_ptr(st)
-    # Queries that overflowed with c are packed with c / w, the scores then times w.
-    w = split_power(p_qt, n_pad * e_len, c)
-    if w != 1:
-        _pack_queries(q, i0, n, n_pad, cast(c / w, lse), qt)
+    j_begin, kv_end = key_range(r, i0, i1 - 1, s_len)
+    # Subnormal queries or keys, which vdpbf16ps reads as zeros, take the float32 path, per
+    # tile of BM rows (aligned to multiples of BM) and BN keys, so that a row's bits depend on
+    # its own tiles only, never on the rows its task shares (chunks depend on the shape).
+    packs = True  # whether the float32 path's queries are packed (else on first use)
+    pair_w = 1.0
+    if pairs:
+        # The pair scores are multiplied by pair_w: the part of c not folded into qp.
+        pair_w = pack_query_pairs(q, i0, n, n_pad, c, qp, q_ok)
+        packs = not all_flags(q_ok)
+    w = 1.0
+    if packs:
+        w = _pack_float_queries(q, i0, n, n_pad, c, qt, lse)
     score_w = cast(w, lse)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
@@ -499,7 +527,6 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     if _few_sets(ldv, lse.itemsize):
         ldv = 0
 
-    j_begin, kv_end = key_range(r, i0, i1 - 1, s_len)
     element = has_element_mask(r)
     blocked = r.block_mask is not None
     zero = cast(0.0, lse)
@@ -510,7 +537,12 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
         # Tiles read ev_pad - Ev (up to 3) elements past the end of the block's last row:
         # in place only if they are still inside V (rows may overlap: ldv < Ev).
         v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv
-        _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place, not v_in_place)
+        k_ok = pairs and pack_key_pairs(k, j0, nj, kp)
+        if not k_ok and not packs:  # a block of subnormal keys: the float32 path's queries
+            w = _pack_float_queries(q, i0, n, n_pad, c, qt, lse)
+            score_w = cast(w, lse)
+            packs = True
+        _pack_kv(k, v, j0, nj, ks, vs, ldvs, one, not k_in_place and packs, not v_in_place)
         p_kb = block_start(k, j0, ldk, p_ks, k_in_place)
         p_vb = block_start(v, j0, ldv, p_vs, v_in_place)
         ldkb = ldk if k_in_place else e_len
@@ -533,9 +565,14 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             # in chunks of LANE_CHUNK lanes, fully unrolled, gave other last bits in some rows
             # of the parallel kernel). The scores' lanes are bitwise unchanged.
             lanes = min(BM, (n_real + LANE_CHUNK - 1) // LANE_CHUNK * LANE_CHUNK)
-            _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys, lanes)
-            if w != 1:
-                times(p_st, n_keys * BM, score_w)
+            sw = score_w
+            if k_ok and flag(q_ok, r0 // BM):
+                pair_scores(k, j0, nj, kp, qp, r0, p_st, n_keys, lanes)
+                sw = cast(pair_w, lse)
+            else:
+                _scores(p_kb, ldkb, e_len, ptr_add(p_qt, r0 * e_len), p_st, n_keys, lanes)
+            if sw != 1:
+                times(p_st, n_keys * BM, sw)
             in_window = window_covers(r, i_first, i_last, j0, j0 + n_keys - 1)
             per_element = element and (not blocked or state == BLOCK_PARTIAL)
             # A tile that only the window masks is masked in the softmax's first pass (a
@@ -590,7 +627,7 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
                 out[i, d] = store(acc_r[d * BM] * inv, out)
     # Numba frees an array after its last use by name; the loops above used them through
     # raw pointers, so they must live until here.
-    keep_alive((qt, ks, vs, st, acc, m, l, alpha, acc_o, m_o, l_o))
+    keep_alive((qt, ks, vs, st, acc, m, l, alpha, acc_o, m_o, l_o, qp, kp, q_ok))
 
 
 #: attend_rows called by symbol: compiled once, not again in each of the parallel kernel's
