@@ -73,6 +73,31 @@ def test_vector_loops_against_reference(rng, fmt):
         check_against_reference(q, k64, v64, seqlens, out, lse, True, tol=F32)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("page_size", [64, 48])
+def test_mha_vector_loops_paged_against_reference(rng, fmt, page_size):
+    # Fewer than four rows a head (MHA, Lq = 1, 2, 3), E = Ev = 128 (the vector loops), the
+    # scales of a block read row by row across pages (pages of 64: blocks within a page; of
+    # 48: every other block straddles two), a shuffled block table, lengths that cut blocks,
+    # pages and a chunk.
+    B, H, E = 2, 3, 128
+    n_pages = (CHUNK + 60 + page_size - 1) // page_size
+    kc = rng.standard_normal((B * n_pages, page_size, H, E)).astype(np.float32) * 2
+    vc = rng.standard_normal((B * n_pages, page_size, H, E)).astype(np.float32)
+    kq, ks = quantize_kv(kc, fmt)
+    vq, vs = quantize_kv(vc, fmt)
+    k64 = dequantize_kv(kq, ks, dtype=np.float64)
+    v64 = dequantize_kv(vq, vs, dtype=np.float64)
+    table = rng.permutation(B * n_pages).astype(np.int32).reshape(B, n_pages)
+    seqlens = np.array([CHUNK + 59, 2 * page_size + 7], np.int32)
+    for lq in (1, 2, 3):
+        q = rng.standard_normal((B, lq, H, E)).astype(np.float32)
+        out = np.full((B, lq, H, E), np.nan, np.float32)
+        _, lse = kvattn(q, kq, vq, seqlens, k_scale=ks, v_scale=vs, block_table=table,
+                        return_lse=True, out=out)
+        check_against_reference(q, k64, v64, seqlens, out, lse, True, table=table, tol=F32)
+
+
 @pytest.mark.parametrize("fmt,page_size", [("int8", 1), ("q8_0", 3), ("e4m3fn", 1),
                                            ("e5m2", 4)])
 def test_paged_append_quantizes_into_the_slots(rng, fmt, page_size):

@@ -348,15 +348,20 @@ def _registers_pv(ap, ev, sp, vbase, vofp, vhs, rows, h_lo, h_hi, n, kbase, koff
             khs, e_len, ahead: False)
 
 
+#: A stack buffer of BN offsets (:func:`_block_scales`' scale rows).
+_row_offsets = stack_buffer(BN)
+
+
 @njit(**INLINE)
-def _block_scales(sc, d, fold, b, block_table, b0, n, page_size, h_lo, h_hi, out):
+def _block_scales(sc, d, fold, b, block_table, b0, n, page_size, h_lo, h_hi, out, like):
     """``out[(h * nb + c) * BN + j] = sc[page, slot, h, c] * (d[b, h] * fold)`` (float32) for
     the keys ``j < n`` of the block from key ``b0`` of sequence ``b`` and the heads ``h_lo ..
     h_hi - 1``: a quantized cache's scales (float32 or float16 as uint16) times its descales
     (and ``fold``, a power of two: :data:`.quant.E4M3_FOLD`), once a block (``nb / E`` of the
     values' work), a head's keys next to each other (the vector loops read them as one
     vector). By pointers from the arrays' strides: indexing the 4-d scales checked each index
-    for wraparound, a few ns per (key, head), a tenth of a quantized key's time."""
+    for wraparound, a few ns per (key, head), a tenth of a quantized key's time. ``like``: any
+    int64 pointer (the type of a stack buffer of the scale rows' offsets)."""
     nb = sc.shape[3]
     isz = sc.itemsize
     sps, sss = sc.strides[0] // isz, sc.strides[1] // isz
@@ -365,18 +370,28 @@ def _block_scales(sc, d, fold, b, block_table, b0, n, page_size, h_lo, h_hi, out
     dp = ptr_add(data_ptr(d), b * (d.strides[0] // d.itemsize))
     dhs = d.strides[1] // d.itemsize
     op = data_ptr(out)
+    # The keys' scale rows once a block, then head by head a loop over the keys, stored in
+    # out's order: with the heads inner (stores BN apart), LLVM vectorized the loop over the
+    # heads with scatters, 1.9 ns per (key, head) and scale array against 0.27 ns now (in
+    # isolation, H8 S128 float32 scales, AMD EPYC Zen 4; the loads are scalar, 3 instructions
+    # an element). Int8 MHA H32 S8192 D128 from memory, one thread: 24.7 -> 23.9 ns per
+    # (key, head).
+    ro = _row_offsets(like)
     page = b0 // page_size
     slot = b0 - page * page_size
     for j in range(n):
-        row = ptr_add(scp, block_table[b, page] * sps + slot * sss)
-        for h in range(h_lo, h_hi):
-            dh = dp[h * dhs] * fold
-            for c in range(nb):
-                op[(h * nb + c) * BN + j] = np.float32(load(row[h * shs + c * scs]) * dh)
+        ro[j] = block_table[b, page] * sps + slot * sss
         slot += 1
         if slot == page_size:
             slot = 0
             page += 1
+    for h in range(h_lo, h_hi):
+        dh = dp[h * dhs] * fold
+        for c in range(nb):
+            o = ptr_add(op, (h * nb + c) * BN)
+            hc = h * shs + c * scs
+            for j in range(n):
+                o[j] = np.float32(load(scp[ro[j] + hc]) * dh)
 
 
 @njit(**INLINE)
@@ -540,7 +555,8 @@ def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
         ks, _, kd, _, fmt = qz
         ksc = scr[0]
         fold = np.float32(E4M3_FOLD if fmt == FMT_E4M3 else 1.0)
-        _block_scales(ks, kd, fold, b, block_table, b0, n, page_size, h_lo, h_hi, ksc)
+        _block_scales(ks, kd, fold, b, block_table, b0, n, page_size, h_lo, h_hi, ksc,
+                      data_ptr(koff))
         h_len, nb = ks.shape[2], ks.shape[3]
         kscp = data_ptr(ksc)
         if fmt == FMT_INT8:
@@ -576,7 +592,8 @@ def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, blo
         _, vs, _, vd, fmt = qz
         vsc, wts = scr[1], scr[2]
         fold = np.float32(E4M3_FOLD if fmt == FMT_E4M3 else 1.0)
-        _block_scales(vs, vd, fold, b, block_table, b0, n, page_size, h_lo, h_hi, vsc)
+        _block_scales(vs, vd, fold, b, block_table, b0, n, page_size, h_lo, h_hi, vsc,
+                      data_ptr(koff))
         nb = vs.shape[3]
         wp = data_ptr(wts)
         vscp = data_ptr(vsc)
