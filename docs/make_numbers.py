@@ -64,6 +64,14 @@ def dtypes():
     return f"```bash\n{cmd}\n```\n\n{out}"
 
 
+def bf16():
+    """bfloat16 against torch's bfloat16 SDPA (the scores by vdpbf16ps where the CPU has
+    AVX-512 BF16), D64 and D128, causal too."""
+    cmd, out = _bench(["--case", "1x8x2048x64:bfloat16", "--case", "1x8x2048x64:bfloat16:causal",
+                       "--case", "1x4x4096x128:bfloat16", "--runs", "3", "--repeats", "5"])
+    return f"```bash\n{cmd}\n```\n\n{out}"
+
+
 def sweep():
     cmd, out = _bench(["-L", "512", "1024", "2048", "4096", "--causal", "both",
                        "--plot", "docs/img/bench_gflops.png"])
@@ -201,7 +209,7 @@ def check():
     return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
 
 
-GENERATORS = {"headline": headline, "dtypes": dtypes, "sweep": sweep, "backward": backward,
+GENERATORS = {"headline": headline, "dtypes": dtypes, "bf16": bf16, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
               "decode": decode, "cascade": cascade, "mla": mla, "quant_errors": quant_errors,
