@@ -109,18 +109,28 @@ def has_512_bit_vectors():
     compiled for that target uses zmm registers exactly when it has them. Milliseconds; once,
     at import.
     """
+    return "zmm" in probe_assembly(_PROBE_IR)
+
+
+def probe_assembly(llvm_ir, name=None, features=None):
+    """The assembly LLVM emits for the module ``llvm_ir`` on a CPU: by default the one Numba's
+    code generator compiles for (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` honoured), else
+    CPU ``name`` with the LLVM feature string ``features`` (a feature it leaves out takes the
+    name's default). What a probe's instructions become says what the CPU has."""
     import llvmlite.binding as ll
     from numba.core import codegen, config
 
     codegen.initialize_llvm()
-    name = config.CPU_NAME or ll.get_host_cpu_name()
-    features = (config.CPU_FEATURES if config.CPU_FEATURES is not None
-                else codegen.get_host_cpu_features())
+    if name is None:
+        name = config.CPU_NAME or ll.get_host_cpu_name()
+    if features is None:
+        features = (config.CPU_FEATURES if config.CPU_FEATURES is not None
+                    else codegen.get_host_cpu_features())
     tm = ll.Target.from_triple(ll.get_process_triple()).create_target_machine(
         cpu=name, features=features, opt=2)
-    mod = ll.parse_assembly(_PROBE_IR)
+    mod = ll.parse_assembly(llvm_ir)
     mod.verify()
-    return "zmm" in tm.emit_assembly(mod)
+    return tm.emit_assembly(mod)
 
 
 @intrinsic
@@ -696,20 +706,7 @@ def has_pair_dot(name=None, features=None):
     bool
         Asked of LLVM for that target (see ``_BF16_PROBE_IR``); milliseconds.
     """
-    import llvmlite.binding as ll
-    from numba.core import codegen, config
-
-    codegen.initialize_llvm()
-    if name is None:
-        name = config.CPU_NAME or ll.get_host_cpu_name()
-    if features is None:
-        features = (config.CPU_FEATURES if config.CPU_FEATURES is not None
-                    else codegen.get_host_cpu_features())
-    tm = ll.Target.from_triple(ll.get_process_triple()).create_target_machine(
-        cpu=name, features=features, opt=2)
-    mod = ll.parse_assembly(_BF16_PROBE_IR)
-    mod.verify()
-    asm = tm.emit_assembly(mod)
+    asm = probe_assembly(_BF16_PROBE_IR, name, features)
     return "vcvtneps2bf16" in asm and "zmm" in asm
 
 
