@@ -137,3 +137,27 @@ def test_smallest_softcap_taken_is_exact(rng):
                                v.astype(np.float64), softcap=cap)[0]
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_read_only_slopes_and_sinks_compile_nothing_new(rng):
+    # Writeability is part of a Numba array's type: read-only ALiBi slopes or sinks (a
+    # broadcast, a frozen array) must reach the kernels as the writeable ones do, not as a
+    # second specialization; the caller's arrays keep their flags.
+    import sys
+
+    cpu_forward = sys.modules["sdpa_numba.cpu.forward"]  # the module (the package's name is the kernel)
+
+    q = rng.standard_normal((1, 3, 5, 8))
+    k = rng.standard_normal((1, 3, 7, 8))
+    slopes = rng.random(3)
+    sinks = rng.standard_normal(3)
+    want = sdpa(q, k, k, alibi_slopes=slopes, sinks=sinks)
+    before = len(cpu_forward.forward.overloads)
+    frozen_slopes, frozen_sinks = slopes.copy(), sinks.copy()
+    frozen_slopes.flags.writeable = False
+    frozen_sinks.flags.writeable = False
+    got = sdpa(q, k, k, alibi_slopes=frozen_slopes, sinks=frozen_sinks)
+    got_bcast = sdpa(q, k, k, alibi_slopes=np.broadcast_to(slopes, (1, 3)), sinks=sinks)
+    assert len(cpu_forward.forward.overloads) == before
+    assert np.array_equal(got, want) and np.array_equal(got_bcast, want)
+    assert not frozen_slopes.flags.writeable and not frozen_sinks.flags.writeable
