@@ -28,7 +28,7 @@ from bf16_checks import BF16, check_forward, randn
 from sdpa_numba import reference
 from sdpa_numba import scaled_dot_product_attention as sdpa
 from sdpa_numba.cpu import pair_scores
-from sdpa_numba.cpu._llvm import data_ptr, keep_alive
+from sdpa_numba.cpu._llvm import data_ptr, has_pair_dot, keep_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -38,12 +38,12 @@ needs_pair_dot = pytest.mark.skipif(not pair_scores.PAIR_DOT,
 
 @pytest.mark.skipif(not X86, reason="LLVM x86 CPU names")
 def test_choice_follows_the_features():
-    assert pair_scores.pair_selected("+avx512f,+avx512bf16,+avx512vl,+avx512bw", "skylake-avx512")
-    assert not pair_scores.pair_selected("+avx512f,-avx512bf16", "znver4")
-    assert not pair_scores.pair_selected("", "x86-64-v3")  # no AVX-512 at all
-    assert pair_scores.pair_selected("", "znver4")  # the name's defaults
-    assert not pair_scores.pair_selected("", "znver3")
-    assert pair_scores.PAIR_DOT == pair_scores.pair_selected()
+    assert has_pair_dot("skylake-avx512", "+avx512f,+avx512bf16,+avx512vl,+avx512bw")
+    assert not has_pair_dot("znver4", "+avx512f,-avx512bf16")
+    assert not has_pair_dot("x86-64-v3", "")  # no AVX-512 at all
+    assert has_pair_dot("znver4", "")  # the name's defaults
+    assert not has_pair_dot("znver3", "")
+    assert pair_scores.PAIR_DOT == has_pair_dot()
 
 
 @pytest.mark.skipif(not X86, reason="LLVM x86 CPU names")

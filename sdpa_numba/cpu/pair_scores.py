@@ -58,24 +58,6 @@ _whole = pair_dots(MR_WIDE, BM // 16)
 _chunk = pair_dots(MR_WIDE, LANE_CHUNK // 16)
 
 
-def pair_selected(features=None, name=None):
-    """Whether a CPU would get the ``vdpbf16ps`` scores (the choice :data:`PAIR_DOT` made at
-    import for the CPU Numba compiles for).
-
-    Parameters
-    ----------
-    features : str, optional
-        An LLVM feature string such as ``NUMBA_CPU_FEATURES`` (``"+avx512f,-avx512bf16"``).
-    name : str, optional
-        An LLVM CPU name (``"znver4"``, ``"x86-64-v3"``).
-
-    Returns
-    -------
-    bool
-    """
-    return has_pair_dot(name, features)
-
-
 def pair_buffer(q, n):
     """An int16 scratch buffer of ``n`` zeros for bfloat16 storage ``q`` on a CPU with
     :data:`PAIR_DOT`, else None (a compile-time choice; jitted code only)."""
