@@ -197,3 +197,28 @@ def test_variants_forward_from_user_njit(rng):
     # the serial kernel gives the batched one's rows, bit for bit
     np.testing.assert_array_equal(out_h, out)
     np.testing.assert_array_equal(lse_h, lse)
+
+
+def test_constants_and_variables_share_one_specialization(rng):
+    # A user's function passing is_causal as the constant True, the constant False or a
+    # variable (and leaving the optional arguments out or passing None) compiles the kernel
+    # once: Numba would type each constant as its literal, a specialization of its own.
+    @njit
+    def user(q, k, v, out, lse, causal):
+        cpu.forward_head(q, k, v, None, True, 0.5, out, lse)
+        a = out.copy()
+        cpu.forward_head(q, k, v, None, False, 0.5, out, lse, None)
+        b = out.copy()
+        cpu.forward_head(q, k, v, None, causal, 0.5, out, lse)
+        return a, b
+
+    q, k, v = randn(rng, (37, 16)), randn(rng, (45, 16)), randn(rng, (45, 16))
+    out = np.full((37, 16), np.nan, np.float32)
+    lse = np.full(37, np.nan, np.float32)
+    before = len(cpu.forward_head.overloads)
+    a, b = user(q, k, v, out, lse, True)
+    assert len(cpu.forward_head.overloads) <= before + 1
+    for got, causal in ((a, True), (b, False), (out, True)):
+        ref, _ = attention(q, k, v, is_causal=causal, scale=0.5)
+        assert rel_err(got, ref) < TOL[np.float32]
+    assert not np.array_equal(a, b)

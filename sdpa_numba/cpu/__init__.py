@@ -17,7 +17,7 @@ from .._runtime import stamp_caches
 from .backward import backward
 from .decode import decode, decode_serial
 from .forward import forward, forward_head
-from .from_python import explain_float16
+from .from_python import explain_float16, one_type_per_argument
 from .online_softmax import online_softmax_finalize, online_softmax_update
 from ..score.merge import merge_row, merge_rows, merge_weights
 from .varlen import varlen_backward, varlen_forward
@@ -28,6 +28,7 @@ stamp_caches()
 for _kernel in (forward, forward_head, backward, online_softmax_update, online_softmax_finalize,
                 decode, decode_serial, varlen_forward, varlen_backward):
     explain_float16(_kernel)
+    one_type_per_argument(_kernel)
 del _kernel
 
 __all__ = ["forward", "forward_head", "backward", "online_softmax_update",

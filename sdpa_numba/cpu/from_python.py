@@ -1,4 +1,6 @@
-"""Clear errors for the jitted entry points called from Python with arrays they cannot take.
+"""The jitted entry points as called from outside the package: from Python, clear errors for
+arrays they cannot take (:func:`explain_float16`); from users' jitted code, one specialization
+whether an argument is a constant or a variable (:func:`one_type_per_argument`).
 
 Numba's CPU target types a float16 array but cannot lower it, so a call with one fails deep
 in the compiler with ``NotImplementedError: float16``. The kernels take float16 storage as a
@@ -8,7 +10,10 @@ matches a compiled signature (and never inside users' jitted code, which cannot 
 arrays either).
 """
 
+import types as pytypes
+
 import numpy as np
+from numba.core import types
 
 
 def _float16_arg(dispatcher, args, kws):
@@ -37,4 +42,30 @@ def explain_float16(dispatcher):
         return compile_for_args(*args, **kws)
 
     dispatcher._compile_for_args = _compile_for_args
+    return dispatcher
+
+
+def one_type_per_argument(dispatcher):
+    """Make calls of ``dispatcher`` from jitted code type constants as the variables they stand
+    for: ``True`` as ``bool``, ``3`` as ``int64``, an omitted ``None`` default as ``None``.
+
+    Numba compiles a jitted function called from jitted code for the call's argument types
+    as they are, and a constant's type is its literal: ``forward(..., True, ...)``,
+    ``forward(..., False, ...)`` and ``forward(..., causal, ...)`` in a user's function were
+    three specializations of the kernel (measured: ``Literal[bool](True)``,
+    ``Literal[bool](False)`` and ``bool``), ten seconds or more of compiling each. The kernels
+    take every such argument as a run-time value, so one specialization serves all three.
+    (Calls from Python are typed by value already: this changes nothing there.)
+    """
+    base = getattr(type(dispatcher), "get_call_template", None)
+    if base is None:  # NUMBA_DISABLE_JIT=1: a plain Python function
+        return dispatcher
+
+    def get_call_template(self, args, kws):
+        _, folded = self._compiler.fold_argument_types(args, kws)
+        folded = tuple(types.none if isinstance(a, types.Omitted) and a.value is None
+                       else types.unliteral(a) for a in folded)
+        return base(self, folded, {})
+
+    dispatcher.get_call_template = pytypes.MethodType(get_call_template, dispatcher)
     return dispatcher
