@@ -12,7 +12,7 @@ CPU times are the figures to compare on a shared machine (compiling runs on one 
 
     python scripts/cold_start.py --runs 3
     python scripts/cold_start.py --runs 3 --vs /path/to/other/checkout
-    python scripts/cold_start.py --events -- -L 256 --heads 1
+    python scripts/cold_start.py --events --runs 1 --vs /path/to/other/checkout -- -L 256 --heads 1
 """
 
 import argparse
@@ -90,22 +90,24 @@ def _events_child(check_args):
     doc = {"rc": rc, "cpu_s": ru.ru_utime + ru.ru_stime, "llvm_lock_s": lock[0],
            "functions": [[k, incl[k], excl[k], count[k]] for k in incl]}
     print(json.dumps(doc), file=sys.stderr)
+    sys.exit(rc)
 
 
-def events(check_args, top):
-    """One cold run with the per-function breakdown printed."""
+def events(root, check_args, top):
+    """One cold run of source tree ``root`` with the per-function breakdown printed (this
+    script's listeners, whichever tree is run)."""
     with tempfile.TemporaryDirectory(prefix="cold_start_") as d:
-        env = dict(os.environ, NUMBA_CACHE_DIR=d, PYTHONPATH=HERE)
+        env = dict(os.environ, NUMBA_CACHE_DIR=d, PYTHONPATH=root)
         t0 = time.perf_counter()
         res = subprocess.run([sys.executable, os.path.abspath(__file__), "--events-child",
-                              "--", *check_args], cwd=HERE, env=env, capture_output=True,
+                              "--", *check_args], cwd=root, env=env, capture_output=True,
                              text=True, check=False)
         wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"exit {res.returncode}\n{res.stdout}\n{res.stderr}")
     doc = json.loads(res.stderr.strip().splitlines()[-1])
     first = json.loads(res.stdout)["first_call_s"]
-    print(f"cold first call {first:.2f} s; process {wall:.2f} s wall, {doc['cpu_s']:.2f} s CPU; "
+    print(f"{root}: cold first call {first:.2f} s; process {wall:.2f} s wall, {doc['cpu_s']:.2f} s CPU; "
           f"LLVM lock held {doc['llvm_lock_s']:.2f} s; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'exclusive':>10} {'inclusive':>10} {'count':>6}  compiled function (CPU s)")
@@ -121,14 +123,17 @@ def main():
     p.add_argument("--runs", type=int, default=3, help="cold runs per tree (default 3)")
     p.add_argument("--vs", default=None, help="a second source tree, run in turn with this one")
     p.add_argument("--events", action="store_true",
-                   help="one cold run, broken down by compiled function (Numba's events)")
+                   help="cold runs (--runs per tree), each broken down by compiled function "
+                        "(Numba's events)")
     p.add_argument("--top", type=int, default=25, help="functions listed by --events")
     p.add_argument("check_args", nargs="*", help="arguments of the check (default: none)")
     a = p.parse_args()
-    if a.events:
-        events(a.check_args, a.top)
-        return
     roots = [HERE] + ([os.path.abspath(a.vs)] if a.vs else [])
+    if a.events:
+        for i in range(a.runs):
+            for r in roots:
+                events(r, a.check_args, a.top)
+        return
     cold = {r: [] for r in roots}
     warm = {r: [] for r in roots}
     for i in range(a.runs):
