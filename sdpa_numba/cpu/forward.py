@@ -6,10 +6,10 @@ then streams key/value blocks of ``BN`` keys:
 it packs the block (a full block is read in place when its rows are already in the compute
 dtype, and for V when its rows are not a multiple of SET_STRIDE bytes apart), and for each
 sub-block of ``BM`` query rows computes the transposed score tile ``Sᵀ = K Qᵀ`` (BN x BM) with
-the register-tiled :func:`tile_product`, applies masks, runs the online softmax and
-accumulates the transposed output ``Oᵀ += Vᵀ Pᵀ`` (Ev x BM) with
-:func:`tile_product_lanes`. Memory per task is O(chunk · (E + Ev) + BN · (E + Ev)); nothing of
-size L x S exists.
+the register-tiled :func:`.microkernel.tile_product`, applies masks, runs the online softmax
+and accumulates the transposed output ``Oᵀ += Vᵀ Pᵀ`` (Ev x BM) with
+:func:`.microkernel.tile_product_lanes`. Memory per task is O(chunk · (E + Ev) + BN · (E +
+Ev)); nothing of size L x S exists.
 
 Why the transposed tiles: with queries along the vector lanes, the softmax's row max and row
 sum become lane-wise max and add over keys, so every step of it vectorizes (a horizontal
@@ -32,13 +32,13 @@ from ._llvm import (by_symbol, data_ptr, keep_alive, no_inline, prefer_512_bit, 
                     stack_buffer, stash, unstash)
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
-from .microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product, tile_product_lanes
+from .microkernel import LANE_CHUNK, MR_WIDE, NR, register_passes
 from .online_softmax import LOG2E
 from .pair_scores import (all_flags, flag, pack_key_pairs, pack_query_pairs, pair_buffer,
                           pair_flags, pair_scores)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
-from .scratch import LINE, aligned_empty, aligned_full
+from .scratch import LINE, aligned_empty
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
 from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
@@ -330,24 +330,36 @@ def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi):
         st[t] = 0
 
 
-@njit(**CALLED)
 def _scores(kb, ldk, e_len, qt, st, n_keys, lanes):
     """Sᵀ = K Qᵀ for the first ``n_keys`` keys of a block (rounded up to whole tiles), in the
     first ``lanes`` query lanes (a multiple of LANE_CHUNK; BM: all).
 
     ``kb`` BN x E (row stride ``ldk``), ``qt`` E x BM (a sub-block of packed queries), ``st``
-    BN x BM.
+    BN x BM (jitted code only).
     """
-    # The tile products are compiled as calls of their own (here and in _accumulate):
-    # inlined into attend_rows, LLVM kept the 6-row P·V accumulator in memory.
-    no_inline()
-    for jt in range(0, n_keys, MR_WIDE):
-        # The last tile of a block overlaps the one before (it starts at BN - MR_WIDE): a
-        # score is only written, so computing some twice changes nothing, and the one tile
-        # shape compiles once (a remainder tile doubled this function's compile time).
-        j = min(jt, BN - MR_WIDE)
-        tile_product(ptr_add(kb, j * ldk), ldk, 1, qt, BM, ptr_add(st, j * BM), BM, e_len,
-                     None, MR_WIDE, lanes)
+    raise NotImplementedError("_scores is only callable from jitted code")
+
+
+@overload(_scores, **CALLED)
+def _ol_scores(kb, ldk, e_len, qt, st, n_keys, lanes):
+    # tile_product's passes, picked here by type (see microkernel.register_passes: the same
+    # code, compiled once).
+    tile = register_passes(kb.dtype, False, False, False)
+
+    def scores(kb, ldk, e_len, qt, st, n_keys, lanes):
+        # The tile products are compiled as calls of their own (here and in _accumulate):
+        # inlined into attend_rows, LLVM kept the 6-row P·V accumulator in memory.
+        no_inline()
+        prefer_512_bit()
+        for jt in range(0, n_keys, MR_WIDE):
+            # The last tile of a block overlaps the one before (it starts at BN - MR_WIDE): a
+            # score is only written, so computing some twice changes nothing, and the one tile
+            # shape compiles once (a remainder tile doubled this function's compile time).
+            j = min(jt, BN - MR_WIDE)
+            tile(ptr_add(kb, j * ldk), ldk, 1, qt, BM, ptr_add(st, j * BM), BM, e_len, None,
+                 MR_WIDE, lanes)
+
+    return scores
 
 
 @njit(**INLINE)
@@ -372,29 +384,41 @@ def _packed_stride(ev_pad, itemsize):
     return ev_pad
 
 
-@njit(**CALLED)
 def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
     """accᵀ = accᵀ diag(alpha) + Vᵀ Pᵀ for one sub-block: ``pt`` is Pᵀ (BN x BM), ``vb`` BN x
-    ev_pad (row stride ``ldv``), ``acc`` is accᵀ, ev_pad x BM, all row-major.
+    ev_pad (row stride ``ldv``), ``acc`` is accᵀ, ev_pad x BM, all row-major (jitted code
+    only).
 
     Queries on the lanes, as in the score tiles: V is read by broadcasts, so its rows need
     no alignment and full blocks are read in place whatever their address.
     """
-    no_inline()
-    # All BM lanes, even for a partial sub-block (unlike the scores): with the constant trip
-    # count over BN keys, LLVM reorders the whole tile's sums over keys (fast-math reassoc),
-    # and the narrowed tile's chunks, summed in written order, gave other last bits
-    # (measured). Lanes past the real rows hold finite values, whose P·V is never output.
-    # ev_pad is a multiple of 4: what the 6-row tiles leave is done in 4-row tiles (two of
-    # them in place of the last 6-row tile when 2 rows are left).
-    rest = ev_pad % MR_WIDE
-    n_six = max(ev_pad - rest - (MR_WIDE if rest == 2 else 0), 0)
-    for d0 in range(0, n_six, MR_WIDE):
-        tile_product_lanes(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN,
-                           alpha, MR_WIDE)
-    for d0 in range(n_six, ev_pad, 4):
-        tile_product_lanes(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN,
-                           alpha, 4)
+    raise NotImplementedError("_accumulate is only callable from jitted code")
+
+
+@overload(_accumulate, **CALLED)
+def _ol_accumulate(pt, vb, ldv, ev_pad, acc, alpha):
+    # tile_product_lanes's passes, picked here by type (see _ol_scores).
+    tile = register_passes(pt.dtype, True, True, True)
+
+    def accumulate(pt, vb, ldv, ev_pad, acc, alpha):
+        no_inline()
+        prefer_512_bit()
+        # All BM lanes, even for a partial sub-block (unlike the scores): with the constant
+        # trip count over BN keys, LLVM reorders the whole tile's sums over keys (fast-math
+        # reassoc), and the narrowed tile's chunks, summed in written order, gave other last
+        # bits (measured). Lanes past the real rows hold finite values, whose P·V is never
+        # output. ev_pad is a multiple of 4: what the 6-row tiles leave is done in 4-row tiles
+        # (two of them in place of the last 6-row tile when 2 rows are left).
+        rest = ev_pad % MR_WIDE
+        n_six = max(ev_pad - rest - (MR_WIDE if rest == 2 else 0), 0)
+        for d0 in range(0, n_six, MR_WIDE):
+            tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha,
+                 MR_WIDE, None)
+        for d0 in range(n_six, ev_pad, 4):
+            tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha, 4,
+                 None)
+
+    return accumulate
 
 
 @njit(**INLINE)
@@ -451,6 +475,21 @@ def _pack_float_queries(q, i0, n, n_pad, c, qt, like):
     return w
 
 
+@njit(**CALLED)
+def _scratch(n, fill, value, like):
+    """A scratch array of ``n`` elements of ``like``'s dtype that starts a cache line
+    (:func:`.scratch.aligned_empty`), all ``value`` if ``fill``.
+
+    A call of its own, compiled once: :func:`attend_rows` makes eleven, and each inlined
+    allocation and fill was a copy of their code to compile (compile time, see
+    scripts/cold_start.py --events).
+    """
+    a = aligned_empty(n, like.dtype)
+    if fill:
+        a[:] = value
+    return a
+
+
 @njit(**KERNEL)
 def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=0):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
@@ -473,25 +512,24 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     n = i1 - i0
     n_pad = (n + BM - 1) // BM * BM
     ev_pad = _acc_rows(ev)
-    ct = lse.dtype
-    qt = aligned_empty(max(n_pad * e_len, 1), ct)
-    ks = aligned_empty(max(BN * e_len, 1), ct)
+    qt = _scratch(max(n_pad * e_len, 1), False, 0.0, lse)
+    ks = _scratch(max(BN * e_len, 1), False, 0.0, lse)
     ldvs = _packed_stride(ev_pad, lse.itemsize)
-    vs = aligned_full(max(BN * ldvs, 1), 0, ct)
+    vs = _scratch(max(BN * ldvs, 1), True, 0.0, lse)
     # Zeroed: a partial sub-block's score tiles leave its lanes past ``lanes`` as they were,
     # and the passes over all lanes (softmax, soft cap, dropout, P·V) should meet no garbage
     # there (their results in those lanes are never output).
-    st = aligned_full(BN * BM, 0, ct)
-    acc = aligned_full(max(n_pad * ev_pad, 1), 0, ct)
-    m = aligned_full(n_pad, -np.inf, ct)
-    l = aligned_full(n_pad, 0, ct)
-    alpha = aligned_empty(n_pad, ct)
+    st = _scratch(BN * BM, True, 0.0, lse)
+    acc = _scratch(max(n_pad * ev_pad, 1), True, 0.0, lse)
+    m = _scratch(n_pad, True, -np.inf, lse)
+    l = _scratch(n_pad, True, 0.0, lse)
+    alpha = _scratch(n_pad, False, 0.0, lse)
     # Outer totals (see _fold_every), for long sequences only.
     fold_every = _fold_every(s_len)
     folds = s_len > fold_every * BN
-    acc_o = aligned_full(n_pad * ev_pad if folds else 1, 0, ct)
-    m_o = aligned_full(n_pad, -np.inf, ct)
-    l_o = aligned_full(n_pad, 0, ct)
+    acc_o = _scratch(n_pad * ev_pad if folds else 1, True, 0.0, lse)
+    m_o = _scratch(n_pad, True, -np.inf, lse)
+    l_o = _scratch(n_pad, True, 0.0, lse)
     # A soft cap c takes the scores as s / c: its 1 / c is folded into the queries' scale
     # (one multiply per query element instead of one per score).
     c = scale if r.softcap <= 0 else scale / r.softcap
@@ -506,16 +544,16 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
     # Subnormal queries or keys, which vdpbf16ps reads as zeros, take the float32 path, per
     # tile of BM rows (aligned to multiples of BM) and BN keys, so that a row's bits depend on
     # its own tiles only, never on the rows its task shares (chunks depend on the shape).
-    packs = True  # whether the float32 path's queries are packed (else on first use)
+    wants = True  # whether the float32 path's queries are needed whatever the keys
     pair_w = 1.0
     if pairs:
         # The pair scores are multiplied by pair_w: the part of c not folded into qp.
         pair_w = pack_query_pairs(q, i0, n, n_pad, c, qp, q_ok)
-        packs = not all_flags(q_ok)
-    w = 1.0
-    if packs:
-        w = _pack_float_queries(q, i0, n, n_pad, c, qt, lse)
-    score_w = cast(w, lse)
+        wants = not all_flags(q_ok)
+    # The float32 path's queries are packed in the first key block that needs them: one call
+    # site of _pack_float_queries (each is a copy of its code to compile).
+    packs = False  # whether they are packed
+    score_w = cast(1.0, lse)
     p_acc, p_m, p_l, p_alpha = data_ptr(acc), data_ptr(m), data_ptr(l), data_ptr(alpha)
     one = cast(1.0, lse)
     # Full blocks of K and V are read in place when they are already rows of the compute
@@ -538,7 +576,7 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
         # in place only if they are still inside V (rows may overlap: ldv < Ev).
         v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv
         k_ok = pairs and pack_key_pairs(k, j0, nj, kp)
-        if not k_ok and not packs:  # a block of subnormal keys: the float32 path's queries
+        if not packs and (wants or not k_ok):  # (not k_ok: a block of subnormal keys)
             w = _pack_float_queries(q, i0, n, n_pad, c, qt, lse)
             score_w = cast(w, lse)
             packs = True
@@ -601,10 +639,17 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             drop_tile(p_st, BM, n_keys, dropout, i0 + r0, j0)
             _accumulate(p_st, p_vb, ldvb, ev_pad, ptr_add(p_acc, r0 * ev_pad),
                         ptr_add(p_alpha, r0))
-        if folds and (j0 // BN + 1) % fold_every == 0:
-            _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
-    if folds:  # the last fold: the totals are the outer ones
-        _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
+        if folds:
+            # A fold after every fold_every-th block, and the last one after the last block
+            # (both after a block that is both): one call site of _fold (each is a copy of
+            # its code to compile).
+            n_folds = 1 if (j0 // BN + 1) % fold_every == 0 else 0
+            if j0 + BN >= kv_end:
+                n_folds += 1
+            for _ in range(n_folds):
+                _fold(n_pad, ev_pad, acc, m, l, acc_o, m_o, l_o)
+    if folds:  # the totals are the outer ones (without key blocks: their zeros and -inf,
+        # as the running ones', which a fold would have left so)
         acc, m, l = acc_o, m_o, l_o
         p_acc = data_ptr(acc)
 

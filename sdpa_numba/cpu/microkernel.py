@@ -62,16 +62,26 @@ def _make_pass(fold, width):
     fold scalar.)
     """
     acc_buffer = stack_buffer(MR_WIDE * width)
-
+    # The sum over k is written out in each pass rather than inlined from a helper of its
+    # own: each inlined function is a Numba IR copy per call site, and the passes are
+    # inlined many times over (compile time, see scripts/cold_start.py --events).
     if width == NR:
         @njit(**INLINE)
-        def sum_over_k(acc, a, a_rs, a_ks, b, ldb, k_len, mr):
+        def tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr):
+            acc = acc_buffer(a)
+            for t in range(mr * width):
+                acc[t] = 0
             for kk in range(k_len):
                 bk = ptr_add(b, kk * ldb)
                 for r in range(mr):
                     a_rk = a[r * a_rs + kk * a_ks]
                     for j in range(width):
                         acc[r * width + j] += a_rk * bk[j]
+            fold(acc, c, ldc, alpha, mr, width)
+            for r in range(mr):
+                cr = ptr_add(c, r * ldc)
+                for j in range(width):
+                    cr[j] = acc[r * width + j]
     else:
         # A narrow tile leaves the loop vectorizer few enough scalar sums to vectorize the loop
         # over k as reductions (interleaved partial sums): one vector multiply-add per row
@@ -79,23 +89,19 @@ def _make_pass(fold, width):
         mul_add = row_mul_add(width)
 
         @njit(**INLINE)
-        def sum_over_k(acc, a, a_rs, a_ks, b, ldb, k_len, mr):
+        def tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr):
+            acc = acc_buffer(a)
+            for t in range(mr * width):
+                acc[t] = 0
             for kk in range(k_len):
                 bk = ptr_add(b, kk * ldb)
                 for r in range(mr):
                     mul_add(ptr_add(acc, r * width), a[r * a_rs + kk * a_ks], bk)
-
-    @njit(**INLINE)
-    def tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, mr):
-        acc = acc_buffer(a)
-        for t in range(mr * width):
-            acc[t] = 0
-        sum_over_k(acc, a, a_rs, a_ks, b, ldb, k_len, mr)
-        fold(acc, c, ldc, alpha, mr, width)
-        for r in range(mr):
-            cr = ptr_add(c, r * ldc)
-            for j in range(width):
-                cr[j] = acc[r * width + j]
+            fold(acc, c, ldc, alpha, mr, width)
+            for r in range(mr):
+                cr = ptr_add(c, r * ldc)
+                for j in range(width):
+                    cr[j] = acc[r * width + j]
 
     return tile_pass
 
@@ -172,6 +178,43 @@ def tile_product_lanes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
     _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, None)
 
 
+def _pick_passes(lane_alpha, scaled, whole_only, dtype):
+    """The register passes ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)``
+    (a Python function, to be compiled inlined) for operands of Numba type ``dtype``:
+    ``lane_alpha`` False, one factor of alpha per row (:func:`tile_product`), True, one per
+    column (:func:`tile_product_lanes`); ``scaled``: alpha is given (else None);
+    ``whole_only``: the caller never narrows the tile (``lanes`` omitted or None)."""
+    fold = (_lane_fold if lane_alpha else _row_fold) if scaled else _set
+    per_column = scaled and lane_alpha
+    if not WIDE_VECTORS:
+        chunks = _column_chunks(fold, CHUNK_BYTES * 8 // dtype.bitwidth, per_column)
+        if whole_only:
+            def all_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+                chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, NR)
+
+            return all_chunks
+
+        def some_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+            chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
+
+        return some_chunks
+    whole = _whole_tile(fold, dtype != types.float64, scaled and not lane_alpha)
+    if whole_only:
+        def whole_tile(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+            whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+
+        return whole_tile
+    narrow = _column_chunks(fold, LANE_CHUNK, per_column)
+
+    def whole_or_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+        if lanes >= NR:
+            whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
+        else:
+            narrow(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
+
+    return whole_or_chunks
+
+
 def _make_passes(lane_alpha):
     """The register passes of :func:`tile_product` (``lane_alpha`` False: one factor of alpha
     per row) or :func:`tile_product_lanes` (True: one per column), for jitted code only."""
@@ -183,42 +226,33 @@ def _make_passes(lane_alpha):
     def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
         # Chosen by type when the caller is typed, so that no code for the other dtype's
         # passes or the other kind of start reaches LLVM (it did, as dead branches, and
-        # doubled the forward's compile time).
-        scaled = not isinstance(alpha, types.NoneType)
-        fold = (_lane_fold if lane_alpha else _row_fold) if scaled else _set
-        per_column = scaled and lane_alpha
-        # A caller that never narrows the tile (the backward) omits ``lanes``: no code for
-        # the narrow chunks reaches LLVM.
-        whole_only = isinstance(lanes, (types.Omitted, types.NoneType))
-        if not WIDE_VECTORS:
-            chunks = _column_chunks(fold, CHUNK_BYTES * 8 // a.dtype.bitwidth, per_column)
-            if whole_only:
-                def all_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
-                    chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, NR)
-
-                return all_chunks
-
-            def some_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
-                chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
-
-            return some_chunks
-        whole = _whole_tile(fold, a.dtype != types.float64, scaled and not lane_alpha)
-        if whole_only:
-            def whole_tile(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
-                whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
-
-            return whole_tile
-        narrow = _column_chunks(fold, LANE_CHUNK, per_column)
-
-        def whole_or_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
-            if lanes >= NR:
-                whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
-            else:
-                narrow(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
-
-        return whole_or_chunks
+        # doubled the forward's compile time). A caller that never narrows the tile (the
+        # backward) omits ``lanes``: no code for the narrow chunks reaches LLVM.
+        return _pick_passes(lane_alpha, not isinstance(alpha, types.NoneType),
+                            isinstance(lanes, (types.Omitted, types.NoneType)), a.dtype)
 
     return passes
+
+
+#: The passes of :func:`register_passes`, by what picks them.
+_picked = {}
+
+
+def register_passes(dtype, lane_alpha, scaled, whole_only):
+    """The register passes that :func:`tile_product` (``lane_alpha`` False) or
+    :func:`tile_product_lanes` (True) would run for operands of Numba type ``dtype``, as an
+    ``@njit`` function inlined where it is called, ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len,
+    alpha, rows, lanes)``: for a caller that is itself chosen by type (an ``@overload``).
+
+    The same code as the tile products' (the caller adds ``prefer_512_bit()``), without their
+    compile-time cost: Numba compiles an ``inline="always"`` overload's implementation as a
+    function of its own to type it (its machine code never used), and runs its frontend again
+    each time a call to it is typed (the forward's two tile helpers paid ~1 s for that).
+    """
+    key = (dtype, lane_alpha, scaled, whole_only)
+    if key not in _picked:
+        _picked[key] = njit(**INLINE)(_pick_passes(lane_alpha, scaled, whole_only, dtype))
+    return _picked[key]
 
 
 def _whole_tile(fold, float32, per_row):
@@ -226,12 +260,9 @@ def _whole_tile(fold, float32, per_row):
     of 2 rows; ``per_row``: ``alpha`` has one factor per row, so each pair takes its own."""
     tile_pass = _tile_pass(fold, NR)
     if float32:
-        # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass.
-        @njit(**INLINE)
-        def one_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-            tile_pass(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
-
-        return one_pass
+        # float32 rows are 4 zmm each: the whole tile (4 or 6 rows) is one pass, called as
+        # it is (a wrapper would be one more inlined level per call site).
+        return tile_pass
 
     # float64 rows are 8 zmm each: 2 rows a pass (4 would need all 32 zmm and spill;
     # splitting columns instead kept the accumulator in memory in our measurements).
