@@ -32,6 +32,7 @@ from ._llvm import (by_symbol, data_ptr, keep_alive, no_inline, prefer_512_bit, 
                     stack_buffer, stash, unstash)
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
+from .from_python import one_type_per_argument
 from .microkernel import LANE_CHUNK, MR_WIDE, NR, register_passes
 from .online_softmax import LOG2E
 from .pair_scores import (all_flags, flag, pack_key_pairs, pack_query_pairs, pair_buffer,
@@ -475,6 +476,7 @@ def _pack_float_queries(q, i0, n, n_pad, c, qt, like):
     return w
 
 
+@one_type_per_argument  # fill True and False: one compile, not one per literal
 @njit(**CALLED)
 def _scratch(n, fill, value, like):
     """A scratch array of ``n`` elements of ``like``'s dtype that starts a cache line
