@@ -710,6 +710,38 @@ def has_pair_dot(name=None, features=None):
     return "vcvtneps2bf16" in asm and "zmm" in asm
 
 
+#: Probe for :func:`has_vnni`: with AVX-512 VNNI, LLVM fuses a ``vpmaddwd`` and the add of its
+#: lane sums into one ``vpdpwssd``; without it, they stay two instructions (never an error:
+#: asking for ``vpdpbusd`` itself would abort the process on a CPU that lacks it).
+_VNNI_PROBE_IR = """
+declare <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16>, <32 x i16>)
+define <16 x i32> @probe(<16 x i32> %a, <32 x i16> %b, <32 x i16> %c) {
+  %p = call <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16> %b, <32 x i16> %c)
+  %d = add <16 x i32> %a, %p
+  ret <16 x i32> %d
+}
+"""
+
+
+def has_vnni(name=None, features=None):
+    """Whether a CPU has AVX-512 VNNI's integer dot products (``vpdpbusd``: 16 int32 lanes,
+    each adding four products of an unsigned and a signed byte), with 512-bit vectors.
+
+    Parameters
+    ----------
+    name, features : str, optional
+        As :func:`has_pair_dot`: by default the CPU and features Numba's code generator
+        compiles for (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` honoured).
+
+    Returns
+    -------
+    bool
+        Asked of LLVM for that target (see ``_VNNI_PROBE_IR``); milliseconds.
+    """
+    asm = probe_assembly(_VNNI_PROBE_IR, name, features)
+    return "vpdpwssd" in asm and "zmm" in asm
+
+
 def pair_dots(n_rows, n_vec):
     """Make an intrinsic ``f(a, a_rs, b, c, n_pairs)``: ``c[r * 16 * n_vec + l] = sum over p <
     n_pairs of a_r[2p] * b[p, l, 0] + a_r[2p + 1] * b[p, l, 1]`` for the rows ``r < n_rows``
