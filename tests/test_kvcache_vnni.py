@@ -1,8 +1,8 @@
 """The int8 cache's (one scale per token and head) scores by AVX-512 VNNI (sdpa_numba.cpu.int_dots):
 the query rows as two int16 digits of block floating point, exact integer dot products.
 Against the float64 reference over the dequantized cache with the float32 cache's tolerance
-(odd sizes, MHA and GQA with fewer than four rows a head, E 64 / 128 / 192 and 96 that takes
-the float loop, contiguous and paged, split-KV), extreme queries and keys, bitwise invariance
+(odd sizes, MHA and GQA with fewer than four rows a head, E 128 / 192 / 256, and 64 and 96
+that take the float loop, contiguous and paged, split-KV), extreme queries and keys, bitwise invariance
 to the thread count and to the rows sharing a task, the digits themselves, and the selection
 at import following NUMBA_CPU_FEATURES.
 
@@ -61,12 +61,12 @@ def test_selected_on_this_cpu():
     assert not has_vnni(features="-avx512f")
 
 
-@pytest.mark.parametrize("E", [64, 128, 192, 96])
+@pytest.mark.parametrize("E", [64, 128, 192, 256, 96])
 @pytest.mark.parametrize("page_size", [None, 48])
 def test_against_reference(rng, E, page_size):
     # MHA (rows 1..3 a head: Lq 1..3) and GQA of two query heads a key/value head with Lq 1
     # (two rows); sequences cut in chunks (split-KV) and blocks (keys left to scalar loops);
-    # E = 96 takes the float loop.
+    # E = 64 and 96 take the float loop.
     B, H, S = 2, 3, CHUNK + 77
     kq, ks, vq, vs, k64, v64 = _int8(rng, B, S, H, E)
     seqlens = np.array([CHUNK + 71, 45], np.int32)

@@ -598,7 +598,8 @@ def quant_queries(qz, qp, n_rows, rows, e_len):
     ``n_rows`` float32 query rows at ``qp`` (``E = e_len``) written for the VNNI scores of an
     int8 cache with one scale a row (:func:`.int_dots.prepare_rows`), once a chunk; ``use``
     is false (and the arrays empty) where those do not apply: no VNNI, another format, blocks
-    of scales, E not a multiple of 64, four rows a head or more (jitted code only)."""
+    of scales, E not a multiple of 64 or below 128, four rows a head or more (jitted code
+    only)."""
     raise NotImplementedError("quant_queries is only callable from jitted code")
 
 
@@ -609,8 +610,12 @@ def _quant_queries(qz, qp, n_rows, rows, e_len):
     vnni = HAS_VNNI and LANES == 16 and qp.dtype == types.float32
 
     def impl(qz, qp, n_rows, rows, e_len):
+        # E of 128 and more: at 64 its per-score combination of the lanes outweighs the
+        # loop it saves (16 keys in L1, one row, AMD EPYC Zen 4, ns per (key, head): D64 float
+        # loop 2.6, VNNI 3.0; D128 4.7, 3.6; D256 8.8, 5.9; scripts/quant_decode_profile.py
+        # --micro)
         use = (vnni and qz[4] == FMT_INT8 and qz[0].shape[3] == 1 and rows < 4
-               and e_len > 0 and e_len % VNNI_STEP == 0)
+               and e_len >= 2 * VNNI_STEP and e_len % VNNI_STEP == 0)
         m = n_rows if use else 0
         dig = aligned_empty(m * 2 * e_len, np.int16)
         fac = np.empty(2 * m, np.float32)

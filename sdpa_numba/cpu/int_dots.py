@@ -1,7 +1,7 @@
 """Scores of float32 query rows against int8 keys by AVX-512 VNNI's integer dot products
 (``vpdpwssd``), exact in integers: the int8 cache's (one scale per token and head) ``q k`` of
-:mod:`.decode` where the CPU has VNNI (:data:`HAS_VNNI`), E is a multiple of 64 and a key/value
-head has fewer than four query rows (MHA; the four-row passes of GQA convert a key once for
+:mod:`.decode` where the CPU has VNNI (:data:`HAS_VNNI`), E is a multiple of 64 from 128 on
+(at 64 the float loop is cheaper) and a key/value head has fewer than four query rows (MHA; the four-row passes of GQA convert a key once for
 four rows, and there the float loop is as cheap: see below).
 
 The queries are not rounded to 8 bits (llama.cpp's way): each row is written as block floating
@@ -25,7 +25,8 @@ bits below ``2^(x-1)``; the result depends on the row and the key only, so it st
 independent of the thread count and of the rows sharing a pass.
 
 Measured in isolation (16 keys of D128 in L1, one row, AMD EPYC Zen 4; scripts/
-quant_decode_profile.py ``--micro``): the float loop 4.7 ns per (key, head), this 3.4 ns;
+quant_decode_profile.py ``--micro``): the float loop 4.7 ns per (key, head), this 3.5 ns
+(D64: 2.6 and 3.0; D256: 8.8 and 5.9);
 ``vpdpbusd`` with three int8 digits of the query (keys made unsigned by flipping their sign
 bit, ``-128 sum d`` starting the accumulators) 3.6 ns, with queries of 23 bits. Four rows
 against four keys: the float loop 2.8 ns, this 3.3 ns (its dot products per element are not
