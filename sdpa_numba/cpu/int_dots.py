@@ -18,8 +18,9 @@ conversions and four dot products, where the float loop spends four ``vpmovsxbd`
 Each lane's two digit sums are exact integers (bounds in :func:`vnni_lane_dots`); they are
 combined into float32 per lane (``cvt(A1) * 2^16 + cvt(A0)``: the product exact, two or three
 roundings, where the float loop rounds once per FMA, E / 16 times a lane), reduced by the same
-transpose-and-add tree as the float loop, then multiplied by the key's scale and by ``2^x``
-(as two factors, both normal floats for every finite float32 row). Against the float loop the
+transpose-and-add tree as the float loop, then multiplied once by the key's scale times
+``2^x`` (``2^x`` as two factors, both normal floats for every finite float32 row; their
+product with the scale exact while it is a normal float). Against the float loop the
 last bits move in the lane sums (exact here, rounded per FMA there) and where an element has
 bits below ``2^(x-1)``; the result depends on the row and the key only, so it stays bitwise
 independent of the thread count and of the rows sharing a pass.
@@ -194,15 +195,20 @@ def vnni_lane_dots(n_rows, n_keys, group):
                                       ir.Constant(fvty, [65536.0] * 16))  # exact
                     lanes[d] = builder.fadd(hi, builder.sitofp(a0, fvty))
             res = _sum_tree(builder, [lanes[d] for d in dots], 16)
+            # times key scale x 2^x, lane r * n_keys + kk: sc[kk] times row r's two factors,
+            # exact while sc[kk] 2^x is a normal float (powers of two), so that the score is
+            # rounded once, as the float loop's (three multiplies of the score: one row's
+            # scores at q x 30 had twice the float loop's error)
             kvty = ir.VectorType(ir.FloatType(), n_keys)
             ks = builder.load(builder.bitcast(scp, kvty.as_pointer()), align=4)
             idx = ir.Constant(ir.VectorType(i32, 16), [k for _, k in dots])
-            res = builder.fmul(res, builder.shuffle_vector(ks, ks, idx))
+            scale = builder.shuffle_vector(ks, ks, idx)
             fty = ir.VectorType(ir.FloatType(), 2 * n_rows)
             fv = builder.load(builder.bitcast(fp, fty.as_pointer()), align=4)
             for t in range(2):
                 ix = ir.Constant(ir.VectorType(i32, 16), [2 * r + t for r, _ in dots])
-                res = builder.fmul(res, builder.shuffle_vector(fv, fv, ix))
+                scale = builder.fmul(scale, builder.shuffle_vector(fv, fv, ix))
+            res = builder.fmul(res, scale)
             builder.store(res, builder.bitcast(op, fvty.as_pointer()), align=4)
             return context.get_dummy_value()
 
