@@ -1,10 +1,10 @@
-"""The int8 cache's (one scale per token and head) scores by AVX-512 VNNI (sdpa_numba.cpu.int_dots):
-the query rows as two int16 digits of block floating point, exact integer dot products.
-Against the float64 reference over the dequantized cache with the float32 cache's tolerance
-(odd sizes, MHA and GQA with fewer than four rows a head, E 128 / 192 / 256, and 64 and 96
-that take the float loop, contiguous and paged, split-KV), extreme queries and keys, bitwise invariance
-to the thread count and to the rows sharing a task, the digits themselves, and the selection
-at import following NUMBA_CPU_FEATURES.
+"""The int8 cache's (one scale per token and head) scores by AVX-512 VNNI
+(sdpa_numba.cpu.int_dots): the query rows as two int16 digits of block floating point, exact
+integer dot products. Against the float64 reference over the dequantized cache with the
+float32 cache's tolerance (odd sizes, MHA and GQA with fewer than four rows a head, E 128 /
+192 / 256, and 64 and 96 that take the float loop, contiguous and paged, split-KV), extreme
+queries and keys, bitwise invariance to the thread count and to the rows sharing a task, the
+digits themselves, and the selection at import following NUMBA_CPU_FEATURES.
 
 One compiled specialization (float32 queries and scales, the int8 format) for all but the
 subprocess test."""
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from checks import TOL, rel_err
-from kvcache_checks import at_thread_counts, check_against_reference, paged_pair, ref_sequence
+from kvcache_checks import (at_thread_counts, check_against_reference, paged_pair,
+                            ref_sequence)
 from sdpa_numba import attention_with_kvcache as kvattn
 from sdpa_numba.cpu import int_dots
 from sdpa_numba.cpu._llvm import data_ptr, has_vnni
@@ -184,16 +185,18 @@ def test_selection_follows_numba_cpu_features(rng, tmp_path):
     script = (
         "import sys, numpy as np\n"
         "from sdpa_numba.cpu import int_dots\n"
+        "assert int_dots.__file__ == sys.argv[3], int_dots.__file__\n"
         "from sdpa_numba import attention_with_kvcache as f\n"
         "c = np.load(sys.argv[1])\n"
         "o = f(c['q'], c['kq'], c['vq'], c['seqlens'], k_scale=c['ks'], v_scale=c['vs'])\n"
         "np.save(sys.argv[2], o)\n"
         "print(int_dots.HAS_VNNI)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(int_dots.__file__))))
     env = dict(os.environ, NUMBA_CPU_FEATURES=features.replace("+avx512vnni", "-avx512vnni"),
-               NUMBA_NUM_THREADS="1")
+               NUMBA_NUM_THREADS="1", PYTHONPATH=root)  # this checkout's package
     res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "case.npz"),
-                          str(tmp_path / "out.npy")], env=env, capture_output=True,
-                         text=True, timeout=900)
+                          str(tmp_path / "out.npy"), int_dots.__file__], env=env,
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "False"
     there = np.load(tmp_path / "out.npy")

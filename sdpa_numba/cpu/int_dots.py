@@ -1,8 +1,9 @@
 """Scores of float32 query rows against int8 keys by AVX-512 VNNI's integer dot products
 (``vpdpwssd``), exact in integers: the int8 cache's (one scale per token and head) ``q k`` of
 :mod:`.decode` where the CPU has VNNI (:data:`HAS_VNNI`), E is a multiple of 64 from 128 on
-(at 64 the float loop is cheaper) and a key/value head has fewer than four query rows (MHA; the four-row passes of GQA convert a key once for
-four rows, and there the float loop is as cheap: see below).
+(at 64 the float loop is cheaper) and a key/value head has fewer than four query rows (MHA;
+the four-row passes of GQA convert a key once for four rows, and there the float loop is as
+cheap: see below).
 
 The queries are not rounded to 8 bits (llama.cpp's way): each row is written as block floating
 point, ``Q_e = rint(q_e * 2^-x)`` integers with ``|Q_e| <= QMAX`` (``x`` from the row's
@@ -65,29 +66,33 @@ def prepare_rows(qp, n_rows, e_len, dig, fac):
     ``fac[2 i + 1]`` two powers of two whose product is ``2^x``. A row with a NaN or an
     infinity gets factors NaN (its scores NaN, as the float loop's are or turn to in the
     softmax); a zero row digits 0 (scores 0)."""
+    # No branch inside the loops over the elements (1.6 -> 1.1 ns per element: over a chunk
+    # of 512 keys of MHA D128, 0.4 -> 0.3 ns per (key, head) of the 1.2 the integer scores
+    # save).
     for i in range(n_rows):
         row = ptr_add(qp, i * e_len)
-        amax = 0.0
-        finite = True
+        amax = np.float32(0.0)
+        nan = np.float32(0.0)  # NaN where the row has a NaN or an infinity (inf * 0)
         for e in range(e_len):
-            v = abs(np.float64(row[e]))
-            finite = finite and np.isfinite(v)
-            amax = max(amax, v)
+            amax = max(amax, abs(row[e]))
+            nan += row[e] * np.float32(0.0)
+        finite = nan == 0
         x = 0
         if finite and amax > 0:
-            _, ex = math.frexp(amax)  # amax 2^-x in [2^30, 2^31)
+            _, ex = math.frexp(np.float64(amax))  # amax 2^-x in [2^30, 2^31)
             x = ex - 31
-            if np.rint(math.ldexp(amax, -x)) > QMAX:
+            if np.rint(math.ldexp(np.float64(amax), -x)) > QMAX:
                 x += 1
         inv = math.ldexp(1.0, -x)
         db = dig[i * 2 * e_len:(i + 1) * 2 * e_len]
-        for e in range(e_len):
-            qq = np.int64(np.rint(np.float64(row[e]) * inv)) if finite else 0
-            d0 = ((qq + 32768) & 65535) - 32768
-            d1 = (qq - d0) >> 16
-            o = (e // 32) * 64 + e % 32
-            db[o] = d0
-            db[o + 32] = d1
+        if not finite:
+            db[:] = 0
+        for c in range(e_len // 32 if finite else 0):
+            for m in range(32):
+                qq = np.int64(np.rint(np.float64(row[c * 32 + m]) * inv))
+                d0 = ((qq + 32768) & 65535) - 32768
+                db[c * 64 + m] = d0
+                db[c * 64 + 32 + m] = (qq - d0) >> 16
         x1 = x >> 1
         if finite:
             fac[2 * i] = np.float32(math.ldexp(1.0, x1))
