@@ -196,9 +196,10 @@ def vnni_lane_dots(n_rows, n_keys, group):
                 builder.position_at_end(done)
                 for d in grp:
                     a0, a1 = new[d]
+                    # one FMA: the product is exact, so fused or not the bits are the same
                     hi = builder.fmul(builder.sitofp(a1, fvty),
-                                      ir.Constant(fvty, [65536.0] * 16))  # exact
-                    lanes[d] = builder.fadd(hi, builder.sitofp(a0, fvty))
+                                      ir.Constant(fvty, [65536.0] * 16), flags=("contract",))
+                    lanes[d] = builder.fadd(hi, builder.sitofp(a0, fvty), flags=("contract",))
             res = _sum_tree(builder, [lanes[d] for d in dots], 16)
             # times key scale x 2^x, lane r * n_keys + kk: sc[kk] times row r's two factors,
             # exact while sc[kk] 2^x is a normal float (powers of two), so that the score is
