@@ -610,10 +610,10 @@ def _quant_queries(qz, qp, n_rows, rows, e_len):
     vnni = HAS_VNNI and LANES == 16 and qp.dtype == types.float32
 
     def impl(qz, qp, n_rows, rows, e_len):
-        # E of 128 and more: at 64 its per-score combination of the lanes outweighs the
-        # loop it saves (16 keys in L1, one row, AMD EPYC Zen 4, ns per (key, head): D64 float
-        # loop 2.6, VNNI 3.0; D128 4.7, 3.6; D256 8.8, 5.9; scripts/quant_decode_profile.py
-        # --micro)
+        # E of 128 and more: at 64 the per-score combination of the lanes and the rows'
+        # preparation (.int_dots.prepare_rows, ~1.1 ns an element once a chunk) leave no gain
+        # (16 keys in L1, one row, AMD EPYC Zen 4, ns per (key, head): D64 float loop 2.6,
+        # VNNI 2.3; D128 4.7, 3.35; D256 8.7, 5.6; scripts/quant_decode_profile.py --micro)
         use = (vnni and qz[4] == FMT_INT8 and qz[0].shape[3] == 1 and rows < 4
                and e_len >= 2 * VNNI_STEP and e_len % VNNI_STEP == 0)
         m = n_rows if use else 0

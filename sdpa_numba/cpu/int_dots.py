@@ -1,7 +1,7 @@
 """Scores of float32 query rows against int8 keys by AVX-512 VNNI's integer dot products
 (``vpdpwssd``), exact in integers: the int8 cache's (one scale per token and head) ``q k`` of
 :mod:`.decode` where the CPU has VNNI (:data:`HAS_VNNI`), E is a multiple of 64 from 128 on
-(at 64 the float loop is cheaper) and a key/value head has fewer than four query rows (MHA;
+(at 64 the gain is about what preparing the rows costs) and a key/value head has fewer than four query rows (MHA;
 the four-row passes of GQA convert a key once for four rows, and there the float loop is as
 cheap: see below).
 
@@ -27,12 +27,13 @@ bits below ``2^(x-1)``; the result depends on the row and the key only, so it st
 independent of the thread count and of the rows sharing a pass.
 
 Measured in isolation (16 keys of D128 in L1, one row, AMD EPYC Zen 4; scripts/
-quant_decode_profile.py ``--micro``): the float loop 4.7 ns per (key, head), this 3.5 ns
-(D64: 2.6 and 3.0; D256: 8.8 and 5.9);
+quant_decode_profile.py ``--micro``): the float loop 4.7 ns per (key, head), this 3.35 ns
+(D64: 2.6 and 2.3; D256: 8.7 and 5.6);
 ``vpdpbusd`` with three int8 digits of the query (keys made unsigned by flipping their sign
-bit, ``-128 sum d`` starting the accumulators) 3.6 ns, with queries of 23 bits. Four rows
-against four keys: the float loop 2.8 ns, this 3.3 ns (its dot products per element are not
-fewer than the float loop's FMAs once a key's conversion serves four rows).
+bit, ``-128 sum d`` starting the accumulators) 3.6 ns against this one's 3.5 before both
+combined their lanes' digits by an FMA, with queries of 23 bits. Four rows against four keys:
+the float loop 2.8 ns, this 3.3 ns (its dot products per element are not fewer than the float
+loop's FMAs once a key's conversion serves four rows).
 """
 
 import math
