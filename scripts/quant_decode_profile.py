@@ -14,7 +14,13 @@ Each figure is the minimum over ``--repeats`` rounds. A format is bound by compu
 compute-alone ns on one thread is near its from-memory ns on one thread, and by memory where
 the from-memory ns is well above it.
 
-    nice -n 5 python scripts/quant_decode_profile.py [--gqa] [--formats int8,q8_0]
+``--micro`` times the int8 score intrinsics alone instead (ns per (key, head), CPU time of
+one thread): 16 keys of ``--dim`` in L1, scored over and over by the float loop
+(:func:`sdpa_numba.cpu.quant.q_lane_dots`, one row x 16 keys and four rows x four keys) and,
+where the CPU has AVX-512 VNNI, by the integer one (:func:`sdpa_numba.cpu.int_dots.
+vnni_lane_dots`, one row x 16 keys, as decode uses it); the buffers 64-byte aligned.
+
+    nice -n 5 python scripts/quant_decode_profile.py [--gqa] [--formats int8,q8_0] [--micro]
 """
 
 import argparse
@@ -57,6 +63,70 @@ def best_time(fn, repeats, inner, clock=time.perf_counter):
     return best
 
 
+def _aligned(a):
+    """A 64-byte aligned copy of ``a``."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    o = (-buf.ctypes.data) % 64
+    out = buf[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def micro(dim, repeats, calls=1_000_000):
+    """Print the ns per (key, head) of the int8 score intrinsics alone (see the module doc)."""
+    from numba import njit
+
+    from sdpa_numba.cpu import int_dots
+    from sdpa_numba.cpu._llvm import data_ptr, prefer_512_bit
+    from sdpa_numba.cpu.quant import FMT_INT8, q_lane_dots
+
+    rng = np.random.default_rng(0)
+    q = _aligned(rng.standard_normal(4 * dim).astype(np.float32))
+    keys = _aligned(rng.integers(-127, 128, 16 * dim).astype(np.int8))
+    koff = (np.arange(16) * dim).astype(np.int64)
+    sc = _aligned(rng.random(32).astype(np.float32))
+    out = _aligned(np.zeros(16, np.float32))
+
+    def float_loop(n_rows, n_keys):
+        f = q_lane_dots(n_rows, n_keys, 16, FMT_INT8, None)
+
+        @njit
+        def run(q, keys, koff, sc, out, n):  # arguments: captured arrays are constants
+            prefer_512_bit()
+            for it in range(n):
+                f(data_ptr(q), dim, data_ptr(keys), data_ptr(koff), it & 0, dim, data_ptr(sc),
+                  32, data_ptr(out))
+            return out[0]
+        return lambda n: run(q, keys, koff, sc, out, n)
+
+    cases = [("float loop, 1 row x 16 keys", float_loop(1, 16)),
+             ("float loop, 4 rows x 4 keys", float_loop(4, 4))]
+    if int_dots.HAS_VNNI:
+        dig = _aligned(np.zeros(4 * 2 * dim, np.int16))
+        fac = np.zeros(8, np.float32)
+        f = int_dots.vnni_lane_dots(1, 16, 8)
+
+        @njit
+        def prep(q, dig, fac):  # arguments: the arrays a jitted function captures are frozen
+            int_dots.prepare_rows(data_ptr(q), 4, dim, dig, fac)
+
+        @njit
+        def vnni(dig, fac, keys, koff, sc, out, n):
+            prefer_512_bit()
+            for it in range(n):
+                f(data_ptr(dig), 2 * dim, data_ptr(fac), data_ptr(keys), data_ptr(koff),
+                  it & 0, dim, data_ptr(sc), data_ptr(out))
+            return out[0]
+        prep(q, dig, fac)
+        cases.append(("VNNI, 1 row x 16 keys",
+                      lambda n: vnni(dig, fac, keys, koff, sc, out, n)))
+    print(f"int8 scores alone, D{dim}, 16 keys in L1, ns per (key, head), 1 thread CPU time")
+    for name, run in cases:
+        run(10)
+        t = best_time(lambda: run(calls), repeats, 1, time.process_time)
+        print(f"{name:30} {t / calls / 16 * 1e9:6.2f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, default=8, help="key/value heads of the small cache")
@@ -67,7 +137,12 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--micro", action="store_true",
+                    help="time the int8 score intrinsics alone (module doc)")
     args = ap.parse_args()
+    if args.micro:
+        micro(args.dim, args.repeats)
+        return
     g = 4 if args.gqa else 1
     rng = np.random.default_rng(0)
     threads = numba.get_num_threads()

@@ -710,6 +710,45 @@ def has_pair_dot(name=None, features=None):
     return "vcvtneps2bf16" in asm and "zmm" in asm
 
 
+#: Probe for :func:`has_vnni`, in plain IR: the lane sums of pairs of products of int16 added to
+#: an accumulator. With AVX-512 VNNI, LLVM makes it one ``vpdpwssd``; without, a ``vpmaddwd``
+#: and an add, or 256-bit code (never an error: an x86 intrinsic, ``vpdpbusd``'s or even
+#: ``vpmaddwd``'s, would abort the process on a CPU that lacks it).
+_VNNI_PROBE_IR = """
+define <16 x i32> @probe(<16 x i32> %acc, <32 x i16> %a, <32 x i16> %b) {
+  %a32 = sext <32 x i16> %a to <32 x i32>
+  %b32 = sext <32 x i16> %b to <32 x i32>
+  %m = mul <32 x i32> %a32, %b32
+  %e = shufflevector <32 x i32> %m, <32 x i32> poison, <16 x i32> <EVEN>
+  %o = shufflevector <32 x i32> %m, <32 x i32> poison, <16 x i32> <ODD>
+  %s = add <16 x i32> %e, %o
+  %r = add <16 x i32> %acc, %s
+  ret <16 x i32> %r
+}
+""".replace("EVEN", ", ".join(f"i32 {2 * i}" for i in range(16))).replace(
+    "ODD", ", ".join(f"i32 {2 * i + 1}" for i in range(16)))
+
+
+def has_vnni(name=None, features=None):
+    """Whether a CPU has AVX-512 VNNI's integer dot products (``vpdpwssd``: 16 int32 lanes,
+    each adding two products of int16; ``vpdpbusd``: four of an unsigned and a signed byte),
+    with 512-bit vectors.
+
+    Parameters
+    ----------
+    name, features : str, optional
+        As :func:`has_pair_dot`: by default the CPU and features Numba's code generator
+        compiles for (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` honoured).
+
+    Returns
+    -------
+    bool
+        Asked of LLVM for that target (see ``_VNNI_PROBE_IR``); milliseconds.
+    """
+    asm = probe_assembly(_VNNI_PROBE_IR, name, features)
+    return "vpdpwssd" in asm and "zmm" in asm
+
+
 def pair_dots(n_rows, n_vec):
     """Make an intrinsic ``f(a, a_rs, b, c, n_pairs)``: ``c[r * 16 * n_vec + l] = sum over p <
     n_pairs of a_r[2p] * b[p, l, 0] + a_r[2p + 1] * b[p, l, 1]`` for the rows ``r < n_rows``

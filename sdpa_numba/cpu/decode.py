@@ -68,6 +68,7 @@ from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inl
 from ..problem.kvcache import key_bounds_loop
 from .merge import part_weights
 from .online_softmax import finalize_row, softmax_row
+from .int_dots import CHUNK as VNNI_STEP, HAS_VNNI, prepare_rows, vnni_lane_dots
 from .quant import (E4M3_FOLD, FMT_E5M2, FMT_INT8, FMT_E4M3, Q8_BLOCK, e4m3_half_value,
                     e5m2_value, is_quantized, q_lane_dots, q_rows_pv, quant_scratch)
 from .options import CALLED, FASTMATH, INLINE, KERNEL
@@ -412,6 +413,23 @@ def _quant_format(fmt, value, vector):
     pv1 = q_rows_pv(1, PV_VEC, LANES, fmt, None)
     pv4b = q_rows_pv(4, PV_VEC, LANES, fmt, Q8_BLOCK)
     pv1b = q_rows_pv(1, PV_VEC, LANES, fmt, Q8_BLOCK)
+    # int8 with one scale a row, fewer than four rows a head: the scores in integers, by
+    # VNNI (.int_dots), where quant_queries prepared the rows (qi[2])
+    # (built only where it applies: LLVM cannot select the instruction elsewhere)
+    if vector and HAS_VNNI and LANES == 16 and fmt == FMT_INT8:
+        dv1 = vnni_lane_dots(1, LANES, 8)
+
+        @njit(**INLINE)
+        def int_scores(qi, i, e_len, kbase, kofp, kh, scp, o):
+            if not qi[2]:
+                return False
+            dv1(ptr_add(data_ptr(qi[0]), i * 2 * e_len), 2 * e_len,
+                ptr_add(data_ptr(qi[1]), 2 * i), kbase, kofp, kh, e_len, scp, o)
+            return True
+    else:
+        @njit(**INLINE)
+        def int_scores(qi, i, e_len, kbase, kofp, kh, scp, o):
+            return False
 
     @njit(**INLINE)
     def qdot(qr, kp, e_len, nb, scp):
@@ -427,7 +445,7 @@ def _quant_format(fmt, value, vector):
 
     @njit(**INLINE)
     def scores(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-               vbase, voff, vhs, ev):
+               vbase, voff, vhs, ev, qi):
         j = 0
         if vector and e_len > 0 and e_len % LANES == 0 and (nb == 1 or e_len == nb * Q8_BLOCK):
             kofp = data_ptr(koff)
@@ -465,7 +483,10 @@ def _quant_format(fmt, value, vector):
                         for rr in range(rows):
                             o = ptr_add(sp, (i0 + rr) * BN + j)
                             q0 = ptr_add(qp, (i0 + rr) * e_len)
-                            if nb == 1:
+                            if int_scores(qi, i0 + rr, e_len, kbase, ptr_add(kofp, j), kh, scp,
+                                          o):
+                                pass  # by VNNI: see quant_queries
+                            elif nb == 1:
                                 d1(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, BN, o)
                             else:
                                 d1b(q0, e_len, kbase, ptr_add(kofp, j), kh, e_len, scp, BN, o)
@@ -535,23 +556,24 @@ _QUANT = {vector: [_quant_format(f, v, vector) for f, v in ((FMT_INT8, _int8_val
 
 
 def quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                 block_table, b0, page_size, vbase, voff, vhs, ev):
+                 block_table, b0, page_size, vbase, voff, vhs, ev, qi):
     """A quantized cache's scores of a block (keys ``b0 .. b0 + n - 1`` of sequence ``b``, at
     ``koff`` in the cache, heads ``h_lo .. h_hi - 1``) into ``sp[i * BN + j]``, the key scales
-    and descales folded in; nothing for a float cache (jitted code only)."""
+    and descales folded in (``qi``: :func:`quant_queries`'); nothing for a float cache
+    (jitted code only)."""
     raise NotImplementedError("quant_scores is only callable from jitted code")
 
 
 @overload(quant_scores, fastmath=FASTMATH, inline="always")
 def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                  block_table, b0, page_size, vbase, voff, vhs, ev):
+                  block_table, b0, page_size, vbase, voff, vhs, ev, qi):
     if not is_quantized_type(qz):
         return (lambda qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                block_table, b0, page_size, vbase, voff, vhs, ev: None)
+                block_table, b0, page_size, vbase, voff, vhs, ev, qi: None)
     (s_int8, _), (s_e4m3, _), (s_e5m2, _) = _QUANT[qp.dtype == types.float32]
 
     def impl(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-             block_table, b0, page_size, vbase, voff, vhs, ev):
+             block_table, b0, page_size, vbase, voff, vhs, ev, qi):
         ks, _, kd, _, fmt = qz
         ksc = scr[0]
         fold = np.float32(E4M3_FOLD if fmt == FMT_E4M3 else 1.0)
@@ -561,13 +583,45 @@ def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
         kscp = data_ptr(ksc)
         if fmt == FMT_INT8:
             s_int8(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-                 vbase, voff, vhs, ev)
+                 vbase, voff, vhs, ev, qi)
         elif fmt == FMT_E5M2:
             s_e5m2(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-                 vbase, voff, vhs, ev)
+                 vbase, voff, vhs, ev, qi)
         else:
             s_e4m3(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-                 vbase, voff, vhs, ev)
+                 vbase, voff, vhs, ev, qi)
+    return impl
+
+
+def quant_queries(qz, qp, n_rows, rows, e_len):
+    """None for a float cache; for a quantized one ``(dig, fac, use)``: where ``use``, the
+    ``n_rows`` float32 query rows at ``qp`` (``E = e_len``) written for the VNNI scores of an
+    int8 cache with one scale a row (:func:`.int_dots.prepare_rows`), once a chunk; ``use``
+    is false (and the arrays empty) where those do not apply: no VNNI, another format, blocks
+    of scales, E not a multiple of 64 or below 128, four rows a head or more (jitted code
+    only)."""
+    raise NotImplementedError("quant_queries is only callable from jitted code")
+
+
+@overload(quant_queries, inline="always")
+def _quant_queries(qz, qp, n_rows, rows, e_len):
+    if not is_quantized_type(qz):
+        return lambda qz, qp, n_rows, rows, e_len: None
+    vnni = HAS_VNNI and LANES == 16 and qp.dtype == types.float32
+
+    def impl(qz, qp, n_rows, rows, e_len):
+        # E of 128 and more: at 64 the per-score combination of the lanes and the rows'
+        # preparation (.int_dots.prepare_rows, ~1.1 ns an element once a chunk) leave no gain
+        # (16 keys in L1, one row, AMD EPYC Zen 4, ns per (key, head): D64 float loop 2.6,
+        # VNNI 2.3; D128 4.7, 3.35; D256 8.7, 5.6; scripts/quant_decode_profile.py --micro)
+        use = (vnni and qz[4] == FMT_INT8 and qz[0].shape[3] == 1 and rows < 4
+               and e_len >= 2 * VNNI_STEP and e_len % VNNI_STEP == 0)
+        m = n_rows if use else 0
+        dig = aligned_empty(m * 2 * e_len, np.int16)
+        fac = np.empty(2 * m, np.float32)
+        if use:
+            prepare_rows(qp, n_rows, e_len, dig, fac)
+        return dig, fac, use
     return impl
 
 
@@ -710,6 +764,8 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
     ap = data_ptr(acc)
     # None, or a quantized cache's scales and weights of a block (.quant.quant_scratch).
     scr = quant_scratch(qz, h_len, hq * lq, BN)
+    # None, or a quantized cache's query rows for the int8 VNNI scores (once a chunk).
+    qi = quant_queries(qz, qp, hq * lq, rows, e_len)
     # A quantized cache's blocks are read by quant_scores and quant_pv, the float loops never.
     kb, vb = float_rows(qz, kbase, vbase, qp)
     ko, vo, kh_s, vh_s = koff, voff, khs, vhs
@@ -725,7 +781,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
             if is_quantized(qz):  # the scales folded into the sums (.quant)
                 quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
-                             block_table, b0, page_size, vbase, voff, vhs, ev)
+                             block_table, b0, page_size, vbase, voff, vhs, ev, qi)
             else:
                 j = lanewise_scores(qp, kb, data_ptr(ko), ko, s, sp, rows, h_lo, h_hi, kh_s,
                                     e_len, n, zero, vb, data_ptr(vo), vh_s, ev)
@@ -813,6 +869,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
                             ar[d] += p * load(vp[d])
     keep_alive((k_cache, v_cache, qs, s, acc, koff))
     keep_alive(scr)
+    keep_alive(qi)
     for i in range(hq * lq):
         part_lse[i] = finalize_row(m[i], l[i], acc[i * ev:(i + 1) * ev], part_out[i])
 
