@@ -706,8 +706,7 @@ def has_pair_dot(name=None, features=None):
     bool
         Asked of LLVM for that target (see ``_BF16_PROBE_IR``); milliseconds.
     """
-    asm = probe_assembly(_BF16_PROBE_IR, name, features)
-    return "vcvtneps2bf16" in asm and "zmm" in asm
+    return _selects(_BF16_PROBE_IR, "vcvtneps2bf16", name, features)
 
 
 #: Probe for :func:`has_vnni`, in plain IR: the lane sums of pairs of products of int16 added to
@@ -745,8 +744,13 @@ def has_vnni(name=None, features=None):
     bool
         Asked of LLVM for that target (see ``_VNNI_PROBE_IR``); milliseconds.
     """
-    asm = probe_assembly(_VNNI_PROBE_IR, name, features)
-    return "vpdpwssd" in asm and "zmm" in asm
+    return _selects(_VNNI_PROBE_IR, "vpdpwssd", name, features)
+
+
+def _selects(probe_ir, mnemonic, name, features):
+    """Whether LLVM compiles ``probe_ir`` for that CPU with the 512-bit ``mnemonic``."""
+    asm = probe_assembly(probe_ir, name, features)
+    return mnemonic in asm and "zmm" in asm
 
 
 def pair_dots(n_rows, n_vec):
