@@ -7,9 +7,9 @@ it packs the block (a full block is read in place when its rows are already in t
 dtype, and for V when its rows are not a multiple of SET_STRIDE bytes apart), and for each
 sub-block of ``BM`` query rows computes the transposed score tile ``Sᵀ = K Qᵀ`` (BN x BM) with
 the register-tiled :func:`.microkernel.tile_product`, applies masks, runs the online softmax
-and accumulates the transposed output ``Oᵀ += Vᵀ Pᵀ`` (Ev x BM) with
-:func:`.microkernel.tile_product_lanes`. Memory per task is O(chunk · (E + Ev) + BN · (E +
-Ev)); nothing of size L x S exists.
+and accumulates the transposed output ``Oᵀ += Vᵀ Pᵀ`` (Ev x BM) with the same register
+passes, one factor of alpha per column (:func:`.microkernel.register_passes`). Memory per task
+is O(chunk · (E + Ev) + BN · (E + Ev)); nothing of size L x S exists.
 
 Why the transposed tiles: with queries along the vector lanes, the softmax's row max and row
 sum become lane-wise max and add over keys, so every step of it vectorizes (a horizontal
@@ -398,7 +398,7 @@ def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
 
 @overload(_accumulate, **CALLED)
 def _ol_accumulate(pt, vb, ldv, ev_pad, acc, alpha):
-    # tile_product_lanes's passes, picked here by type (see _ol_scores).
+    # the passes with one factor of alpha per column, picked here by type (see _ol_scores).
     tile = register_passes(pt.dtype, True, True, True)
 
     def accumulate(pt, vb, ldv, ev_pad, acc, alpha):

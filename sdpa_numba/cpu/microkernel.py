@@ -1,7 +1,7 @@
 """The register-tiled tile product at the heart of both attention matmuls.
 
-``c[0:rows, 0:NR] = a[0:rows, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``, or with
-:func:`tile_product_lanes` ``+ c @ diag(alpha)``), on raw pointers with leading dimensions, for
+``c[0:rows, 0:NR] = a[0:rows, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``, or, the
+forward's P·V through :func:`register_passes`, ``+ c @ diag(alpha)``), on raw pointers with leading dimensions, for
 ``rows`` = MR (4, the backward) or MR_WIDE (6, the forward; 4 for the forward's last value
 rows). The accumulator is a fixed-size stack buffer indexed with constant bounds: once LLVM
 unrolls the loops it lives in vector registers, which is what makes this run near the core's
@@ -169,20 +169,11 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR, lanes=NR)
     _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
 
 
-@njit(**INLINE)
-def tile_product_lanes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-    """``c = alpha[None, :] * c + a @ b``: :func:`tile_product` with one factor per column
-    (``alpha`` holds NR of them) instead of one per row; always the whole tile (the forward's
-    P·V, whose whole tile LLVM sums in its own order, see ``_accumulate`` there)."""
-    prefer_512_bit()
-    _lane_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, None)
-
-
 def _pick_passes(lane_alpha, scaled, whole_only, dtype):
     """The register passes ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)``
     (a Python function, to be compiled inlined) for operands of Numba type ``dtype``:
     ``lane_alpha`` False, one factor of alpha per row (:func:`tile_product`), True, one per
-    column (:func:`tile_product_lanes`); ``scaled``: alpha is given (else None);
+    column (the forward's P·V); ``scaled``: alpha is given (else None);
     ``whole_only``: the caller never narrows the tile (``lanes`` omitted or None)."""
     fold = (_lane_fold if lane_alpha else _row_fold) if scaled else _set
     per_column = scaled and lane_alpha
@@ -215,9 +206,9 @@ def _pick_passes(lane_alpha, scaled, whole_only, dtype):
     return whole_or_chunks
 
 
-def _make_passes(lane_alpha):
-    """The register passes of :func:`tile_product` (``lane_alpha`` False: one factor of alpha
-    per row) or :func:`tile_product_lanes` (True: one per column), for jitted code only."""
+def _make_passes():
+    """The register passes of :func:`tile_product` (one factor of alpha per row), for jitted
+    code only."""
 
     def passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
         raise NotImplementedError("the register passes are only callable from jitted code")
@@ -228,7 +219,7 @@ def _make_passes(lane_alpha):
         # passes or the other kind of start reaches LLVM (it did, as dead branches, and
         # doubled the forward's compile time). A caller that never narrows the tile (the
         # backward) omits ``lanes``: no code for the narrow chunks reaches LLVM.
-        return _pick_passes(lane_alpha, not isinstance(alpha, types.NoneType),
+        return _pick_passes(False, not isinstance(alpha, types.NoneType),
                             isinstance(lanes, (types.Omitted, types.NoneType)), a.dtype)
 
     return passes
@@ -239,8 +230,8 @@ _picked = {}
 
 
 def register_passes(dtype, lane_alpha, scaled, whole_only):
-    """The register passes that :func:`tile_product` (``lane_alpha`` False) or
-    :func:`tile_product_lanes` (True) would run for operands of Numba type ``dtype``, as an
+    """The register passes that :func:`tile_product` would run (``lane_alpha`` False), or
+    the same with one factor of alpha per column (True: the forward's P·V), for operands of Numba type ``dtype``, as an
     ``@njit`` function inlined where it is called, ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len,
     alpha, rows, lanes)``: for a caller that is itself chosen by type (an ``@overload``).
 
@@ -282,8 +273,7 @@ def _whole_tile(fold, float32, per_row):
     return row_pairs
 
 
-_passes = _make_passes(False)
-_lane_passes = _make_passes(True)
+_passes = _make_passes()
 
 
 def _column_chunks(fold, width, per_column):
