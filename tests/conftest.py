@@ -54,7 +54,10 @@ _lock_numba_cache_saves()
 #: ring files run the same cases (tests/ring_cases.py) through the same kernels, each
 #: compiling them first (``warm``) so that their ranks load them from Numba's cache: on two
 #: workers at once they compiled that set twice, side by side; on one, the second loads it.
-SAME_WORKER = {"tests/test_distributed_torch.py": "tests/test_distributed.py"}
+#: test_chunk.py's varlen tests use 22 of test_varlen.py's specializations (float64 varlen
+#: forward and backward and their tasks); the two are 4 apart in loadfile's largest-first queue.
+SAME_WORKER = {"tests/test_distributed_torch.py": "tests/test_distributed.py",
+               "tests/test_chunk.py": "tests/test_varlen.py"}
 
 
 @pytest.hookimpl(optionalhook=True)
