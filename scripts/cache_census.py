@@ -7,6 +7,9 @@ Run a test file (or anything) with a fresh cache, then read what it compiled::
     python scripts/cache_census.py $NUMBA_CACHE_DIR            # per function, by count
     python scripts/cache_census.py $NUMBA_CACHE_DIR --sigs     # and every signature
     python scripts/cache_census.py A B --diff                  # what B compiled that A did not
+    python scripts/cache_census.py $NUMBA_CACHE_DIR --near     # specializations that differ
+                                                               # only in layout, readonly-ness,
+                                                               # Optional/None or a literal
 
 Each index file (``<qualname>-<line>.py3X.nbi``) maps a key (signature, target machine,
 hashes of the function's bytecode and of its closure's contents) to a data file. Two keys with
@@ -21,6 +24,7 @@ import argparse
 import collections
 import os
 import pickle
+import re
 import sys
 
 
@@ -80,6 +84,48 @@ def census(rows, show_sigs=False, out=sys.stdout):
             print(f"  {n:5d}  {t[:160]}", file=out)
 
 
+_NEAR = [
+    # an Optional array, an array and None in one position: one "maybe array"
+    (re.compile(r"OptionalType\((readonly )?array\((\w+), (\d)d, \w\)\)"), r"MAYBE(\2, \3)"),
+    (re.compile(r"Array\((\w+), (\d), '\w', (True|False), aligned=True\)"), r"ARRAY(\1, \2)"),
+    (re.compile(r"(readonly )?array\((\w+), (\d)d, \w\)"), r"ARRAY(\2, \3)"),
+    (re.compile(r"Literal\[int\]\(-?\d+\)"), "int64"),
+    (re.compile(r"omitted\(default=None\)"), "none"),
+]
+
+
+def near_key(sig):
+    """``sig`` with array layouts, readonly flags and integer literals erased (so that
+    specializations differing only in those compare equal)."""
+    for pattern, repl in _NEAR:
+        sig = pattern.sub(repl, sig)
+    return re.sub(r"MAYBE\((\w+), (\d)\)|ARRAY\((bool), (\d)\)", r"ARRAY(\1\3, \2\4)",
+                  sig)
+
+
+def near(rows, out=sys.stdout):
+    """Specializations of one function (same target machine) that differ only in array
+    layout, readonly-ness, an integer literal or an omitted argument: each extra one is a
+    compile that a caller's incidental choice made."""
+    groups = collections.defaultdict(list)
+    for r in rows:
+        groups[(r["module"], r["function"], str(r["target"]), near_key(r["sig"]))].append(r)
+    extra = 0
+    for (module, func, _t, _k), rs in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        if len(rs) < 2:
+            continue
+        extra += len(rs) - 1
+        print(f"{len(rs)}x {func}  ({sum(r['bytes'] for r in rs) / 1e6:.2f} MB)", file=out)
+        first = rs[0]["sig"].split(", ")
+        for r in rs:
+            parts = r["sig"].split(", ")
+            changed = [b for a, b in zip(first, parts) if a != b] if r is not rs[0] else []
+            print(f"    {r['sig'][:150]}{' ...' if len(r['sig']) > 150 else ''}", file=out)
+            if changed:
+                print(f"      differs from the first in: {', '.join(changed[:8])}", file=out)
+    print(f"{extra} specializations beyond one per such group", file=out)
+
+
 def diff(a_rows, b_rows, out=sys.stdout):
     key = lambda r: (r["module"], r["function"], r["sig"], r["closure"])  # noqa: E731
     have = {key(r) for r in a_rows}
@@ -94,6 +140,8 @@ def main(argv=None):
     p.add_argument("cache_dirs", nargs="+")
     p.add_argument("--sigs", action="store_true", help="list every signature")
     p.add_argument("--diff", action="store_true", help="what the second dir has, the first not")
+    p.add_argument("--near", action="store_true",
+                   help="specializations differing only in layout, readonly-ness or a literal")
     a = p.parse_args(argv)
     if a.diff:
         if len(a.cache_dirs) != 2:
@@ -102,7 +150,10 @@ def main(argv=None):
         return
     for d in a.cache_dirs:
         print(f"== {d}")
-        census(load(d), a.sigs)
+        if a.near:
+            near(load(d))
+        else:
+            census(load(d), a.sigs)
 
 
 if __name__ == "__main__":
