@@ -47,3 +47,29 @@ def _lock_numba_cache_saves():
 
 
 _lock_numba_cache_saves()
+
+
+#: Test files that run on the same xdist worker, one after the other (``--dist loadfile``
+#: otherwise hands each file to whichever worker is free). The MPI and the torch.distributed
+#: ring files run the same cases (tests/ring_cases.py) through the same kernels, each
+#: compiling them first (``warm``) so that their ranks load them from Numba's cache: on two
+#: workers at once they compiled that set twice, side by side; on one, the second loads it.
+#: test_chunk.py's varlen tests use 22 of test_varlen.py's specializations (float64 varlen
+#: forward and backward and their tasks); the two are 4 apart in loadfile's largest-first queue.
+SAME_WORKER = {"tests/test_distributed_torch.py": "tests/test_distributed.py",
+               "tests/test_chunk.py": "tests/test_varlen.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of :data:`SAME_WORKER` as one work unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SameWorkerFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    return SameWorkerFiles(config, log)
