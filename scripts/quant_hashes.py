@@ -79,7 +79,7 @@ def run_case(name, fmt, qdt="float32", g=1, lq=1, s=200, lens=(200, 77), paged=N
         extra["alibi_slopes"] = np.linspace(0.05, 0.5, h * g).astype(np.float32)
     elif variants == "softcap":
         extra["softcap"] = 20.0
-        extra["window_size"] = (150, 0)
+        extra["window"] = (150, 0)
     out, lse = attention_with_kvcache(q, kq, vq, np.array(lens, np.int64), k_scale=ks,
                                       v_scale=vs, return_lse=True, **extra)
     return np.asarray(out), np.asarray(lse)
