@@ -40,7 +40,12 @@ once per call, for every query head of its GQA group and every query token at on
   (one block a row: the reduced score), the value scales the weights ``p_j`` of ``P V``, and
   the 8-bit values are converted to float32 in registers inside the same lane-wise and
   register-tile loops as float32's (:func:`quant_scores`, :func:`quant_pv`). One compiled
-  kernel per query dtype and scale dtype serves every format (a run-time value).
+  kernel per query dtype and scale dtype serves every format (a run-time value); each
+  format's block loops (:func:`_scores_int8`, :func:`_pv_int8`, ...) are cached functions of
+  their own, called by symbol once a block, compiled once and shared by every specialization.
+* **Compiled once:** :func:`_chunk` is called by symbol from the task (``_chunk_by_symbol``),
+  so that LLVM optimizes and emits it once per specialization, not again in each library
+  above it (the task, the task runner, the parfor's wrappers, the entry point).
 * **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
   query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
   at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
