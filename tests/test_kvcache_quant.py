@@ -382,3 +382,51 @@ def test_every_fp8_pattern_read_by_the_kernel(rng, fmt, hq):
     g = hq // H
     assert np.isnan(nan_out[0, 0, g:]).all()
     np.testing.assert_array_equal(nan_out[0, 0, :g], out[0, 0, :g])
+
+
+_CACHED_DECODE = """
+import sys, numpy as np
+from sdpa_numba import attention_with_kvcache as f
+from sdpa_numba.cpu import int_dots
+assert int_dots.__file__ == sys.argv[2], int_dots.__file__
+c = np.load(sys.argv[1])
+o = f(c['q'], c['kq'], c['vq'], c['seqlens'], k_scale=c['ks'], v_scale=c['vs'])
+print(o.tobytes().hex())
+"""
+
+
+def test_cached_decode_without_its_format_loops_in_the_cache(rng, tmp_path):
+    # The cached decode calls _chunk, and _chunk each format's block loops, by symbol
+    # (cpu/_llvm.by_symbol). A second process on the same cache loads them through reload
+    # hooks; with the loops' cache entries gone it compiles them again, under other names than
+    # those the cached _chunk was compiled against: the call must still resolve (not abort the
+    # process) and give the same bits.
+    import os
+    import subprocess
+    import sys
+
+    from sdpa_numba.cpu import int_dots
+
+    kq, ks, vq, vs, _, _ = quantized(rng, "int8", 1, 40, 2, 64, 64)
+    q = rng.standard_normal((1, 1, 2, 64)).astype(np.float32)
+    case = tmp_path / "case.npz"
+    np.savez(case, q=q, kq=kq, vq=vq, ks=ks, vs=vs, seqlens=np.array([40], np.int32))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(int_dots.__file__))))
+    cache = tmp_path / "numba_cache"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), PYTHONPATH=root)
+
+    def run():
+        res = subprocess.run([sys.executable, "-c", _CACHED_DECODE, str(case),
+                              int_dots.__file__], env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res.stdout.strip().splitlines()[-1]
+
+    first = run()
+    loops = [p for p in cache.rglob("decode._*_int8-*")]
+    assert loops and list(cache.rglob("decode._chunk-*"))
+    for p in loops:
+        p.unlink()
+    assert run() == first
+    assert first == kvattn(q, kq, vq, np.array([40], np.int32), k_scale=ks,
+                           v_scale=vs).tobytes().hex()

@@ -40,7 +40,12 @@ once per call, for every query head of its GQA group and every query token at on
   (one block a row: the reduced score), the value scales the weights ``p_j`` of ``P V``, and
   the 8-bit values are converted to float32 in registers inside the same lane-wise and
   register-tile loops as float32's (:func:`quant_scores`, :func:`quant_pv`). One compiled
-  kernel per query dtype and scale dtype serves every format (a run-time value).
+  kernel per query dtype and scale dtype serves every format (a run-time value); each
+  format's block loops (:func:`_scores_int8`, :func:`_pv_int8`, ...) are cached functions of
+  their own, called by symbol once a block, compiled once and shared by every specialization.
+* **Compiled once:** :func:`_chunk` is called by symbol from the task (``_chunk_by_symbol``),
+  so that LLVM optimizes and emits it once per specialization, not again in each library
+  above it (the task, the task runner, the parfor's wrappers, the entry point).
 * **Scores** go through the score seam (:mod:`sdpa_numba.score.recipe`) in the cache's frame:
   query token ``t`` of ``Lq`` sits at position ``i = kv_len - Lq + t`` (bottom-right), key ``j``
   at ``j``. Causal is the recipe's right side folded to 0 (``j <= i``); a window's
@@ -63,8 +68,9 @@ from numba.extending import overload
 from ..score.recipe import (has_element_mask, in_window, kernel_recipe, key_range,
                             modified_score, modifies_scores, sequence_recipe, sink_logit,
                             user_keeps, window_covers)
-from ._llvm import (data_ptr, has_512_bit_vectors, keep_alive, lane_dots, no_inline,
-                    prefer_512_bit, prefetch, ptr_add, rows_pv, stack_buffer, stash, unstash)
+from ._llvm import (by_symbol, data_ptr, has_512_bit_vectors, keep_alive, lane_dots,
+                    no_inline, prefer_512_bit, prefetch, ptr_add, rows_pv, stack_buffer, stash,
+                    unstash)
 from ..problem.kvcache import key_bounds_loop
 from .merge import part_weights
 from .online_softmax import finalize_row, softmax_row
@@ -444,8 +450,8 @@ def _quant_format(fmt, value, vector):
         return x
 
     @njit(**INLINE)
-    def scores(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-               vbase, voff, vhs, ev, qi):
+    def scores(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+               vhs, ev, qi):
         j = 0
         if vector and e_len > 0 and e_len % LANES == 0 and (nb == 1 or e_len == nb * Q8_BLOCK):
             kofp = data_ptr(koff)
@@ -549,10 +555,85 @@ def _quant_format(fmt, value, vector):
     return scores, pv
 
 
-_QUANT = {vector: [_quant_format(f, v, vector) for f, v in ((FMT_INT8, _int8_value),
-                                                              (FMT_E4M3, e4m3_half_value),
-                                                              (FMT_E5M2, e5m2_value))]
-          for vector in (True, False)}
+#: The loops of float32 queries (every storage dtype but float64), per format.
+_VECTOR = {fmt: _quant_format(fmt, value, True)
+           for fmt, value in ((FMT_INT8, _int8_value), (FMT_E4M3, e4m3_half_value),
+                              (FMT_E5M2, e5m2_value))}
+_int8_scores, _int8_pv = _VECTOR[FMT_INT8]
+_e4m3_scores, _e4m3_pv = _VECTOR[FMT_E4M3]
+_e5m2_scores, _e5m2_pv = _VECTOR[FMT_E5M2]
+#: The scalar loops of float64 queries, inlined into _chunk: a rare case, left as it was.
+_SCALAR = {fmt: _quant_format(fmt, value, False)
+           for fmt, value in ((FMT_INT8, _int8_value), (FMT_E4M3, e4m3_half_value),
+                              (FMT_E5M2, e5m2_value))}
+
+# Each format's vector loops are a cached function of their own, called by symbol
+# (_llvm.by_symbol) once a block: they depend on the pointers, sizes and query rows only, so
+# they are compiled once per format, not again inside every specialization of _chunk (query
+# dtype, scales' dtype, recipe type) and every layer above it. Inlined into _chunk, all three
+# formats' loops went through LLVM in each specialization, and again in each library above.
+
+
+@njit(**KERNEL)
+def _scores_int8(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi):
+    """The scores of a block of an int8 (or q8_0) cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _int8_scores(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi)
+
+
+@njit(**KERNEL)
+def _scores_e4m3(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi):
+    """The scores of a block of an fp8 e4m3fn cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _e4m3_scores(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi)
+
+
+@njit(**KERNEL)
+def _scores_e5m2(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi):
+    """The scores of a block of an fp8 e5m2 cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _e5m2_scores(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi)
+
+
+@njit(**KERNEL)
+def _pv_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead):
+    """P V of a block of an int8 (or q8_0) cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _int8_pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead)
+
+
+@njit(**KERNEL)
+def _pv_e4m3(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead):
+    """P V of a block of an fp8 e4m3fn cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _e4m3_pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead)
+
+
+@njit(**KERNEL)
+def _pv_e5m2(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead):
+    """P V of a block of an fp8 e5m2 cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _e5m2_pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead)
+
+
+_scores_int8_by_symbol = by_symbol(_scores_int8)
+_scores_e4m3_by_symbol = by_symbol(_scores_e4m3)
+_scores_e5m2_by_symbol = by_symbol(_scores_e5m2)
+_pv_int8_by_symbol = by_symbol(_pv_int8)
+_pv_e4m3_by_symbol = by_symbol(_pv_e4m3)
+_pv_e5m2_by_symbol = by_symbol(_pv_e5m2)
 
 
 def quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
@@ -570,7 +651,11 @@ def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
     if not is_quantized_type(qz):
         return (lambda qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
                 block_table, b0, page_size, vbase, voff, vhs, ev, qi: None)
-    (s_int8, _), (s_e4m3, _), (s_e5m2, _) = _QUANT[qp.dtype == types.float32]
+    if qp.dtype == types.float32:
+        s_int8, s_e4m3, s_e5m2 = (_scores_int8_by_symbol, _scores_e4m3_by_symbol,
+                                  _scores_e5m2_by_symbol)
+    else:
+        s_int8, s_e4m3, s_e5m2 = (_SCALAR[f][0] for f in (FMT_INT8, FMT_E4M3, FMT_E5M2))
 
     def impl(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
              block_table, b0, page_size, vbase, voff, vhs, ev, qi):
@@ -579,17 +664,17 @@ def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
         fold = np.float32(E4M3_FOLD if fmt == FMT_E4M3 else 1.0)
         _block_scales(ks, kd, fold, b, block_table, b0, n, page_size, h_lo, h_hi, ksc,
                       data_ptr(koff))
-        h_len, nb = ks.shape[2], ks.shape[3]
+        nb = ks.shape[3]
         kscp = data_ptr(ksc)
         if fmt == FMT_INT8:
-            s_int8(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-                 vbase, voff, vhs, ev, qi)
+            s_int8(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                   vhs, ev, qi)
         elif fmt == FMT_E5M2:
-            s_e5m2(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-                 vbase, voff, vhs, ev, qi)
+            s_e5m2(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                   vhs, ev, qi)
         else:
-            s_e4m3(qp, kbase, koff, s, sp, rows, h_lo, h_hi, h_len, khs, e_len, n, nb, kscp,
-                 vbase, voff, vhs, ev, qi)
+            s_e4m3(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                   vhs, ev, qi)
     return impl
 
 
@@ -639,7 +724,10 @@ def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, blo
     if not is_quantized_type(qz):
         return (lambda qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b,
                 block_table, b0, page_size, kbase, koff, kss, khs, e_len, ahead: None)
-    (_, p_int8), (_, p_e4m3), (_, p_e5m2) = _QUANT[ap.dtype == types.float32]
+    if ap.dtype == types.float32:
+        p_int8, p_e4m3, p_e5m2 = _pv_int8_by_symbol, _pv_e4m3_by_symbol, _pv_e5m2_by_symbol
+    else:
+        p_int8, p_e4m3, p_e5m2 = (_SCALAR[f][1] for f in (FMT_INT8, FMT_E4M3, FMT_E5M2))
 
     def impl(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
              page_size, kbase, koff, kss, khs, e_len, ahead):
@@ -664,13 +752,13 @@ def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, blo
                         wr[j] = pr[j] * vr[j]
         if fmt == FMT_INT8:
             p_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
-                 khs, e_len, ahead)
+                   khs, e_len, ahead)
         elif fmt == FMT_E5M2:
             p_e5m2(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
-                 khs, e_len, ahead)
+                   khs, e_len, ahead)
         else:
             p_e4m3(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
-                 khs, e_len, ahead)
+                   khs, e_len, ahead)
     return impl
 
 
@@ -706,15 +794,16 @@ def _pack_queries(q, qb, q0, lq, scale, qs, zero):
                 qs[x * e_len + e] = cast(load(q[qb, q0 + t, h, e]) * scale, zero)
 
 
-@njit(**CALLED)
+@njit(**KERNEL)  # cached: called by symbol (see _chunk_by_symbol)
 def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_out,
            part_lse, qz, kv_begin):
     """Attention of all query rows of sequence ``b`` over its keys ``[j0, j1)`` under recipe
     ``r`` (causality folded in): normalized partial output ``part_out (Hq * Lq, Ev)`` (row
     ``hq * Lq + t``) and ``part_lse``; the rows, their positions and the recipe's offset of
     the sequence from ``kv_begin`` (:func:`query_rows`)."""
-    # One compiled body for the serial and the parallel kernel: inlined into each, LLVM may
-    # vectorize (and contract to FMAs) differently, and the two would differ in the last bit.
+    # One compiled body for the serial and the parallel kernel (called by symbol from both):
+    # inlined into each, LLVM may vectorize (and contract to FMAs) differently, and the two
+    # would differ in the last bit.
     no_inline()
     # 512-bit vectors: ~2x LLVM's default 256-bit code here (CPU time of one thread, Emerald
     # Rapids: B1 H32 S256 D128 in cache 5.3 -> 11.3 GFLOP/s; S8192 from memory 16.4 GB/s,
@@ -779,7 +868,10 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             cut = not window_covers(r, i0, i0 + lq - 1, b0, b0 + n - 1)
             # Scores s[h * rows + rr, j] of the rows of head h (rr = hg * lq + t). Lane-wise
             # where it applies: KB keys x 4 rows, or LANES keys x 1 row, per pass.
-            if is_quantized(qz):  # the scales folded into the sums (.quant)
+            # `qz is not None`: a test of an argument's type, which Numba folds before typing,
+            # so that a quantized specialization never compiles the float loops (nor a float
+            # one the quantized).
+            if qz is not None:  # the scales folded into the sums (.quant)
                 quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
                              block_table, b0, page_size, vbase, voff, vhs, ev, qi)
             else:
@@ -822,7 +914,7 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
             # reads a key group's rows once per PV_VEC * LANES elements (CPU time of one
             # thread, on (B, H, S, E) D128: B1 H32 S8192 0.83x, B1 Hq8 H4 S4096 0.80-0.89x;
             # D64: B1 Hq12 H4 S2080 1.24-1.28x).
-            if is_quantized(qz):  # the value scales folded into the weights (.quant)
+            if qz is not None:  # the value scales folded into the weights (.quant)
                 quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b,
                          block_table, b0, page_size, kbase, koff, kss, khs, e_len,
                          rows >= 4 and b0 % page_size + 2 * BN <= page_size
@@ -874,6 +966,12 @@ def _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, j1, part_
         part_lse[i] = finalize_row(m[i], l[i], acc[i * ev:(i + 1) * ev], part_out[i])
 
 
+#: _chunk called by symbol (_llvm.by_symbol): compiled once per specialization, in its own
+#: library, not again in each layer above it (the task, the task runner, the parfor's
+#: wrappers, decode; the task and decode_serial), where LLVM optimized and emitted it anew.
+_chunk_by_symbol = by_symbol(_chunk)
+
+
 @njit(**INLINE)
 def _parts_of(part_out, part_lse, first, prow, b, ev):
     """Sequence ``b``'s partial results: views ``(n_b, R_b, Ev)`` and ``(n_b, R_b)`` of the
@@ -894,8 +992,8 @@ def _task(q, k_cache, v_cache, block_table, kv_lens, r, scale, first, lo, hi, t,
     j0 = lo[b] + c * CHUNK
     j1 = min(hi[b], j0 + CHUNK)
     po, pl = _parts_of(part_out, part_lse, first, prow, b, v_cache.shape[3])
-    _chunk(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, max(j0, j1),
-           po[c], pl[c], qz, kv_begin)
+    _chunk_by_symbol(q, k_cache, v_cache, block_table, kv_lens, r, scale, b, j0, max(j0, j1),
+                     po[c], pl[c], qz, kv_begin)
 
 
 @njit(**CALLED)

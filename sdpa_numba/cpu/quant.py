@@ -30,7 +30,7 @@ from numba.extending import intrinsic, overload
 from ._llvm import (_sum_tree, float32_to_half_bits, half_bits_to_float32, over_keys, splat,
                     store_rows)
 from ..score.formats import E4M3_MAX, E5M2_MAX, FMT_E4M3, FMT_E5M2, FMT_INT8, INT8_MAX
-from .options import CALLED, INLINE
+from .options import CACHE, CALLED, INLINE
 
 
 @njit(**INLINE)
@@ -102,7 +102,7 @@ def round_scale(s, half):
     return np.float64(np.float32(s))
 
 
-@njit(**CALLED)
+@njit(cache=CACHE, **CALLED)  # cached: called from Python (a cold process compiles it)
 def quantize_blocks(x, values, scales, half_scales):
     """int8 quantization of ``x`` (N, S, H, E), float32 or float64, into ``values`` (int8, same
     shape) and ``scales`` (N, S, H, E // block), both written: block ``c`` of row ``(n, s,
@@ -130,7 +130,7 @@ def quantize_blocks(x, values, scales, half_scales):
                             values[n, s, h, e] = np.int8(min(max(r, -INT8_MAX), INT8_MAX))
 
 
-@njit(**CALLED)
+@njit(cache=CACHE, **CALLED)
 def quantize_fp8(x, bits, descale, fmt):
     """fp8 quantization of ``x`` (N, S, H, E), float32 or float64, into ``bits`` (uint8 or int8,
     same shape; written) with the given ``descale`` (N, H): ``float_to_fp8(x / descale[n,
@@ -146,7 +146,7 @@ def quantize_fp8(x, bits, descale, fmt):
                     bits[n, s, h, e] = v
 
 
-@njit(**CALLED)
+@njit(cache=CACHE, **CALLED)
 def dequantize_blocks(values, scales, out):
     """``out[n, s, h, e] = values[n, s, h, e] * scales[n, s, h, e // block]`` (block ``E //
     scales.shape[3]``), in ``out``'s dtype (float32 or float64). Callable from ``@njit``
@@ -161,7 +161,7 @@ def dequantize_blocks(values, scales, out):
                     out[n, s, h, e] = values[n, s, h, e] * scales[n, s, h, e // blk]
 
 
-@njit(**CALLED)
+@njit(cache=CACHE, **CALLED)
 def dequantize_fp8(bits, descale, fmt, out):
     """``out[n, s, h, e] = fp8(bits[n, s, h, e]) * descale[n, h]`` (``fmt`` FMT_E4M3 or
     FMT_E5M2). Callable from ``@njit`` code."""
