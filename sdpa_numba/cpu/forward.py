@@ -43,7 +43,7 @@ from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
-from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
+from ..score.recipe import (_absent, BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
                             fold_sink, has_element_mask, in_one_chunk, kernel_recipe,
                             key_range, modifies_capped, modifies_scores, query_range,
                             sink_logit, user_keeps, window_covers)
@@ -231,6 +231,26 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
             row = ptr_add(st, j * BM)
             for i in range(n_real):
                 row[i] = capped_score(r, row[i], b, h, i_first + i, j0 + j)
+
+
+def _modify(st, n_keys, n_real, r, b, h, i_first, j0):
+    """:func:`_modify_tile`, or for a recipe whose type has no ALiBi nor score_mod (modified
+    only by its soft cap, a runtime value) the soft cap's pass alone, so that the plain
+    kernel compiles no _modify_tile (jitted code only)."""
+    raise NotImplementedError("_modify is only callable from jitted code")
+
+
+@overload(_modify, **CALLED)
+def _ol_modify(st, n_keys, n_real, r, b, h, i_first, j0):
+    if not (_absent(r, "alibi") and _absent(r, "score_mod")):
+        return lambda st, n_keys, n_real, r, b, h, i_first, j0: _modify_tile(
+            st, n_keys, n_real, r, b, h, i_first, j0)
+
+    def cap_only(st, n_keys, n_real, r, b, h, i_first, j0):
+        if r.softcap > 0:
+            _call_capped(st, 0, n_keys, st, st, st, cast(r.softcap, st[0]), 0, 0, 0)
+
+    return cap_only
 
 
 def _softmax_variant(capped):
@@ -688,7 +708,7 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             if r.softcap > 0 and not masked and not modifies_capped(r):
                 cap = softcap
             elif modifies_scores(r):
-                _modify_tile(p_st, n_keys, n_real, r, b, h, i_first, j0)
+                _modify(p_st, n_keys, n_real, r, b, h, i_first, j0)
             if masked:
                 _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, not in_window,
                            per_element)
