@@ -497,10 +497,9 @@ def _ol_accumulate(pt, vb, ldv, ev_pad, acc, alpha):
         n_six = max(ev_pad - rest - (MR_WIDE if rest == 2 else 0), 0)
         for d0 in range(0, n_six, MR_WIDE):
             tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha,
-                 MR_WIDE, None)
+                 MR_WIDE)
         for d0 in range(n_six, ev_pad, 4):
-            tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha, 4,
-                 None)
+            tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha, 4)
 
     return accumulate
 
