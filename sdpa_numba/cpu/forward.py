@@ -813,7 +813,16 @@ def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk
 _run_forward_task = task_runner(_forward_task)
 
 
-@njit(parallel=True, **KERNEL)
+def _prange_only():
+    """Numba's parallel options with the ``prange`` loops alone made parallel: array
+    expressions and NumPy calls stay serial (``task_queue``'s ``np.zeros(2)`` was a parallel
+    loop of its own, with its own compiled gufunc and wrappers: ~0.1 s of a first call).
+    A new dict each time: Numba consumes it."""
+    return dict(prange=True, comprehension=False, reduction=False, inplace_binop=False,
+                setitem=False, numpy=False, stencil=False, fusion=False)
+
+
+@njit(parallel=_prange_only(), **KERNEL)
 def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None):
     """Batched attention forward, parallel over batch x head x query chunk.
 
