@@ -53,7 +53,7 @@ from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, sta
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
 from .forward import masked_score
-from .microkernel import MR, NR, tile_product
+from .microkernel import MR, NR, register_passes
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
@@ -165,17 +165,41 @@ def _as_none(x):
     return lambda x: x
 
 
-@njit(**KERNEL)
 def _tile_set(a, lda, b, ldb, c, ldc, k_len):
-    """``c = a @ b`` on an MR x NR tile (:func:`tile_product`, compiled once per dtype for the
-    backward's several call sites)."""
-    tile_product(a, lda, 1, b, ldb, c, ldc, k_len, None)
+    """``c = a @ b`` on an MR x NR tile: :func:`tile_product`'s passes, compiled once per
+    dtype for the backward's several call sites (jitted code only)."""
+    raise NotImplementedError("_tile_set is only callable from jitted code")
 
 
-@njit(**KERNEL)
+@overload(_tile_set, **CALLED)
+def _ol_tile_set(a, lda, b, ldb, c, ldc, k_len):
+    # The passes picked here by type (microkernel.register_passes): tile_product, an
+    # inline="always" overload, had each implementation compiled as a function of its own
+    # just to type it (machine code never used) on every backward's first call.
+    tile = register_passes(a.dtype, False, False, True)
+
+    def tile_set(a, lda, b, ldb, c, ldc, k_len):
+        prefer_512_bit()
+        tile(a, lda, 1, b, ldb, c, ldc, k_len, None, MR)
+
+    return tile_set
+
+
 def _tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
-    """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, :func:`tile_product`'s alpha)."""
-    tile_product(a, lda, 1, b, ldb, c, ldc, k_len, ones)
+    """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, :func:`tile_product`'s alpha;
+    jitted code only)."""
+    raise NotImplementedError("_tile_add is only callable from jitted code")
+
+
+@overload(_tile_add, **CALLED)
+def _ol_tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
+    tile = register_passes(a.dtype, False, True, True)  # as _tile_set, one alpha per row
+
+    def tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
+        prefer_512_bit()
+        tile(a, lda, 1, b, ldb, c, ldc, k_len, ones, MR)
+
+    return tile_add
 
 
 @njit(**INLINE)
