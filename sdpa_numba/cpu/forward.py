@@ -83,6 +83,12 @@ MIN_FOLD_BLOCKS = 64
 
 _lanes = stack_buffer(BM)
 
+#: Options of the functions that only jitted code calls: without the CPython and C wrappers
+#: that Numba otherwise compiles for every function (never called here: about a tenth of
+#: the first call's compile, scripts/cold_start.py --events).
+_JITTED_ONLY = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+_CALLED_J = {**CALLED, **_JITTED_ONLY}
+
 
 def masked_score(s, x):
     """Score ``s`` (natural units) under mask element ``x`` (jitted code only)."""
@@ -210,7 +216,7 @@ def _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, window, element):
                     row[i] = neg_inf
 
 
-@njit(**CALLED)
+@njit(**_CALLED_J)
 def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
     """The recipe's modified scores (:func:`sdpa_numba.score.recipe.modified_score`: soft cap,
     ALiBi, score_mod, in that order) on the first ``n_keys`` rows of Sᵀ, real lanes.
@@ -240,7 +246,7 @@ def _modify(st, n_keys, n_real, r, b, h, i_first, j0):
     raise NotImplementedError("_modify is only callable from jitted code")
 
 
-@overload(_modify, **CALLED)
+@overload(_modify, **_CALLED_J)
 def _ol_modify(st, n_keys, n_real, r, b, h, i_first, j0):
     if not (_absent(r, "alibi") and _absent(r, "score_mod")):
         return lambda st, n_keys, n_real, r, b, h, i_first, j0: _modify_tile(
@@ -364,12 +370,12 @@ def _softmax_variant(capped):
 
 
 #: The softmax tile pass of every call: a soft cap's passes are called through _call_capped.
-_softmax_tile = njit(**CALLED)(_softmax_variant(False))
+_softmax_tile = njit(**_CALLED_J)(_softmax_variant(False))
 #: The same with the soft cap, compiled on its first use (see _capped_tiles).
-_capped_softmax_tile = njit(**CALLED)(_softmax_variant(True))
+_capped_softmax_tile = njit(**_CALLED_J)(_softmax_variant(True))
 
 
-@njit(**CALLED)
+@njit(**_CALLED_J)
 def _cap_pass(st, n, c):
     """``st[0:n] = c · tanh(st[0:n])`` (the tile holds ``s / c``): the soft cap of a tile
     that something else also modifies or masks (see :func:`_modify_tile`)."""
@@ -424,7 +430,7 @@ def _scores(kb, ldk, e_len, qt, st, n_keys, lanes):
     raise NotImplementedError("_scores is only callable from jitted code")
 
 
-@overload(_scores, **CALLED)
+@overload(_scores, **_CALLED_J)
 def _ol_scores(kb, ldk, e_len, qt, st, n_keys, lanes):
     # tile_product's passes, picked here by type (see microkernel.register_passes: the same
     # code, compiled once).
@@ -479,7 +485,7 @@ def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
     raise NotImplementedError("_accumulate is only callable from jitted code")
 
 
-@overload(_accumulate, **CALLED)
+@overload(_accumulate, **_CALLED_J)
 def _ol_accumulate(pt, vb, ldv, ev_pad, acc, alpha):
     # the passes with one factor of alpha per column, picked here by type (see _ol_scores).
     tile = register_passes(pt.dtype, True, True, True)
@@ -559,7 +565,7 @@ def _pack_float_queries(q, i0, n, n_pad, c, qt, like):
 
 
 @one_type_per_argument  # fill True and False: one compile, not one per literal
-@njit(**CALLED)
+@njit(**_CALLED_J)
 def _scratch(n, fill, value, like):
     """A scratch array of ``n`` elements of ``like``'s dtype that starts a cache line
     (:func:`.scratch.aligned_empty`), all ``value`` if ``fill``.
@@ -574,7 +580,7 @@ def _scratch(n, fill, value, like):
     return a
 
 
-@njit(**KERNEL)
+@njit(**KERNEL, **_JITTED_ONLY)
 def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=0):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
 
@@ -787,7 +793,7 @@ def _chunk_rows(n_heads, L, e_len, ev, itemsize):
     return chunk
 
 
-@njit(**CALLED)  # not inline: called through a task runner (.tasks)
+@njit(**_CALLED_J)  # not inline: called through a task runner (.tasks)
 def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk):
     """Task ``t`` of :func:`forward`: one chunk of ``chunk`` query rows of one head, each
     head's ``n_chunks`` chunks numbered costliest (last) first."""
