@@ -405,8 +405,9 @@ def _capped_signature(dt):
     return types.void(p, i, i, p, p, p, dt, i, i, i)
 
 
-#: :func:`_capped_tiles` for float32 and float64 tiles, through a cell of this process.
-_CAPPED = Lazy("forward.capped_tiles", [_capped_signature(types.float32),
+#: :func:`_capped_tiles` for float32 and float64 tiles, through a cell of this process (the
+#: name's version changes with the form of the cells' symbols, see .lazy.Lazy).
+_CAPPED = Lazy("forward.capped_tiles.v2", [_capped_signature(types.float32),
                                         _capped_signature(types.float64)],
                lambda: _capped_tiles)
 _call_capped = _CAPPED.call

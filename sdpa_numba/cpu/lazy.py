@@ -21,12 +21,16 @@ import os
 import sys
 import threading
 import traceback
+import zlib
 
 from llvmlite import binding, ir
 from numba import cfunc, types
 from numba.extending import intrinsic
 
 from .options import CACHE, CALLED
+
+#: Every cell made in this process (see _Cell).
+_ALIVE = []
 
 _C = {types.float32: ctypes.c_float, types.float64: ctypes.c_double,
       types.int64: ctypes.c_int64}
@@ -44,13 +48,20 @@ class Lazy:
     its first call with it or by :meth:`compile`, and callable from jitted code by :attr:`call`
     (an intrinsic taking the arguments of one of ``sigs``, typed exactly so, literals aside).
 
-    ``name`` names the cells' symbols (unique per process).
+    ``name`` names the cells' symbols, with the source file of ``build`` (a name the kernels'
+    cached code keeps: stable across processes, and distinct for two checkouts of the package
+    imported in one process, as an A/B script does). The symbols are part of the callers'
+    cached code: a change of their form goes with a change of ``name`` in the callers' source
+    file, which invalidates the callers' cache entries (a cached caller whose symbol is
+    missing could not be loaded: the JIT aborts the process).
     """
 
     def __init__(self, name, sigs, build):
         self._build = build
         self._lock = threading.Lock()
-        self._sigs = {tuple(sig.args): _Cell(f"sdpa_numba.lazy.{name}.{n}", sig, self)
+        where = zlib.crc32(build.__code__.co_filename.encode())
+        self._sigs = {tuple(sig.args): _Cell(f"sdpa_numba.lazy.{name}.{where:08x}.{n}", sig,
+                                             self)
                       for n, sig in enumerate(sigs)}
         self.call = self._intrinsic()
 
@@ -109,6 +120,9 @@ class _Cell:
         # The address the kernels call: kept alive by this object (held at module level).
         self.cell = ctypes.c_void_p(ctypes.cast(self._trampoline, ctypes.c_void_p).value)
         binding.add_symbol(symbol, ctypes.addressof(self.cell))
+        # Kernels loaded while this cell was the symbol's keep its address: never freed (a
+        # reloaded module makes a new cell and points the symbol at it).
+        _ALIVE.append(self)
 
     def compile(self):
         with self.lazy._lock:
