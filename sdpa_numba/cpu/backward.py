@@ -52,8 +52,8 @@ from numba.extending import overload
 from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stash, unstash
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
-from .forward import masked_score
-from .microkernel import MR, NR, tile_product
+from .forward import _JITTED_ONLY, masked_score
+from .microkernel import MR, NR, register_passes
 from .online_softmax import LOG2E
 from .options import CALLED, FASTMATH, INLINE, KERNEL
 from .scale_fold import split_power, times
@@ -165,17 +165,41 @@ def _as_none(x):
     return lambda x: x
 
 
-@njit(**KERNEL)
 def _tile_set(a, lda, b, ldb, c, ldc, k_len):
-    """``c = a @ b`` on an MR x NR tile (:func:`tile_product`, compiled once per dtype for the
-    backward's several call sites)."""
-    tile_product(a, lda, 1, b, ldb, c, ldc, k_len, None)
+    """``c = a @ b`` on an MR x NR tile: :func:`tile_product`'s passes, compiled once per
+    dtype for the backward's several call sites (jitted code only)."""
+    raise NotImplementedError("_tile_set is only callable from jitted code")
 
 
-@njit(**KERNEL)
+@overload(_tile_set, **CALLED, **_JITTED_ONLY)
+def _ol_tile_set(a, lda, b, ldb, c, ldc, k_len):
+    # The passes picked here by type (microkernel.register_passes): tile_product, an
+    # inline="always" overload, had each implementation compiled as a function of its own
+    # just to type it (machine code never used) on every backward's first call.
+    tile = register_passes(a.dtype, False, False, True)
+
+    def tile_set(a, lda, b, ldb, c, ldc, k_len):
+        prefer_512_bit()
+        tile(a, lda, 1, b, ldb, c, ldc, k_len, None, MR)
+
+    return tile_set
+
+
 def _tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
-    """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, :func:`tile_product`'s alpha)."""
-    tile_product(a, lda, 1, b, ldb, c, ldc, k_len, ones)
+    """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, :func:`tile_product`'s alpha;
+    jitted code only)."""
+    raise NotImplementedError("_tile_add is only callable from jitted code")
+
+
+@overload(_tile_add, **CALLED, **_JITTED_ONLY)
+def _ol_tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
+    tile = register_passes(a.dtype, False, True, True)  # as _tile_set, one alpha per row
+
+    def tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
+        prefer_512_bit()
+        tile(a, lda, 1, b, ldb, c, ldc, k_len, ones, MR)
+
+    return tile_add
 
 
 @njit(**INLINE)
@@ -295,7 +319,7 @@ def _mask_scores(st, gt, nk, nv, j0, i0, mask, use_mask, r, b, h, elem, mods):
                     row[c] = neg_inf
 
 
-@njit(**CALLED)
+@njit(**CALLED, **_JITTED_ONLY)
 def _cap_tile(st, gt, n, cap):
     """The soft cap on the first ``n`` scores of a tile (pointers), all lanes: ``st`` gets
     ``cap · tanh(s / cap)`` and ``gt`` its slope ``1 - tanh²`` (``cap > 0``, in the compute
@@ -364,7 +388,7 @@ def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j
                 drow[c] = p * (drow[c] - dd[c]) if valid else zero
 
 
-@njit(**KERNEL)
+@njit(**KERNEL, **_JITTED_ONLY)
 def pair_scores(keys, e_len, ev, nk, queries):
     """Sᵀ and dPᵀ tiles of one key block against one query block (before masking).
 
@@ -381,7 +405,7 @@ def pair_scores(keys, e_len, ev, nk, queries):
         _tile_set(ptr_add(vp, rt * ev), ev, dot, BQ, ptr_add(dpt, rt * BQ), BQ, ev)
 
 
-@njit(**KERNEL)
+@njit(**KERNEL, **_JITTED_ONLY)
 def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop, gt, mods):
     """From the masked tiles of :func:`pair_scores`: (P Z)ᵀ and dSᵀ in place, then adds the
     pair's dK, dV into ``dka``, ``dva`` and its dQᵀ into ``dqt``.
@@ -410,7 +434,7 @@ def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop, gt, mods):
         _tile_add(ptr_add(kt, et * BK), BK, dpt, BQ, ptr_add(dqt, et * BQ), BQ, nk, ones)
 
 
-@njit(**KERNEL)
+@njit(**KERNEL, **_JITTED_ONLY)  # (no wrappers: see forward._JITTED_ONLY)
 def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
               dq, dq_part, g, dk, dv, dropout, dmask):
     """Everything that key blocks ``[kb0, kb1)`` of key/value head (``b``, ``kh``) contribute.
@@ -584,7 +608,7 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
     keep_alive((kp, kt, vp, dka, dva, qt, qr, dot, dor, l2, dd, dqt, st, dpt, gt, ones, rk))
 
 
-@njit(**KERNEL)
+@njit(**KERNEL, **_JITTED_ONLY)
 def _sum_dq(dq_part, scale, dq, b, h, qb):
     """dq rows of query block ``qb`` of head (``b``, ``h``) = scale · the sum of the groups'
     partials, in group order."""

@@ -33,6 +33,7 @@ from ._llvm import (by_symbol, data_ptr, keep_alive, no_inline, prefer_512_bit, 
 from .dropout import drop_tile, head_dropout
 from .exp2 import exp2
 from .from_python import one_type_per_argument
+from .lazy import Lazy
 from .microkernel import LANE_CHUNK, MR_WIDE, NR, register_passes
 from .online_softmax import LOG2E
 from .pair_scores import (all_flags, flag, pack_key_pairs, pack_query_pairs, pair_buffer,
@@ -42,7 +43,7 @@ from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
-from ..score.recipe import (BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
+from ..score.recipe import (_absent, BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
                             fold_sink, has_element_mask, in_one_chunk, kernel_recipe,
                             key_range, modifies_capped, modifies_scores, query_range,
                             sink_logit, user_keeps, window_covers)
@@ -81,6 +82,12 @@ MIN_TASKS = 16
 MIN_FOLD_BLOCKS = 64
 
 _lanes = stack_buffer(BM)
+
+#: Options of the functions that only jitted code calls: without the CPython and C wrappers
+#: that Numba otherwise compiles for every function (never called here: about a tenth of
+#: the first call's compile, scripts/cold_start.py --events).
+_JITTED_ONLY = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+_CALLED_J = {**CALLED, **_JITTED_ONLY}
 
 
 def masked_score(s, x):
@@ -209,23 +216,22 @@ def _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, window, element):
                     row[i] = neg_inf
 
 
-@njit(**CALLED)
+@njit(**_CALLED_J)
 def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
     """The recipe's modified scores (:func:`sdpa_numba.score.recipe.modified_score`: soft cap,
     ALiBi, score_mod, in that order) on the first ``n_keys`` rows of Sᵀ, real lanes.
 
     The soft cap is the seam's ``c · tanh(s / c)`` with the vectorizable
-    :func:`.tanh.scaled_tanh` over the whole tile (``math.tanh`` is a scalar call here); the
-    tile holds ``s / c`` then (:func:`attend_rows` folds ``1 / c`` into the packed queries).
+    :func:`.tanh.scaled_tanh` over the whole tile (``math.tanh`` is a scalar call here), by
+    :func:`_cap_pass` compiled on its first use; the tile holds ``s / c`` then
+    (:func:`attend_rows` folds ``1 / c`` into the packed queries).
     What follows the cap is the seam's :func:`~sdpa_numba.score.recipe.capped_score`,
     element by element.
     """
     no_inline()
     prefer_512_bit()
-    if r.softcap > 0:
-        c = cast(r.softcap, st[0])
-        for t in range(n_keys * BM):
-            st[t] = scaled_tanh(st[t], c)
+    if r.softcap > 0:  # compiled on its first use (see _capped_tiles)
+        _call_capped(st, 0, n_keys, st, st, st, cast(r.softcap, st[0]), 0, 0, 0)
     if modifies_capped(r):
         for j in range(n_keys):
             row = ptr_add(st, j * BM)
@@ -233,102 +239,186 @@ def _modify_tile(st, n_keys, n_real, r, b, h, i_first, j0):
                 row[i] = capped_score(r, row[i], b, h, i_first + i, j0 + j)
 
 
-@njit(**CALLED)
-def _softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi):
-    """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
+def _modify(st, n_keys, n_real, r, b, h, i_first, j0):
+    """:func:`_modify_tile`, or for a recipe whose type has no ALiBi nor score_mod (modified
+    only by its soft cap, a runtime value) the soft cap's pass alone, so that the plain
+    kernel compiles no _modify_tile (jitted code only)."""
+    raise NotImplementedError("_modify is only callable from jitted code")
 
-    Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
-    updates ``m``, ``l``, ``alpha`` (pointers to BM lanes). ``cap > 0`` soft-caps the scores
-    first, in the pass that finds their maximum: the tile then holds ``s / cap`` and becomes
-    ``cap · tanh(s / cap)``; the caller passes it only for tiles that nothing else modifies
-    (soft cap comes first in the score's order). 0 leaves the scores as they are.
-    ``window``: that pass also masks (to -inf, after the soft cap) the scores of lane ``i``,
-    tile row ``j`` with ``i - j`` outside ``[w_lo, w_hi]`` (the window's band, see
-    :func:`attend_rows`); the caller passes it only for tiles that nothing else masks.
 
-    Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
-    converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
-    into the scale) would overflow for finite scores beyond FLT_MAX / log2(e) (a mask of
-    np.finfo(np.float32).min became -inf, a fully masked row); a difference that overflows
-    is below -FLT_MAX and its exponential is 0 anyway.
-    """
-    no_inline()  # as the tile products: a call of its own
-    prefer_512_bit()
-    # The lane state is worked on in stack buffers and copied in and out: LLVM cannot prove
-    # that the pointers m, l and alpha don't overlap, and kept the loops over them scalar
-    # (64 scalar exp2 per tile for alpha alone); a private alloca overlaps nothing.
-    m_old = _lanes(m)
-    m_new = _lanes(m)
-    m_use = _lanes(m)
-    total = _lanes(m)
-    a = _lanes(m)
-    l_new = _lanes(m)
-    for i in range(BM):
-        m_old[i] = m[i]
-    for i in range(BM):
-        m_new[i] = m_old[i]
-    if window:
-        # The band test in the max pass, lane-wise: a pass of its own (_mask_tile, scalar
-        # stores over a varying number of lanes per row) cost more than the test. Lane numbers
-        # as floats compare in the scores' vector width; the bounds are small integers
-        # (clamped by the caller), exact in any float type.
-        lane = _lanes(m)
-        for i in range(BM):
-            lane[i] = i
-        neg_inf = cast(-np.inf, m_old[0])
-        for j in range(n_keys):
-            row = ptr_add(st, j * BM)
-            lo = cast(w_lo + j, m_old[0])
-            hi = cast(w_hi + j, m_old[0])
+@overload(_modify, **_CALLED_J)
+def _ol_modify(st, n_keys, n_real, r, b, h, i_first, j0):
+    if not (_absent(r, "alibi") and _absent(r, "score_mod")):
+        return lambda st, n_keys, n_real, r, b, h, i_first, j0: _modify_tile(
+            st, n_keys, n_real, r, b, h, i_first, j0)
+
+    def cap_only(st, n_keys, n_real, r, b, h, i_first, j0):
+        if r.softcap > 0:
+            _call_capped(st, 0, n_keys, st, st, st, cast(r.softcap, st[0]), 0, 0, 0)
+
+    return cap_only
+
+
+def _softmax_variant(capped):
+    """The online softmax's tile pass, :func:`_softmax_tile`; ``capped``: with the soft cap
+    (compiled on its first use, see :func:`_capped_tiles`), else without its code."""
+
+    def softmax_tile(st, n_keys, m, l, alpha, cap, window, w_lo, w_hi):
+        """Online softmax over the first ``n_keys`` rows of Sᵀ; lanes are query rows.
+
+        Overwrites scores with p = exp(s - m_new) (and the rows past ``n_keys`` with 0) and
+        updates ``m``, ``l``, ``alpha`` (pointers to BM lanes). ``cap > 0`` soft-caps the scores
+        first, in the pass that finds their maximum: the tile then holds ``s / cap`` and becomes
+        ``cap · tanh(s / cap)``; the caller passes it only for tiles that nothing else modifies
+        (soft cap comes first in the score's order). 0 leaves the scores as they are.
+        ``window``: that pass also masks (to -inf, after the soft cap) the scores of lane ``i``,
+        tile row ``j`` with ``i - j`` outside ``[w_lo, w_hi]`` (the window's band, see
+        :func:`attend_rows`); the caller passes it only for tiles that nothing else masks.
+
+        Scores and ``m`` are in natural units; only the differences ``s - m_new <= 0`` are
+        converted to base 2 for :func:`exp2`. Converting the scores themselves (folding log2(e)
+        into the scale) would overflow for finite scores beyond FLT_MAX / log2(e) (a mask of
+        np.finfo(np.float32).min became -inf, a fully masked row); a difference that overflows
+        is below -FLT_MAX and its exponential is 0 anyway.
+        """
+        no_inline()  # as the tile products: a call of its own
+        prefer_512_bit()
+        if plain:  # (pruned at compile time: a constant)
             if cap > 0:
+                _call_capped(st, 1, n_keys, m, l, alpha, cap, 1 if window else 0, w_lo, w_hi)
+                return
+        # The lane state is worked on in stack buffers and copied in and out: LLVM cannot prove
+        # that the pointers m, l and alpha don't overlap, and kept the loops over them scalar
+        # (64 scalar exp2 per tile for alpha alone); a private alloca overlaps nothing.
+        m_old = _lanes(m)
+        m_new = _lanes(m)
+        m_use = _lanes(m)
+        total = _lanes(m)
+        a = _lanes(m)
+        l_new = _lanes(m)
+        for i in range(BM):
+            m_old[i] = m[i]
+        for i in range(BM):
+            m_new[i] = m_old[i]
+        if window:
+            # The band test in the max pass, lane-wise: a pass of its own (_mask_tile, scalar
+            # stores over a varying number of lanes per row) cost more than the test. Lane numbers
+            # as floats compare in the scores' vector width; the bounds are small integers
+            # (clamped by the caller), exact in any float type.
+            lane = _lanes(m)
+            for i in range(BM):
+                lane[i] = i
+            neg_inf = cast(-np.inf, m_old[0])
+            for j in range(n_keys):
+                row = ptr_add(st, j * BM)
+                lo = cast(w_lo + j, m_old[0])
+                hi = cast(w_hi + j, m_old[0])
+                if capped and cap > 0:
+                    for i in range(BM):
+                        s = scaled_tanh(row[i], cap)
+                        s = s if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
+                        row[i] = s
+                        m_new[i] = s if s > m_new[i] else m_new[i]
+                else:
+                    for i in range(BM):
+                        s = row[i] if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
+                        row[i] = s
+                        m_new[i] = s if s > m_new[i] else m_new[i]
+        elif capped and cap > 0:
+            # Fused into the max pass: a pass of its own over the tile (which the tile products'
+            # operands push out of L1) cost twice as much.
+            for j in range(n_keys):
+                row = ptr_add(st, j * BM)
                 for i in range(BM):
                     s = scaled_tanh(row[i], cap)
-                    s = s if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
                     row[i] = s
                     m_new[i] = s if s > m_new[i] else m_new[i]
-            else:
+        else:
+            for j in range(n_keys):
+                row = ptr_add(st, j * BM)
                 for i in range(BM):
-                    s = row[i] if (lane[i] >= lo) & (lane[i] <= hi) else neg_inf
-                    row[i] = s
-                    m_new[i] = s if s > m_new[i] else m_new[i]
-    elif cap > 0:
-        # Fused into the max pass: a pass of its own over the tile (which the tile products'
-        # operands push out of L1) cost twice as much.
-        for j in range(n_keys):
-            row = ptr_add(st, j * BM)
-            for i in range(BM):
-                s = scaled_tanh(row[i], cap)
-                row[i] = s
-                m_new[i] = s if s > m_new[i] else m_new[i]
-    else:
-        for j in range(n_keys):
-            row = ptr_add(st, j * BM)
-            for i in range(BM):
-                m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
-    c = cast(LOG2E, m_old[0])
-    for i in range(BM):
-        # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
-        m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
-        a[i] = exp2((m_old[i] - m_use[i]) * c)
-        total[i] = 0
-    for j in range(n_keys):
-        row = ptr_add(st, j * BM)
+                    m_new[i] = row[i] if row[i] > m_new[i] else m_new[i]
+        c = cast(LOG2E, m_old[0])
         for i in range(BM):
-            p = exp2((row[i] - m_use[i]) * c)
-            row[i] = p
-            total[i] += p
-    for i in range(BM):
-        l_new[i] = a[i] * l[i] + total[i]
-    for i in range(BM):
-        l[i] = l_new[i]
-    for i in range(BM):
-        m[i] = m_new[i]
-    for i in range(BM):
-        alpha[i] = a[i]
-    # P·V always runs over all BN keys: a constant trip count keeps its accumulator in
-    # registers (a runtime one measured 4x slower), so keys past n_keys get p = 0.
-    for t in range(n_keys * BM, BN * BM):
-        st[t] = 0
+            # All masked so far: exponentiate against 0, so p = alpha = 0 instead of NaN.
+            m_use[i] = m_new[i] if m_new[i] != -np.inf else cast(0.0, m_new[i])
+            a[i] = exp2((m_old[i] - m_use[i]) * c)
+            total[i] = 0
+        for j in range(n_keys):
+            row = ptr_add(st, j * BM)
+            for i in range(BM):
+                p = exp2((row[i] - m_use[i]) * c)
+                row[i] = p
+                total[i] += p
+        for i in range(BM):
+            l_new[i] = a[i] * l[i] + total[i]
+        for i in range(BM):
+            l[i] = l_new[i]
+        for i in range(BM):
+            m[i] = m_new[i]
+        for i in range(BM):
+            alpha[i] = a[i]
+        # P·V always runs over all BN keys: a constant trip count keeps its accumulator in
+        # registers (a runtime one measured 4x slower), so keys past n_keys get p = 0.
+        for t in range(n_keys * BM, BN * BM):
+            st[t] = 0
+
+    plain = not capped
+    softmax_tile.__name__ = softmax_tile.__qualname__ = (
+        "_capped_softmax_tile" if capped else "_softmax_tile")
+    return softmax_tile
+
+
+#: The softmax tile pass of every call: a soft cap's passes are called through _call_capped.
+_softmax_tile = njit(**_CALLED_J)(_softmax_variant(False))
+#: The same with the soft cap, compiled on its first use (see _capped_tiles).
+_capped_softmax_tile = njit(**_CALLED_J)(_softmax_variant(True))
+
+
+@njit(**_CALLED_J)
+def _cap_pass(st, n, c):
+    """``st[0:n] = c · tanh(st[0:n])`` (the tile holds ``s / c``): the soft cap of a tile
+    that something else also modifies or masks (see :func:`_modify_tile`)."""
+    no_inline()
+    prefer_512_bit()
+    for t in range(n):
+        st[t] = scaled_tanh(st[t], c)
+
+
+def _capped_tiles(st, mode, n_keys, m, l, alpha, cap, window, w_lo, w_hi):
+    """The soft cap's tile passes, compiled on their first use (a call with a soft cap, or
+    :func:`ensure_soft_cap`) instead of with every kernel: mode 0, the cap alone over the first
+    ``n_keys`` rows of Sᵀ (:func:`_cap_pass`; the other pointers unused); mode 1, the softmax
+    pass with the cap fused into its max pass (:func:`_softmax_tile`'s arguments; ``window``
+    0 or 1). Soft cap is a runtime parameter of the one kernel that plain, windowed and
+    soft-capped calls share, whose first call compiled these passes, ~0.6 s of CPU, for every
+    user (scripts/cold_start.py --events)."""
+    if mode == 0:
+        _cap_pass(st, n_keys * BM, cap)
+    else:
+        _capped_softmax_tile(st, n_keys, m, l, alpha, cap, window != 0, w_lo, w_hi)
+
+
+def _capped_signature(dt):
+    p = types.CPointer(dt)
+    i = types.int64
+    return types.void(p, i, i, p, p, p, dt, i, i, i)
+
+
+#: :func:`_capped_tiles` for float32 and float64 tiles, through a cell of this process (the
+#: name's version changes with the form of the cells' symbols, see .lazy.Lazy).
+_CAPPED = Lazy("forward.capped_tiles.v2", [_capped_signature(types.float32),
+                                        _capped_signature(types.float64)],
+               lambda: _capped_tiles)
+_call_capped = _CAPPED.call
+
+
+def ensure_soft_cap(compute_dtype):
+    """Compile (or load from the cache) the soft cap's tile passes for a compute dtype
+    (``np.float32`` or ``np.float64``) ahead of a launch that needs them, so that no thread
+    of the launch enters their first-call trampoline (see :mod:`.lazy`)."""
+    _CAPPED.compile(*_capped_signature(types.float64 if np.dtype(compute_dtype) == np.float64
+                                       else types.float32).args)
 
 
 def _scores(kb, ldk, e_len, qt, st, n_keys, lanes):
@@ -341,7 +431,7 @@ def _scores(kb, ldk, e_len, qt, st, n_keys, lanes):
     raise NotImplementedError("_scores is only callable from jitted code")
 
 
-@overload(_scores, **CALLED)
+@overload(_scores, **_CALLED_J)
 def _ol_scores(kb, ldk, e_len, qt, st, n_keys, lanes):
     # tile_product's passes, picked here by type (see microkernel.register_passes: the same
     # code, compiled once).
@@ -396,7 +486,7 @@ def _accumulate(pt, vb, ldv, ev_pad, acc, alpha):
     raise NotImplementedError("_accumulate is only callable from jitted code")
 
 
-@overload(_accumulate, **CALLED)
+@overload(_accumulate, **_CALLED_J)
 def _ol_accumulate(pt, vb, ldv, ev_pad, acc, alpha):
     # the passes with one factor of alpha per column, picked here by type (see _ol_scores).
     tile = register_passes(pt.dtype, True, True, True)
@@ -414,10 +504,9 @@ def _ol_accumulate(pt, vb, ldv, ev_pad, acc, alpha):
         n_six = max(ev_pad - rest - (MR_WIDE if rest == 2 else 0), 0)
         for d0 in range(0, n_six, MR_WIDE):
             tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha,
-                 MR_WIDE, None)
+                 MR_WIDE)
         for d0 in range(n_six, ev_pad, 4):
-            tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha, 4,
-                 None)
+            tile(ptr_add(vb, d0), 1, ldv, pt, BM, ptr_add(acc, d0 * BM), BM, BN, alpha, 4)
 
     return accumulate
 
@@ -477,7 +566,7 @@ def _pack_float_queries(q, i0, n, n_pad, c, qt, like):
 
 
 @one_type_per_argument  # fill True and False: one compile, not one per literal
-@njit(**CALLED)
+@njit(**_CALLED_J)
 def _scratch(n, fill, value, like):
     """A scratch array of ``n`` elements of ``like``'s dtype that starts a cache line
     (:func:`.scratch.aligned_empty`), all ``value`` if ``fill``.
@@ -492,7 +581,7 @@ def _scratch(n, fill, value, like):
     return a
 
 
-@njit(**KERNEL)
+@njit(**KERNEL, **_JITTED_ONLY)
 def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=0):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
 
@@ -625,7 +714,7 @@ def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=
             if r.softcap > 0 and not masked and not modifies_capped(r):
                 cap = softcap
             elif modifies_scores(r):
-                _modify_tile(p_st, n_keys, n_real, r, b, h, i_first, j0)
+                _modify(p_st, n_keys, n_real, r, b, h, i_first, j0)
             if masked:
                 _mask_tile(st, n_keys, i_first, n_real, j0, mask, r, b, h, not in_window,
                            per_element)
@@ -705,7 +794,7 @@ def _chunk_rows(n_heads, L, e_len, ev, itemsize):
     return chunk
 
 
-@njit(**CALLED)  # not inline: called through a task runner (.tasks)
+@njit(**_CALLED_J)  # not inline: called through a task runner (.tasks)
 def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk):
     """Task ``t`` of :func:`forward`: one chunk of ``chunk`` query rows of one head, each
     head's ``n_chunks`` chunks numbered costliest (last) first."""
@@ -731,7 +820,16 @@ def _forward_task(q, k, v, mask, r, scale, out, lse, dropout, t, n_chunks, chunk
 _run_forward_task = task_runner(_forward_task)
 
 
-@njit(parallel=True, **KERNEL)
+def _prange_only():
+    """Numba's parallel options with the ``prange`` loops alone made parallel: array
+    expressions and NumPy calls stay serial (``task_queue``'s ``np.zeros(2)`` was a parallel
+    loop of its own, with its own compiled gufunc and wrappers: ~0.1 s of a first call).
+    A new dict each time: Numba consumes it."""
+    return dict(prange=True, comprehension=False, reduction=False, inplace_binop=False,
+                setitem=False, numpy=False, stencil=False, fusion=False)
+
+
+@njit(parallel=_prange_only(), **KERNEL)
 def forward(q, k, v, mask, is_causal, scale, out, lse, dropout=None, recipe=None):
     """Batched attention forward, parallel over batch x head x query chunk.
 

@@ -19,7 +19,7 @@ from .._runtime import compile_entry, kernel_launch
 from ..dropout import NO_DROPOUT
 from ..problem import compute_dtype, for_each_launch, operand_views, row_view
 from ..score.recipe import CAUSAL, DENSE, has_optional_parts, with_batch_offset
-from .forward import forward
+from .forward import ensure_soft_cap, forward
 from .storage import is_bfloat16, storage_view
 
 _NB = {np.dtype(np.float16): types.uint16, np.dtype(np.float32): types.float32,
@@ -137,6 +137,8 @@ def run(p, query, key, value, attn_mask, out, dropout=None):
 
     with kernel_launch():  # first: it refuses what would crash the process
         entry = _entry(p.dtype, p.mask_kind, dropout is not None, recipe_type(r))
+        if r.softcap > 0:  # its passes, compiled on first use, before the threads need them
+            ensure_soft_cap(p.compute_dtype)
         for_each_launch(p.batch, [q, k, v, mask, row_view(p, result, p.Ev, as_strided), lse],
                         NO_DROPOUT if dropout is None else dropout, launch, as_strided)
     return result, lse.reshape(p.out_shape[:-1])

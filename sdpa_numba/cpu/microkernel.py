@@ -169,16 +169,23 @@ def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR, lanes=NR)
     _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
 
 
-def _pick_passes(lane_alpha, scaled, whole_only, dtype):
+def _pick_passes(lane_alpha, scaled, whole_only, dtype, direct=False):
     """The register passes ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)``
     (a Python function, to be compiled inlined) for operands of Numba type ``dtype``:
     ``lane_alpha`` False, one factor of alpha per row (:func:`tile_product`), True, one per
     column (the forward's P·V); ``scaled``: alpha is given (else None);
-    ``whole_only``: the caller never narrows the tile (``lanes`` omitted or None)."""
+    ``whole_only``: the caller never narrows the tile (``lanes`` omitted or None);
+    ``direct`` (with ``whole_only``): ``f`` without ``lanes``, with AVX-512 the passes
+    themselves (no wrapper: one inlined level less to compile per call)."""
     fold = (_lane_fold if lane_alpha else _row_fold) if scaled else _set
     per_column = scaled and lane_alpha
     if not WIDE_VECTORS:
         chunks = _column_chunks(fold, CHUNK_BYTES * 8 // dtype.bitwidth, per_column)
+        if whole_only and direct:
+            def all_chunks_direct(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
+                chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, NR)
+
+            return all_chunks_direct
         if whole_only:
             def all_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
                 chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, NR)
@@ -191,6 +198,9 @@ def _pick_passes(lane_alpha, scaled, whole_only, dtype):
         return some_chunks
     whole = _whole_tile(fold, dtype != types.float64, scaled and not lane_alpha)
     if whole_only:
+        if direct:
+            return whole
+
         def whole_tile(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
             whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
 
@@ -233,7 +243,9 @@ def register_passes(dtype, lane_alpha, scaled, whole_only):
     """The register passes that :func:`tile_product` would run (``lane_alpha`` False), or
     the same with one factor of alpha per column (True: the forward's P·V), for operands of Numba type ``dtype``, as an
     ``@njit`` function inlined where it is called, ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len,
-    alpha, rows, lanes)``: for a caller that is itself chosen by type (an ``@overload``).
+    alpha, rows, lanes)``, or with ``whole_only`` (the whole tile, never narrowed)
+    ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)``: for a caller that is itself
+    chosen by type (an ``@overload``).
 
     The same code as the tile products' (the caller adds ``prefer_512_bit()``), without their
     compile-time cost: Numba compiles an ``inline="always"`` overload's implementation as a
@@ -242,7 +254,10 @@ def register_passes(dtype, lane_alpha, scaled, whole_only):
     """
     key = (dtype, lane_alpha, scaled, whole_only)
     if key not in _picked:
-        _picked[key] = njit(**INLINE)(_pick_passes(lane_alpha, scaled, whole_only, dtype))
+        f = _pick_passes(lane_alpha, scaled, whole_only, dtype, direct=whole_only)
+        if not hasattr(f, "py_func"):  # a Python function (else already inlined @njit)
+            f = njit(**INLINE)(f)
+        _picked[key] = f
     return _picked[key]
 
 
