@@ -108,7 +108,9 @@ def as_dropout(dropout):
 @overload(as_dropout, fastmath=FASTMATH)
 def _as_dropout(dropout):
     if isinstance(dropout, (types.NoneType, types.Omitted)):
-        return lambda dropout: (np.uint64(0), np.uint64(0), 1.0, 0)
+        # typed as the Python API's tuple (..dropout.params), not with a literal 0: one
+        # specialization of the kernels below for both
+        return lambda dropout: (np.uint64(0), np.uint64(0), 1.0, np.int64(0))
     return lambda dropout: dropout
 
 
