@@ -45,10 +45,10 @@ def one_run(root, cache_dir, args):
     return json.loads(res.stdout)["first_call_s"], wall, cpu
 
 
-def _events_child(check_args):
-    """In a cold child process: run the check with listeners on Numba's compile events and
-    print a JSON breakdown (per function: inclusive and exclusive seconds, count) to stderr's
-    last line."""
+def compile_times():
+    """Listen to Numba's ``numba:compile`` events from now on: ``(incl, excl, count)``, dicts by
+    function name of the compiling thread's CPU seconds, inclusive and exclusive of the
+    functions compiled while compiling it, and of the number of compiles (filled as they run)."""
     import collections
 
     from numba.core import event
@@ -57,7 +57,6 @@ def _events_child(check_args):
     incl = collections.defaultdict(float)
     excl = collections.defaultdict(float)
     count = collections.Counter()
-    lock = [0.0, 0.0]
 
     class Compile(event.Listener):
         def on_start(self, ev):
@@ -74,6 +73,19 @@ def _events_child(check_args):
             if stack:
                 stack[-1][2] += dt
 
+    event.register("numba:compile", Compile())
+    return incl, excl, count
+
+
+def _events_child(check_args):
+    """In a cold child process: run the check with listeners on Numba's compile events and
+    print a JSON breakdown (per function: inclusive and exclusive seconds, count) to stderr's
+    last line."""
+    from numba.core import event
+
+    incl, excl, count = compile_times()
+    lock = [0.0, 0.0]
+
     class Lock(event.Listener):
         def on_start(self, ev):
             lock[1] = time.perf_counter()
@@ -81,7 +93,6 @@ def _events_child(check_args):
         def on_end(self, ev):
             lock[0] += time.perf_counter() - lock[1]
 
-    event.register("numba:compile", Compile())
     event.register("numba:llvm_lock", Lock())
     from sdpa_numba.cli import main as cli_main
 

@@ -15,7 +15,6 @@ one thread).
 """
 
 import argparse
-import collections
 import json
 import os
 import subprocess
@@ -42,25 +41,10 @@ def _child(top, n_steps):
     """In a cold process: run the first ``n_steps`` of :data:`STEPS`, print a JSON list of
     per-step results."""
     import numpy as np
-    from numba.core import event
 
-    stack = []
-    excl = collections.defaultdict(float)
+    from cold_start import compile_times  # this script's folder (sys.path[0])
 
-    class Compile(event.Listener):
-        def on_start(self, ev):
-            d = ev.data.get("dispatcher")
-            name = getattr(getattr(d, "py_func", None), "__qualname__", str(d))
-            stack.append([name, time.thread_time(), 0.0])
-
-        def on_end(self, ev):
-            name, t0, child = stack.pop()
-            dt = time.thread_time() - t0
-            excl[name] += dt - child
-            if stack:
-                stack[-1][2] += dt
-
-    event.register("numba:compile", Compile())
+    _, excl, _ = compile_times()
     t_import = time.process_time()
     import sdpa_numba
     from sdpa_numba import attention_with_kvcache, quantize_kv
