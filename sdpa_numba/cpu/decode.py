@@ -40,9 +40,9 @@ once per call, for every query head of its GQA group and every query token at on
   (one block a row: the reduced score), the value scales the weights ``p_j`` of ``P V``, and
   the 8-bit values are converted to float32 in registers inside the same lane-wise and
   register-tile loops as float32's (:func:`quant_scores`, :func:`quant_pv`). One compiled
-  kernel per query dtype and scale dtype serves every format (a run-time value); the formats'
-  block loops (:func:`_block_scores`, :func:`_block_pv`) are cached functions of their own,
-  called by symbol once a block, compiled once and shared by every specialization.
+  kernel per query dtype and scale dtype serves every format (a run-time value); each
+  format's block loops (:func:`_scores_int8`, :func:`_pv_int8`, ...) are cached functions of
+  their own, called by symbol once a block, compiled once and shared by every specialization.
 * **Compiled once:** :func:`_chunk` is called by symbol from the task (``_chunk_by_symbol``),
   so that LLVM optimizes and emits it once per specialization, not again in each library
   above it (the task, the task runner, the parfor's wrappers, the entry point).
@@ -555,75 +555,85 @@ def _quant_format(fmt, value, vector):
     return scores, pv
 
 
-def _formats(vector):
-    """The three formats' score and P V loops (:func:`_quant_format`'s, ``vector`` or not),
-    each taking the format (a run-time value) first: ``(scores, pv)``."""
-    (s8, p8), (s4, p4), (s5, p5) = (_quant_format(f, v, vector) for f, v in (
-        (FMT_INT8, _int8_value), (FMT_E4M3, e4m3_half_value), (FMT_E5M2, e5m2_value)))
+#: The loops of float32 queries (every storage dtype but float64), per format.
+_VECTOR = {fmt: _quant_format(fmt, value, True)
+           for fmt, value in ((FMT_INT8, _int8_value), (FMT_E4M3, e4m3_half_value),
+                              (FMT_E5M2, e5m2_value))}
+_int8_scores, _int8_pv = _VECTOR[FMT_INT8]
+_e4m3_scores, _e4m3_pv = _VECTOR[FMT_E4M3]
+_e5m2_scores, _e5m2_pv = _VECTOR[FMT_E5M2]
+#: The scalar loops of float64 queries, inlined into _chunk: a rare case, left as it was.
+_SCALAR = {fmt: _quant_format(fmt, value, False)
+           for fmt, value in ((FMT_INT8, _int8_value), (FMT_E4M3, e4m3_half_value),
+                              (FMT_E5M2, e5m2_value))}
 
-    @njit(**INLINE)
-    def scores(fmt, qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase,
-               voff, vhs, ev, qi):
-        if fmt == FMT_INT8:
-            s8(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff, vhs,
-               ev, qi)
-        elif fmt == FMT_E5M2:
-            s5(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff, vhs,
-               ev, qi)
-        else:
-            s4(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff, vhs,
-               ev, qi)
-
-    @njit(**INLINE)
-    def pv(fmt, ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
-           e_len, ahead):
-        if fmt == FMT_INT8:
-            p8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
-               e_len, ahead)
-        elif fmt == FMT_E5M2:
-            p5(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
-               e_len, ahead)
-        else:
-            p4(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
-               e_len, ahead)
-
-    return scores, pv
-
-
-_vector_scores, _vector_pv = _formats(True)
-#: float64 queries: the scalar loops, inlined into _chunk (a rare case).
-_scalar_scores, _scalar_pv = _formats(False)
-
-# The vector loops of float32 queries (every storage dtype but float64) are cached functions
-# of their own, called by symbol (_llvm.by_symbol) once a block: they depend on the pointers,
-# sizes and query rows only, so they are compiled once, not again inside every specialization
-# of _chunk (query dtype, scales' dtype, recipe type) and every layer above it, where all
-# three formats' loops went through LLVM in each specialization and again in each library
-# above it.
+# Each format's vector loops are a cached function of their own, called by symbol
+# (_llvm.by_symbol) once a block: they depend on the pointers, sizes and query rows only, so
+# they are compiled once per format, not again inside every specialization of _chunk (query
+# dtype, scales' dtype, recipe type) and every layer above it. Inlined into _chunk, all three
+# formats' loops went through LLVM in each specialization, and again in each library above.
 
 
 @njit(**KERNEL)
-def _block_scores(fmt, qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase,
-                  voff, vhs, ev, qi):
-    """The scores of a block of a quantized cache of format ``fmt``, float32 queries
-    (:func:`_quant_format`'s loops)."""
+def _scores_int8(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi):
+    """The scores of a block of an int8 (or q8_0) cache: :func:`_quant_format`'s loops."""
     prefer_512_bit()
-    _vector_scores(fmt, qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase,
-                   voff, vhs, ev, qi)
+    _int8_scores(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi)
 
 
 @njit(**KERNEL)
-def _block_pv(fmt, ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
-              khs, e_len, ahead):
-    """P V of a block of a quantized cache of format ``fmt``, float32 accumulators
-    (:func:`_quant_format`'s loops)."""
+def _scores_e4m3(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi):
+    """The scores of a block of an fp8 e4m3fn cache: :func:`_quant_format`'s loops."""
     prefer_512_bit()
-    _vector_pv(fmt, ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
-               khs, e_len, ahead)
+    _e4m3_scores(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi)
 
 
-_block_scores_by_symbol = by_symbol(_block_scores)
-_block_pv_by_symbol = by_symbol(_block_pv)
+@njit(**KERNEL)
+def _scores_e5m2(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi):
+    """The scores of a block of an fp8 e5m2 cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _e5m2_scores(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                 vhs, ev, qi)
+
+
+@njit(**KERNEL)
+def _pv_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead):
+    """P V of a block of an int8 (or q8_0) cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _int8_pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead)
+
+
+@njit(**KERNEL)
+def _pv_e4m3(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead):
+    """P V of a block of an fp8 e4m3fn cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _e4m3_pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead)
+
+
+@njit(**KERNEL)
+def _pv_e5m2(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead):
+    """P V of a block of an fp8 e5m2 cache: :func:`_quant_format`'s loops."""
+    prefer_512_bit()
+    _e5m2_pv(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss, khs,
+             e_len, ahead)
+
+
+_scores_int8_by_symbol = by_symbol(_scores_int8)
+_scores_e4m3_by_symbol = by_symbol(_scores_e4m3)
+_scores_e5m2_by_symbol = by_symbol(_scores_e5m2)
+_pv_int8_by_symbol = by_symbol(_pv_int8)
+_pv_e4m3_by_symbol = by_symbol(_pv_e4m3)
+_pv_e5m2_by_symbol = by_symbol(_pv_e5m2)
 
 
 def quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
@@ -641,7 +651,11 @@ def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
     if not is_quantized_type(qz):
         return (lambda qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
                 block_table, b0, page_size, vbase, voff, vhs, ev, qi: None)
-    block = _block_scores_by_symbol if qp.dtype == types.float32 else _scalar_scores
+    if qp.dtype == types.float32:
+        s_int8, s_e4m3, s_e5m2 = (_scores_int8_by_symbol, _scores_e4m3_by_symbol,
+                                  _scores_e5m2_by_symbol)
+    else:
+        s_int8, s_e4m3, s_e5m2 = (_SCALAR[f][0] for f in (FMT_INT8, FMT_E4M3, FMT_E5M2))
 
     def impl(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len, n, b,
              block_table, b0, page_size, vbase, voff, vhs, ev, qi):
@@ -652,8 +666,15 @@ def _quant_scores(qz, scr, qp, kbase, koff, s, sp, rows, h_lo, h_hi, khs, e_len,
                       data_ptr(koff))
         nb = ks.shape[3]
         kscp = data_ptr(ksc)
-        block(fmt, qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase,
-              voff, vhs, ev, qi)
+        if fmt == FMT_INT8:
+            s_int8(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                   vhs, ev, qi)
+        elif fmt == FMT_E5M2:
+            s_e5m2(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                   vhs, ev, qi)
+        else:
+            s_e4m3(qp, kbase, koff, sp, rows, h_lo, h_hi, khs, e_len, n, nb, kscp, vbase, voff,
+                   vhs, ev, qi)
     return impl
 
 
@@ -703,7 +724,10 @@ def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, blo
     if not is_quantized_type(qz):
         return (lambda qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b,
                 block_table, b0, page_size, kbase, koff, kss, khs, e_len, ahead: None)
-    block = _block_pv_by_symbol if ap.dtype == types.float32 else _scalar_pv
+    if ap.dtype == types.float32:
+        p_int8, p_e4m3, p_e5m2 = _pv_int8_by_symbol, _pv_e4m3_by_symbol, _pv_e5m2_by_symbol
+    else:
+        p_int8, p_e4m3, p_e5m2 = (_SCALAR[f][1] for f in (FMT_INT8, FMT_E4M3, FMT_E5M2))
 
     def impl(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, block_table, b0,
              page_size, kbase, koff, kss, khs, e_len, ahead):
@@ -726,8 +750,15 @@ def _quant_pv(qz, scr, ap, ev, sp, vbase, voff, rows, h_lo, h_hi, n, vhs, b, blo
                     vr = ptr_add(vscp, (h * nb + c) * BN)
                     for j in range(n):
                         wr[j] = pr[j] * vr[j]
-        block(fmt, ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
-              khs, e_len, ahead)
+        if fmt == FMT_INT8:
+            p_int8(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                   khs, e_len, ahead)
+        elif fmt == FMT_E5M2:
+            p_e5m2(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                   khs, e_len, ahead)
+        else:
+            p_e4m3(ap, ev, wp, vbase, voff, rows, h_lo, h_hi, n, vhs, nb, kbase, koff, kss,
+                   khs, e_len, ahead)
     return impl
 
 
