@@ -4,19 +4,19 @@ A block of BM = 64 query rows with ``n < 64`` real ones computes ``ceil(n / 16) 
 (``sdpa_numba.cpu.microkernel.LANE_CHUNK``) in its score tiles. The lanes past them hold
 whatever the last tile left (or zeros): a lane counted wrong would show as a wrong or
 unwritten (NaN-poisoned) row here, against the float64 reference, at row counts on either
-side of the chunk edges. The tile product's narrowed form is also checked on its own:
-the columns it computes are bitwise those of the whole tile (its docstring's promise), and it
-touches no other column. (Compiled with the kernels' fast-math flags: the inlined passes take
+side of the chunk edges. The register passes' narrowed form is also checked on its own:
+the columns it computes are bitwise those of the whole tile (``register_passes``' docstring's
+promise), and it touches no other column. (Compiled with the kernels' fast-math flags: the inlined passes take
 their caller's, and without ``contract`` the whole tile's sums are not fused multiply-adds.)
 """
 
 import numpy as np
 import pytest
-from numba import njit
+from numba import njit, types
 
 from checks import check, randn
-from sdpa_numba.cpu._llvm import data_ptr
-from sdpa_numba.cpu.microkernel import LANE_CHUNK, MR_WIDE, NR, tile_product
+from sdpa_numba.cpu._llvm import data_ptr, prefer_512_bit
+from sdpa_numba.cpu.microkernel import LANE_CHUNK, MR_WIDE, NR, register_passes
 from sdpa_numba.cpu.options import CALLED
 
 ROWS = [1, 15, 16, 17, 33, 48, 63, 65, 129]
@@ -52,16 +52,25 @@ def test_partial_blocks_float64(rng, L):
           randn(rng, (2, 1, S, Ev), np.float64), is_causal=True)
 
 
-@njit(**CALLED)  # the kernels' flags: the inlined passes take the caller's
-def _set(a, b, c, lanes):
-    tile_product(data_ptr(a), a.shape[1], 1, data_ptr(b), NR, data_ptr(c), NR, a.shape[1],
-                 None, MR_WIDE, lanes)
+def _tile(dtype, kind):
+    """``(a, b, c, alpha, lanes)``: the passes the forward's scores use (``set``: c = a b,
+    narrowable), or the same with one alpha per row (``row``), from a user's ``@njit``."""
+    passes = register_passes(types.float32 if dtype == np.float32 else types.float64, False,
+                             kind == "row", False)
 
-
-@njit(**CALLED)  # the kernels' flags: the inlined passes take the caller's
-def _row_scaled(a, b, c, alpha, lanes):
-    tile_product(data_ptr(a), a.shape[1], 1, data_ptr(b), NR, data_ptr(c), NR, a.shape[1],
-                 data_ptr(alpha), MR_WIDE, lanes)
+    if kind == "set":
+        @njit(**CALLED)  # the kernels' flags: the inlined passes take the caller's
+        def run(a, b, c, alpha, lanes):
+            prefer_512_bit()
+            passes(data_ptr(a), a.shape[1], 1, data_ptr(b), NR, data_ptr(c), NR, a.shape[1],
+                   None, MR_WIDE, lanes)
+    else:
+        @njit(**CALLED)
+        def run(a, b, c, alpha, lanes):
+            prefer_512_bit()
+            passes(data_ptr(a), a.shape[1], 1, data_ptr(b), NR, data_ptr(c), NR, a.shape[1],
+                   data_ptr(alpha), MR_WIDE, lanes)
+    return run
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -73,11 +82,10 @@ def test_narrowed_tile_is_bitwise_the_whole_tiles(rng, dtype, kind):
     c0 = randn(rng, (MR_WIDE, NR), dtype)
     alpha = rng.random(MR_WIDE).astype(dtype)
 
+    tile = _tile(dtype, kind)
+
     def run(c, lanes):
-        if kind == "set":
-            _set(a, b, c, lanes)
-        else:
-            _row_scaled(a, b, c, alpha, lanes)
+        tile(a, b, c, alpha, lanes)
 
     whole = c0.copy()
     run(whole, NR)

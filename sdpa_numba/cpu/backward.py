@@ -32,7 +32,7 @@ bitwise the same for any thread count. Memory beyond the gradients: per running 
 keys packed and their dK/dV accumulators (O(S/groups · (E + Ev))) and one query block; with
 several groups, ``groups x`` the size of dQ. Nothing of size L x S.
 
-All five products go through the forward's register-tiled :func:`tile_product` (MR x NR
+All five products go through the forward's register-tiled passes (.microkernel; MR x NR
 tiles) in its natural layout, because every score-sized tile is kept *transposed*: keys are
 rows, ``BQ = NR`` query rows are columns::
 
@@ -168,16 +168,16 @@ def _as_none(x):
 
 
 def _tile_set(a, lda, b, ldb, c, ldc, k_len):
-    """``c = a @ b`` on an MR x NR tile: :func:`tile_product`'s passes, compiled once per
+    """``c = a @ b`` on an MR x NR tile: the register passes (.microkernel), compiled once per
     dtype for the backward's several call sites (jitted code only)."""
     raise NotImplementedError("_tile_set is only callable from jitted code")
 
 
 @overload(_tile_set, **CALLED, **_JITTED_ONLY)
 def _ol_tile_set(a, lda, b, ldb, c, ldc, k_len):
-    # The passes picked here by type (microkernel.register_passes): tile_product, an
-    # inline="always" overload, had each implementation compiled as a function of its own
-    # just to type it (machine code never used) on every backward's first call.
+    # The passes picked here by type (microkernel.register_passes): an inline="always"
+    # overload would have each implementation compiled as a function of its own just to type
+    # it (machine code never used) on every backward's first call.
     tile = register_passes(a.dtype, False, False, True)
 
     def tile_set(a, lda, b, ldb, c, ldc, k_len):
@@ -188,7 +188,7 @@ def _ol_tile_set(a, lda, b, ldb, c, ldc, k_len):
 
 
 def _tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
-    """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, :func:`tile_product`'s alpha;
+    """``c += a @ b`` on an MR x NR tile (``ones``: MR ones, the passes' alpha;
     jitted code only)."""
     raise NotImplementedError("_tile_add is only callable from jitted code")
 

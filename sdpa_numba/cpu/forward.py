@@ -6,8 +6,8 @@ then streams key/value blocks of ``BN`` keys:
 it packs the block (a full block is read in place when its rows are already in the compute
 dtype, and for V when its rows are not a multiple of SET_STRIDE bytes apart), and for each
 sub-block of ``BM`` query rows computes the transposed score tile ``Sᵀ = K Qᵀ`` (BN x BM) with
-the register-tiled :func:`.microkernel.tile_product`, applies masks, runs the online softmax
-and accumulates the transposed output ``Oᵀ += Vᵀ Pᵀ`` (Ev x BM) with the same register
+the register-tiled passes of :func:`.microkernel.register_passes`, applies masks, runs the
+online softmax and accumulates the transposed output ``Oᵀ += Vᵀ Pᵀ`` (Ev x BM) with the same register
 passes, one factor of alpha per column (:func:`.microkernel.register_passes`). Memory per task
 is O(chunk · (E + Ev) + BN · (E + Ev)); nothing of size L x S exists.
 
@@ -433,8 +433,8 @@ def _scores(kb, ldk, e_len, qt, st, n_keys, lanes):
 
 @overload(_scores, **_CALLED_J)
 def _ol_scores(kb, ldk, e_len, qt, st, n_keys, lanes):
-    # tile_product's passes, picked here by type (see microkernel.register_passes: the same
-    # code, compiled once).
+    # The register passes, picked here by type (see microkernel.register_passes: compiled
+    # once).
     tile = register_passes(kb.dtype, False, False, False)
 
     def scores(kb, ldk, e_len, qt, st, n_keys, lanes):

@@ -1,7 +1,8 @@
-"""The register-tiled tile product at the heart of both attention matmuls.
+"""The register-tiled tile product at the heart of both attention matmuls
+(:func:`register_passes`).
 
 ``c[0:rows, 0:NR] = a[0:rows, 0:K] @ b[0:K, 0:NR]`` (optionally ``+ diag(alpha) @ c``, or, the
-forward's P·V through :func:`register_passes`, ``+ c @ diag(alpha)``), on raw pointers with leading dimensions, for
+forward's P·V, ``+ c @ diag(alpha)``), on raw pointers with leading dimensions, for
 ``rows`` = MR (4, the backward) or MR_WIDE (6, the forward; 4 for the forward's last value
 rows). The accumulator is a fixed-size stack buffer indexed with constant bounds: once LLVM
 unrolls the loops it lives in vector registers, which is what makes this run near the core's
@@ -9,17 +10,16 @@ FMA peak. A Numba array would stay in memory. With AVX-512 (32 zmm) a float32 pa
 whole rows x NR tile (16 or 24 zmm); with 16 ymm registers (AVX2) that tile would spill, so the
 NR columns are done as column chunks of :data:`CHUNK_BYTES` per row (6 x 16 float32 = 12 ymm).
 Each ``c[r, j]`` is summed over k in the same order either way, so the result does not depend
-on the tile shape. :func:`tile_product` may be asked for only the first ``lanes`` columns (the
+on the tile shape. The passes may be asked for only the first ``lanes`` columns (the
 forward's partial block of query rows): they are done as chunks of :data:`LANE_CHUNK` columns
 with either vector width. Rows are independent: row r of c depends only on row r of a, in a fixed
 order, so the result of a row never depends on which tile or thread computed it.
 """
 
 from numba import njit, types
-from numba.extending import overload
 
-from ._llvm import has_512_bit_vectors, prefer_512_bit, ptr_add, row_mul_add, stack_buffer
-from .options import CALLED, INLINE
+from ._llvm import has_512_bit_vectors, ptr_add, row_mul_add, stack_buffer
+from .options import INLINE
 
 #: Rows of the backward's micro-tiles.
 MR = 4
@@ -40,7 +40,7 @@ WIDE_VECTORS = has_512_bit_vectors()
 #: NR columns): 2 ymm (float32: 16 columns, float64: 8), so a 6-row pass holds 12 of the 16
 #: ymm and leaves room for the loads of b and the broadcast of a.
 CHUNK_BYTES = 64
-#: Columns of the chunks that :func:`tile_product` narrows the tile to when asked for fewer
+#: Columns of the chunks that the passes narrow the tile to when asked for fewer
 #: than NR live columns (``lanes``): 16 float32 (one zmm, two ymm), a multiple of either
 #: dtype's AVX2 chunk. A call of the forward with one query row computes 16 lanes of its
 #: score tiles, not NR.
@@ -139,55 +139,16 @@ def _tile_pass(fold, width):
     return _tile_passes[key]
 
 
-@njit(**INLINE)
-def tile_product(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows=MR, lanes=NR):
-    """``c = a @ b`` over a rows x NR tile, or ``c = alpha[:, None] * c + a @ b``.
-
-    Parameters
-    ----------
-    a, b, c : CPointer
-        ``a[r, kk]`` is at ``a + r * a_rs + kk * a_ks`` (either layout: one scalar is
-        broadcast per step), ``b`` is row-major k_len x NR (leading dimension ``ldb``),
-        ``c`` is row-major rows x NR (``ldc``). All of the compute dtype.
-    k_len : int
-        The reduction length.
-    alpha : CPointer or None
-        Per-row factors of the old ``c``; None overwrites ``c``.
-    rows : int
-        Rows of the tile, a compile-time constant: ``MR`` or ``MR_WIDE`` (float64 tiles are
-        done 2 rows at a time).
-    lanes : int
-        Columns of ``c`` to compute, a run-time multiple of :data:`LANE_CHUNK` up to NR
-        (NR: the whole tile, the register pass above). Fewer are done as chunks of
-        LANE_CHUNK columns, each summed over k in written order; columns past ``lanes`` are
-        neither read nor written. Bitwise the whole tile's columns where LLVM keeps the whole
-        tile's sums in written order too, as with a run-time ``k_len`` (the forward's scores,
-        checked by tests/test_partial_lanes.py); with a constant one (the forward's P·V over
-        BN keys) it reordered them under fast-math reassoc, and the chunks gave other last bits.
-    """
-    prefer_512_bit()
-    _passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)
-
-
-def _pick_passes(lane_alpha, scaled, whole_only, dtype, direct=False):
-    """The register passes ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes)``
-    (a Python function, to be compiled inlined) for operands of Numba type ``dtype``:
-    ``lane_alpha`` False, one factor of alpha per row (:func:`tile_product`), True, one per
-    column (the forward's P·V); ``scaled``: alpha is given (else None);
-    ``whole_only``: the caller never narrows the tile (``lanes`` omitted or None);
-    ``direct`` (with ``whole_only``): ``f`` without ``lanes``, with AVX-512 the passes
-    themselves (no wrapper: one inlined level less to compile per call)."""
+def _pick_passes(lane_alpha, scaled, whole_only, dtype):
+    """The register passes of :func:`register_passes` (a Python function, to be compiled
+    inlined, or with AVX-512 and ``whole_only`` the inlined pass itself: no wrapper, one
+    inlined level less to compile per call)."""
     fold = (_lane_fold if lane_alpha else _row_fold) if scaled else _set
     per_column = scaled and lane_alpha
     if not WIDE_VECTORS:
         chunks = _column_chunks(fold, CHUNK_BYTES * 8 // dtype.bitwidth, per_column)
-        if whole_only and direct:
-            def all_chunks_direct(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
-                chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, NR)
-
-            return all_chunks_direct
         if whole_only:
-            def all_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
+            def all_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows):
                 chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, NR)
 
             return all_chunks
@@ -198,13 +159,7 @@ def _pick_passes(lane_alpha, scaled, whole_only, dtype, direct=False):
         return some_chunks
     whole = _whole_tile(fold, dtype != types.float64, scaled and not lane_alpha)
     if whole_only:
-        if direct:
-            return whole
-
-        def whole_tile(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
-            whole(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)
-
-        return whole_tile
+        return whole
     narrow = _column_chunks(fold, LANE_CHUNK, per_column)
 
     def whole_or_chunks(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
@@ -216,45 +171,41 @@ def _pick_passes(lane_alpha, scaled, whole_only, dtype, direct=False):
     return whole_or_chunks
 
 
-def _make_passes():
-    """The register passes of :func:`tile_product` (one factor of alpha per row), for jitted
-    code only."""
-
-    def passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
-        raise NotImplementedError("the register passes are only callable from jitted code")
-
-    @overload(passes, inline="always", **CALLED)
-    def _ol_passes(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows, lanes):
-        # Chosen by type when the caller is typed, so that no code for the other dtype's
-        # passes or the other kind of start reaches LLVM (it did, as dead branches, and
-        # doubled the forward's compile time). A caller that never narrows the tile (the
-        # backward) omits ``lanes``: no code for the narrow chunks reaches LLVM.
-        return _pick_passes(False, not isinstance(alpha, types.NoneType),
-                            isinstance(lanes, (types.Omitted, types.NoneType)), a.dtype)
-
-    return passes
-
-
 #: The passes of :func:`register_passes`, by what picks them.
 _picked = {}
 
 
 def register_passes(dtype, lane_alpha, scaled, whole_only):
-    """The register passes that :func:`tile_product` would run (``lane_alpha`` False), or
-    the same with one factor of alpha per column (True: the forward's P·V), for operands of Numba type ``dtype``, as an
+    """The register passes of a tile product for operands of Numba type ``dtype``, as an
     ``@njit`` function inlined where it is called, ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len,
-    alpha, rows, lanes)``, or with ``whole_only`` (the whole tile, never narrowed)
-    ``f(a, a_rs, a_ks, b, ldb, c, ldc, k_len, alpha, rows)``: for a caller that is itself
-    chosen by type (an ``@overload``).
+    alpha, rows, lanes)`` (``whole_only``: without ``lanes``): ``c = a @ b`` over a rows x NR
+    tile, or with ``scaled`` ``c = alpha[:, None] * c + a @ b`` (``lane_alpha`` False: one
+    factor of alpha per row) or ``c = c * alpha[None, :] + a @ b`` (True: per column, the
+    forward's P·V). For a caller that is itself chosen by type (an ``@overload``), which adds
+    ``prefer_512_bit()``.
 
-    The same code as the tile products' (the caller adds ``prefer_512_bit()``), without their
-    compile-time cost: Numba compiles an ``inline="always"`` overload's implementation as a
-    function of its own to type it (its machine code never used), and runs its frontend again
-    each time a call to it is typed (the forward's two tile helpers paid ~1 s for that).
+    The passes' arguments: ``a[r, kk]`` is at ``a + r * a_rs + kk * a_ks`` (either layout: one
+    scalar is broadcast per step), ``b`` row-major k_len x NR (leading dimension ``ldb``), ``c``
+    row-major rows x NR (``ldc``), all pointers of the compute dtype; ``k_len`` the reduction
+    length; ``alpha`` a pointer (None unless ``scaled``); ``rows`` a compile-time constant, MR
+    or MR_WIDE (float64 tiles are done 2 rows at a time); ``lanes`` the columns of ``c`` to
+    compute, a run-time multiple of :data:`LANE_CHUNK` up to NR (NR: the whole tile). Fewer are
+    done as chunks of LANE_CHUNK columns, each summed over k in written order; columns past
+    ``lanes`` are neither read nor written. Bitwise the whole tile's columns where LLVM keeps
+    the whole tile's sums in written order too, as with a run-time ``k_len`` (the forward's
+    scores, checked by tests/test_partial_lanes.py); with a constant one (the forward's P·V
+    over BN keys) it reordered them under fast-math reassoc, and the chunks gave other last
+    bits.
+
+    Picked once per key, by type, so that no code for another dtype, kind of start or the
+    narrow chunks reaches LLVM: an ``inline="always"`` overload would have Numba compile its
+    implementation as a function of its own to type it (its machine code never used) and run
+    its frontend again each time a call to it is typed (the forward's two tile helpers paid ~1
+    s for that).
     """
     key = (dtype, lane_alpha, scaled, whole_only)
     if key not in _picked:
-        f = _pick_passes(lane_alpha, scaled, whole_only, dtype, direct=whole_only)
+        f = _pick_passes(lane_alpha, scaled, whole_only, dtype)
         if not hasattr(f, "py_func"):  # a Python function (else already inlined @njit)
             f = njit(**INLINE)(f)
         _picked[key] = f
@@ -288,7 +239,6 @@ def _whole_tile(fold, float32, per_row):
     return row_pairs
 
 
-_passes = _make_passes()
 
 
 def _column_chunks(fold, width, per_column):
