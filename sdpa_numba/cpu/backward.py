@@ -52,10 +52,10 @@ from numba.extending import overload
 from ._llvm import data_ptr, keep_alive, no_inline, prefer_512_bit, ptr_add, stash, unstash
 from .dropout import kept, stream_step, head_key
 from .exp2 import exp2
-from .forward import _JITTED_ONLY, masked_score
+from .forward import masked_score
 from .microkernel import MR, NR, register_passes
 from .online_softmax import LOG2E
-from .options import CALLED, FASTMATH, INLINE, KERNEL
+from .options import CALLED, FASTMATH, INLINE, JITTED_ONLY, KERNEL
 from .scale_fold import split_power, times
 from .scratch import aligned_empty
 from ..score.blocks import K_BLOCK, Q_BLOCK
@@ -173,7 +173,7 @@ def _tile_set(a, lda, b, ldb, c, ldc, k_len):
     raise NotImplementedError("_tile_set is only callable from jitted code")
 
 
-@overload(_tile_set, **CALLED, **_JITTED_ONLY)
+@overload(_tile_set, **CALLED, **JITTED_ONLY)
 def _ol_tile_set(a, lda, b, ldb, c, ldc, k_len):
     # The passes picked here by type (microkernel.register_passes): an inline="always"
     # overload would have each implementation compiled as a function of its own just to type
@@ -193,7 +193,7 @@ def _tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
     raise NotImplementedError("_tile_add is only callable from jitted code")
 
 
-@overload(_tile_add, **CALLED, **_JITTED_ONLY)
+@overload(_tile_add, **CALLED, **JITTED_ONLY)
 def _ol_tile_add(a, lda, b, ldb, c, ldc, k_len, ones):
     tile = register_passes(a.dtype, False, True, True)  # as _tile_set, one alpha per row
 
@@ -321,7 +321,7 @@ def _mask_scores(st, gt, nk, nv, j0, i0, mask, use_mask, r, b, h, elem, mods):
                     row[c] = neg_inf
 
 
-@njit(**CALLED, **_JITTED_ONLY)
+@njit(**CALLED, **JITTED_ONLY)
 def _cap_tile(st, gt, n, cap):
     """The soft cap on the first ``n`` scores of a tile (pointers), all lanes: ``st`` gets
     ``cap · tanh(s / cap)`` and ``gt`` its slope ``1 - tanh²`` (``cap > 0``, in the compute
@@ -390,7 +390,7 @@ def _score_grads(st, dpt, nk, nk4, nv, l2, dd, zero, drop_on, rk, thresh, inv, j
                 drow[c] = p * (drow[c] - dd[c]) if valid else zero
 
 
-@njit(**KERNEL, **_JITTED_ONLY)
+@njit(**KERNEL, **JITTED_ONLY)
 def pair_scores(keys, e_len, ev, nk, queries):
     """Sᵀ and dPᵀ tiles of one key block against one query block (before masking).
 
@@ -407,7 +407,7 @@ def pair_scores(keys, e_len, ev, nk, queries):
         _tile_set(ptr_add(vp, rt * ev), ev, dot, BQ, ptr_add(dpt, rt * BQ), BQ, ev)
 
 
-@njit(**KERNEL, **_JITTED_ONLY)
+@njit(**KERNEL, **JITTED_ONLY)
 def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop, gt, mods):
     """From the masked tiles of :func:`pair_scores`: (P Z)ᵀ and dSᵀ in place, then adds the
     pair's dK, dV into ``dka``, ``dva`` and its dQᵀ into ``dqt``.
@@ -436,7 +436,7 @@ def pair_grads(keys, e_len, ev, nk, nv, j0, queries, drop, gt, mods):
         _tile_add(ptr_add(kt, et * BK), BK, dpt, BQ, ptr_add(dqt, et * BQ), BQ, nk, ones)
 
 
-@njit(**KERNEL, **_JITTED_ONLY)  # (no wrappers: see forward._JITTED_ONLY)
+@njit(**KERNEL, **JITTED_ONLY)
 def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
               dq, dq_part, g, dk, dv, dropout, dmask):
     """Everything that key blocks ``[kb0, kb1)`` of key/value head (``b``, ``kh``) contribute.
@@ -610,7 +610,7 @@ def key_group(q, k, v, mask, r, scale, dout, out, lse, b, kh, heads, kb0, kb1,
     keep_alive((kp, kt, vp, dka, dva, qt, qr, dot, dor, l2, dd, dqt, st, dpt, gt, ones, rk))
 
 
-@njit(**KERNEL, **_JITTED_ONLY)
+@njit(**KERNEL, **JITTED_ONLY)
 def _sum_dq(dq_part, scale, dq, b, h, qb):
     """dq rows of query block ``qb`` of head (``b``, ``h``) = scale · the sum of the groups'
     partials, in group order."""

@@ -38,12 +38,12 @@ from .microkernel import LANE_CHUNK, MR_WIDE, NR, register_passes
 from .online_softmax import LOG2E
 from .pair_scores import (all_flags, flag, pack_key_pairs, pack_query_pairs, pair_buffer,
                           pair_flags, pair_scores)
-from .options import CALLED, FASTMATH, INLINE, KERNEL
+from .options import CALLED, FASTMATH, INLINE, JITTED_ONLY, KERNEL
 from .scale_fold import split_power, times
 from .scratch import LINE, aligned_empty
 from ..score.blocks import K_BLOCK, Q_BLOCK
 from ..score.numbers import cast
-from ..score.recipe import (_absent, BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
+from ..score.recipe import (absent, BLOCK_EMPTY, BLOCK_PARTIAL, block_state, capped_score,
                             fold_sink, has_element_mask, in_one_chunk, kernel_recipe,
                             key_range, modifies_capped, modifies_scores, query_range,
                             sink_logit, user_keeps, window_covers)
@@ -83,11 +83,7 @@ MIN_FOLD_BLOCKS = 64
 
 _lanes = stack_buffer(BM)
 
-#: Options of the functions that only jitted code calls: without the CPython and C wrappers
-#: that Numba otherwise compiles for every function (never called here: about a tenth of
-#: the first call's compile, scripts/cold_start.py --events).
-_JITTED_ONLY = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
-_CALLED_J = {**CALLED, **_JITTED_ONLY}
+_CALLED_J = {**CALLED, **JITTED_ONLY}
 
 
 def masked_score(s, x):
@@ -248,7 +244,7 @@ def _modify(st, n_keys, n_real, r, b, h, i_first, j0):
 
 @overload(_modify, **_CALLED_J)
 def _ol_modify(st, n_keys, n_real, r, b, h, i_first, j0):
-    if not (_absent(r, "alibi") and _absent(r, "score_mod")):
+    if not (absent(r, "alibi") and absent(r, "score_mod")):
         return lambda st, n_keys, n_real, r, b, h, i_first, j0: _modify_tile(
             st, n_keys, n_real, r, b, h, i_first, j0)
 
@@ -581,7 +577,7 @@ def _scratch(n, fill, value, like):
     return a
 
 
-@njit(**KERNEL, **_JITTED_ONLY)
+@njit(**KERNEL, **JITTED_ONLY)
 def attend_rows(q, k, v, mask, r, scale, out, lse, i0, i1, dropout=None, b=0, h=0):
     """Attention of query rows ``[i0, i1)`` of one head; writes ``out[i0:i1]``, ``lse[i0:i1]``.
 

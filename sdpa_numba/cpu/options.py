@@ -8,7 +8,7 @@ ZeroDivisionError checks that would stop vectorization. The kernels are cached o
 from .._runtime import caching_available
 from ..options import FASTMATH, INLINE
 
-__all__ = ["FASTMATH", "INLINE", "CALLED", "KERNEL", "CACHE"]
+__all__ = ["FASTMATH", "INLINE", "CALLED", "KERNEL", "CACHE", "JITTED_ONLY"]
 
 
 def _cache_probe():
@@ -23,3 +23,8 @@ CALLED = dict(fastmath=FASTMATH, error_model="numpy", boundscheck=False)
 
 #: Options of the kernels and entry points (cached on disk: compile time counts).
 KERNEL = dict(fastmath=FASTMATH, error_model="numpy", cache=CACHE, boundscheck=False, nogil=True)
+
+#: Extra options of the functions that only jitted code calls: without the CPython and C
+#: wrappers that Numba otherwise compiles for every function (never called: about a tenth of
+#: the forward's first compile, scripts/cold_start.py --events).
+JITTED_ONLY = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)

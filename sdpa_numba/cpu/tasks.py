@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit
 from numba.extending import overload
 
-from ..score.recipe import _absent
+from ..score.recipe import absent
 from ._llvm import fetch_add
 from .options import INLINE
 
@@ -56,7 +56,7 @@ def task_runner(task):
 
     @overload(run)
     def _run(r, *args):
-        if all(_absent(r, f) for f in ("score_mod", "mask_mod", "score_mod_grad")):
+        if all(absent(r, f) for f in ("score_mod", "mask_mod", "score_mod_grad")):
             def bare(r, *args):
                 task(*args)
                 return True

@@ -121,7 +121,7 @@ def with_batch_offset(r, batch_offset):
     return r._replace(batch_offset=np.int64(batch_offset))
 
 
-def _absent(r, name):
+def absent(r, name):
     """Whether the Numba type of recipe ``r`` has no ``name`` part (typing code)."""
     return isinstance(r.types[r.fields.index(name)], types.NoneType)
 
@@ -245,7 +245,7 @@ def block_state(r, b, h, qb, kb):
 
 @overload(block_state, target="generic", fastmath=FASTMATH)
 def _block_state(r, b, h, qb, kb):
-    if _absent(r, "block_mask"):
+    if absent(r, "block_mask"):
         return lambda r, b, h, qb, kb: BLOCK_FULL
     # Broadcast over batch and heads by size-1 leading dims.
     return lambda r, b, h, qb, kb: r.block_mask[
@@ -293,7 +293,7 @@ def alibi_bias(r, s, b, h, i, j):
 
 @overload(alibi_bias, target="generic", fastmath=FASTMATH)
 def _alibi_bias(r, s, b, h, i, j):
-    if _absent(r, "alibi"):
+    if absent(r, "alibi"):
         return lambda r, s, b, h, i, j: s
     # The distance cast first: a float32 slope times an int64 is float64 arithmetic in Numba.
     return lambda r, s, b, h, i, j: s - cast(
@@ -309,7 +309,7 @@ def user_score(r, s, b, h, i, j):
 
 @overload(user_score, target="generic", fastmath=FASTMATH)
 def _user_score(r, s, b, h, i, j):
-    if _absent(r, "score_mod"):
+    if absent(r, "score_mod"):
         return lambda r, s, b, h, i, j: s
     return lambda r, s, b, h, i, j: r.score_mod(s, b + r.batch_offset, h, i, j, *r.mod_args)
 
@@ -323,7 +323,7 @@ def user_score_grad(r, s, b, h, i, j):
 
 @overload(user_score_grad, target="generic", fastmath=FASTMATH)
 def _user_score_grad(r, s, b, h, i, j):
-    if _absent(r, "score_mod") or _absent(r, "score_mod_grad"):
+    if absent(r, "score_mod") or absent(r, "score_mod_grad"):
         return lambda r, s, b, h, i, j: cast(1.0, s)
     return lambda r, s, b, h, i, j: r.score_mod_grad(s, b + r.batch_offset, h, i, j,
                                                      *r.mod_args)
@@ -336,7 +336,7 @@ def user_keeps(r, b, h, i, j):
 
 @overload(user_keeps, target="generic", fastmath=FASTMATH)
 def _user_keeps(r, b, h, i, j):
-    if _absent(r, "mask_mod"):
+    if absent(r, "mask_mod"):
         return lambda r, b, h, i, j: True
     return lambda r, b, h, i, j: r.mask_mod(b + r.batch_offset, h, i, j, *r.mod_args)
 
@@ -404,7 +404,7 @@ def has_element_mask(r):
 
 @overload(has_element_mask, target="generic")
 def _has_element_mask(r):
-    const = not _absent(r, "mask_mod")
+    const = not absent(r, "mask_mod")
     return lambda r: const
 
 
@@ -427,7 +427,7 @@ def modifies_capped(r):
 
 @overload(modifies_capped, target="generic")
 def _modifies_capped(r):
-    const = not (_absent(r, "alibi") and _absent(r, "score_mod"))
+    const = not (absent(r, "alibi") and absent(r, "score_mod"))
     return lambda r: const
 
 
@@ -440,7 +440,7 @@ def sink_logit(r, h):
 
 @overload(sink_logit, target="generic", fastmath=FASTMATH)
 def _sink_logit(r, h):
-    if _absent(r, "sinks"):
+    if absent(r, "sinks"):
         return lambda r, h: -np.inf
     return lambda r, h: r.sinks[h]
 
