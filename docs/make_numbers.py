@@ -209,22 +209,50 @@ def check():
     return _code("$ python -m sdpa_numba", _run(["-m", "sdpa_numba"]))
 
 
+def small_calls():
+    """The host cost of a small call (scripts/small_calls.py): each public function, its
+    kernel alone, the host path alone, torch's SDPA beside the forward."""
+    args = ["scripts/small_calls.py", "--repeats", "3"]
+    return _code(f"PYTHONPATH=. {PY} {' '.join(args)}", _run(args, {"PYTHONPATH": str(ROOT)}))
+
+
 GENERATORS = {"headline": headline, "dtypes": dtypes, "bf16": bf16, "sweep": sweep, "backward": backward,
               "compile": compile_time, "check": check, "transformers": transformers,
               "ring": ring, "ring4": ring4,
               "decode": decode, "cascade": cascade, "mla": mla, "quant_errors": quant_errors,
               "quant_greedy": quant_greedy, "rope": rope,
               "decode_quant": decode_quant, "varlen": varlen, "variants": variants, "layers": layers,
-              "jax": jax}
+              "jax": jax, "small_calls": small_calls}
+
+#: The blocks kept per kind of CPU: the AVX-512 one under the plain name, the AVX2 one under
+#: ``NAME-avx2`` (the same command). A run writes the blocks of its machine's kind only, so
+#: that a figure never stands under the other kind's heading.
+PER_CPU_KIND = ("headline", "bf16", "backward", "compile", "small_calls")
+GENERATORS.update({f"{name}-avx2": GENERATORS[name] for name in PER_CPU_KIND})
 
 
-def _stamp():
+def _kind_skips(name, avx512):
+    """Why block ``name`` is not written on this machine (None if it is)."""
+    base, _, kind = name.partition("-")
+    if base not in PER_CPU_KIND:
+        return None
+    if kind == "avx2" and avx512:
+        return "an AVX2 block: this CPU has AVX-512"
+    if not kind and not avx512:
+        return f"an AVX-512 block: this CPU has no AVX-512 (its figures go to {base}-avx2)"
+    return None
+
+
+def _machine():
+    return json.loads(_run(["-m", "sdpa_numba", "info", "--json"]))
+
+
+def _stamp(info):
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True,  # noqa: E731
                                     text=True).stdout.strip()
     commit = git("log", "-1", "--format=%h") or "unknown"
     if git("status", "--porcelain", "--untracked-files=no", "--", "sdpa_numba"):
         commit += " with uncommitted changes to sdpa_numba/"
-    info = json.loads(_run(["-m", "sdpa_numba", "info", "--json"]))
     cpu = info["cpu"]["name"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -268,10 +296,15 @@ def main(argv=None):
         for name in GENERATORS:
             print(f"{name:10} {where.get(name, '(on no page)')}")
         return 0
-    stamp = _stamp()
+    info = _machine()
+    stamp = _stamp(info)
     for name in args.names or list(GENERATORS):
         if name not in where:
             print(f"{name}: no page has this block", file=sys.stderr)
+            continue
+        skip = _kind_skips(name, info["cpu"]["avx512f"])
+        if skip:
+            print(f"{name}: skipped, {skip}", file=sys.stderr)
             continue
         print(f"{name} ...", file=sys.stderr, flush=True)
         page = where[name]
