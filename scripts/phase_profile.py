@@ -5,7 +5,7 @@ Calls each phase of :func:`sdpa_numba.cpu.forward.attend_rows`' inner loop in a 
 on one BM x BN tile (warm in cache, as the forward streams them): the score tile Sᵀ = K Qᵀ
 (``_scores``), the online softmax with exp2 (``_softmax_tile``), P·V (``_accumulate``); then
 the whole ``forward_head`` at L = S, whose remainder over the three is packing, masks and the
-output write. Timed by the thread's CPU time (``time.thread_time``), which other tenants of a
+output write (a difference of noisy figures: it can come out negative). Timed by the thread's CPU time (``time.thread_time``), which other tenants of a
 shared machine disturb far less than wall time; each figure is the minimum over ``--rounds``.
 Reports ns and cycles (at ``--ghz``) per (row, key), and GFLOP/s of the two products against a
 one-thread sgemm (``torch.mm`` of ``--sgemm`` squared float32) timed the same way.
@@ -88,8 +88,7 @@ def main(argv=None):
             if which == 0:
                 scores(data_ptr(kb), kb.shape[1], kb.shape[1], data_ptr(qt), p_st, BN, BM)
             elif which == 1:
-                # scores refreshed from m's lanes so the max moves little: a steady state
-                m[0] = -np.inf
+                # from the second call on, the tile holds p <= 1 below m: a steady state
                 softmax(p_st, BN, p_m, p_l, p_a, zero, False, 0, 0)
             else:
                 accumulate(p_st, data_ptr(vb), vb.shape[1], vb.shape[1], data_ptr(acc),
