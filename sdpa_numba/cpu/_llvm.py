@@ -209,9 +209,10 @@ def float32_to_bf16_bits(builder, x):
     return builder.trunc(builder.select(is_nan, quiet, rounded), ir.IntType(16))
 
 
-def row_mul_add(width):
+def row_mul_add(width, lanes=False):
     """Make an intrinsic ``f(acc, x, b)``: ``acc[0:width] += x * b[0:width]`` (pointers, a
-    scalar) as one vector operation with only the ``contract`` flag, for ``width`` fixed here.
+    scalar) as one vector operation with only the ``contract`` flag, for ``width`` fixed here;
+    ``lanes``: ``x`` is a pointer too, ``acc[0:width] += x[0:width] * b[0:width]``.
 
     The multiply-add may be fused into an FMA, but the additions are never reassociated,
     whatever fast-math flags the caller has: a running sum of these over a loop keeps its
@@ -224,22 +225,26 @@ def row_mul_add(width):
     @intrinsic
     def _row_mul_add(typingctx, acc, x, b):
         if not (isinstance(acc, types.CPointer) and isinstance(acc.dtype, types.Float)
-                and acc == b and x == acc.dtype):
+                and acc == b and x == (acc if lanes else acc.dtype)):
             return None
         sig = types.void(acc, x, b)
 
         def codegen(context, builder, signature, args):
-            fty = context.get_data_type(signature.args[1])
-            align = signature.args[1].bitwidth // 8
+            fty = context.get_data_type(signature.args[0].dtype)
+            align = signature.args[0].dtype.bitwidth // 8
             vty = ir.VectorType(fty, width)
             i32 = ir.IntType(32)
             pa = builder.bitcast(args[0], vty.as_pointer())
             pb = builder.bitcast(args[2], vty.as_pointer())
-            one = builder.insert_element(ir.Constant(vty, ir.Undefined), args[1],
-                                         ir.Constant(i32, 0))
-            splat = builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
-                                           ir.Constant(ir.VectorType(i32, width), [0] * width))
-            prod = builder.fmul(splat, builder.load(pb, align=align), flags=("contract",))
+            if lanes:
+                xs = builder.load(builder.bitcast(args[1], vty.as_pointer()), align=align)
+            else:
+                one = builder.insert_element(ir.Constant(vty, ir.Undefined), args[1],
+                                             ir.Constant(i32, 0))
+                xs = builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                            ir.Constant(ir.VectorType(i32, width),
+                                                        [0] * width))
+            prod = builder.fmul(xs, builder.load(pb, align=align), flags=("contract",))
             total = builder.fadd(builder.load(pa, align=align), prod, flags=("contract",))
             builder.store(total, pa, align=align)
             return context.get_dummy_value()
