@@ -168,14 +168,36 @@ def test_digits_are_the_rows_in_block_floating_point(rng):
     assert np.isnan(fac[-4:]).all() and (big[-2:] == 0).all()  # NaN or inf: scores NaN
 
 
+def _selected_in_subprocess(env):
+    """``int_dots.HAS_VNNI`` in a fresh process run with ``env`` (this checkout's package);
+    nothing is compiled."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(int_dots.__file__))))
+    code = "from sdpa_numba.cpu import int_dots; print(int_dots.HAS_VNNI)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(env, PYTHONPATH=root))
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.split()[-1]
+
+
 def test_selection_follows_numba_cpu_features(rng, tmp_path):
     # With avx512vnni switched off for Numba, the int8 scores take the float loop: not
     # selected, the results near the reference and (their last bits) not this process's.
+    # On a CPU without VNNI, whose code could not run VNNI's instructions, the selection is
+    # checked the other way round and only as a choice: Numba told to compile for a VNNI
+    # CPU (znver4 with AVX-512 VNNI) selects it, told this CPU's features it does not.
+    import llvmlite.binding as ll
     from numba.core import codegen
 
     features = codegen.get_host_cpu_features()
     if "+avx512vnni" not in features.split(","):
-        pytest.fail("this test needs a CPU with AVX-512 VNNI (this suite's machine has it)")
+        assert not int_dots.HAS_VNNI
+        base = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+        vnni = "+avx512f,+avx512bw,+avx512vl,+avx512vnni"
+        assert _selected_in_subprocess(dict(base, NUMBA_CPU_NAME="znver4",
+                                            NUMBA_CPU_FEATURES=vnni)) == "True"
+        assert _selected_in_subprocess(dict(base, NUMBA_CPU_NAME=ll.get_host_cpu_name(),
+                                            NUMBA_CPU_FEATURES=features)) == "False"
+        return
     B, H, E, S = 1, 2, 128, 100
     kq, ks, vq, vs, k64, v64 = _int8(rng, B, S, H, E)
     q = rng.standard_normal((B, 1, H, E)).astype(np.float32)
