@@ -252,6 +252,19 @@ def test_bad_input_is_refused_with_nothing_written(rng):
             **app)
     bad[1, 7, 0, 0] = np.inf
     refused(ValueError, "k_scale must be finite", q, kq, vq, sl, k_scale=bad, v_scale=vs)
+    # float16 scales are checked by their bits: every non-finite pattern, either sign
+    ks16, vs16 = ks.astype(np.float16), vs.astype(np.float16)
+    before16 = _bytes(*cached, ks16, vs16)
+    for bits in (0x7C00, 0xFC00, 0x7C01, 0x7E00, 0x7FFF, 0xFC01, 0xFE00, 0xFFFF):
+        bad16 = vs16.copy()
+        bad16.view(np.uint16)[0, 5, 1, 1] = bits
+        with pytest.raises(ValueError, match="v_scale must be finite"):
+            kvattn(q, kq, vq, sl, k_scale=ks16, v_scale=bad16)
+        assert _bytes(*cached, ks16, vs16) == before16
+    # ... and the largest finite ones pass
+    big16 = vs16.copy()
+    big16.view(np.uint16)[0, 5, 1] = (0x7BFF, 0xFBFF)
+    kvattn(q, kq, vq, sl, k_scale=ks16, v_scale=big16)
     kbad = kn.copy()
     kbad[0, 1, 1, 3] = np.inf
     refused(ValueError, "k must be finite to be quantized", q, kq, vq, sl, k=kbad, v=kn,

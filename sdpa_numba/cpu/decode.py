@@ -1019,14 +1019,18 @@ def _merge(first, part_out, part_lse, out, lse, b, i, r, prow, kv_begin, kv_lens
         return
     w = np.empty(n_b, lse.dtype)
     lse[qb, h, t] = part_weights(pl, 0, n_b, i, sink, w)
-    # Element by element over the chunks (merge_attention_states goes chunk by chunk): each
-    # loop order compiles to its own sums, and each keeps its own results bit for bit.
+    # Chunk by chunk into a row of sums, each element's adds in chunk order (a vector loop
+    # over the elements: element by element over the chunks, the loop over the chunks stayed
+    # scalar, ~2 ns a number, 0.13 ms of a 16-chunk MHA D128 call).
+    acc = np.zeros(ev, lse.dtype)
+    for c in range(n_b):
+        wc = w[c]
+        if wc != 0:  # a chunk of weight 0 is skipped, as merge_attention_states does
+            pc = po[c, i]
+            for d in range(ev):
+                acc[d] += wc * pc[d]
     for d in range(ev):
-        a = cast(0.0, lse)
-        for c in range(n_b):
-            if w[c] != 0:  # a chunk of weight 0 is skipped, as merge_attention_states does
-                a += w[c] * po[c, i, d]
-        out[qb, t, h, d] = store(a, out)
+        out[qb, t, h, d] = store(acc[d], out)
 
 
 #: The keys each sequence's kernel reads: the problem layer's rule

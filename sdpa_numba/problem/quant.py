@@ -126,6 +126,19 @@ def quant_spec(k_cache, v_cache, k_scale, v_scale, batch):
                      tuple(v_scale.shape))
 
 
+def _all_finite(s):
+    """Whether every number of ``s`` (a float32 or float16 array, any strides) is finite. A
+    call checks the whole cache's scales, so this is per-step host time: NumPy's isfinite
+    converts float16 number by number (1.7 ms for one scale array of a q8_0 cache B1 S8192 H32
+    D128, half the kernel's time), so float16 is read as its bits instead, inf and NaN being
+    the exponent all ones: from 0x7C00 as int16 (positive) and from 0xFC00 as uint16
+    (negative), two vectorized maxima without a temporary (90 us)."""
+    if s.dtype != np.float16:
+        return bool(np.isfinite(s).all())
+    return s.size == 0 or (int(s.view(np.int16).max()) < 0x7C00
+                           and int(s.view(np.uint16).max()) < 0xFC00)
+
+
 def check_scales(spec, k_scale, v_scale, k, v):
     """A run's scales against ``spec`` (shapes, dtype), finite; the new keys and values of an
     append (``k``, ``v``, host arrays, or None) finite, since they are quantized. ValueError /
@@ -138,7 +151,7 @@ def check_scales(spec, k_scale, v_scale, k, v):
             raise ValueError(f"{name} of shape {shape_str(s)} and dtype {np.dtype(s.dtype)} is "
                              f"not what the plan was made for: shape {want} and dtype "
                              f"{spec.scale_dtype}")
-        if isinstance(s, np.ndarray) and not np.isfinite(s).all():
+        if isinstance(s, np.ndarray) and not _all_finite(s):
             raise ValueError(f"{name} must be finite (it has NaN or inf)")
     for name, x in (("k", k), ("v", v)):
         if isinstance(x, np.ndarray) and x.size and not np.isfinite(
