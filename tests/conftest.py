@@ -60,16 +60,42 @@ SAME_WORKER = {"tests/test_distributed_torch.py": "tests/test_distributed.py",
                "tests/test_chunk.py": "tests/test_varlen.py"}
 
 
+#: Files of few but slow tests, queued as if they held this many: ``--dist loadfile`` hands
+#: out the files with the most tests first, which put these last, where the other worker,
+#: done, waits for whichever runs them. CPU seconds of each file alone (-n 0, on a cache
+#: holding what the suite compiles before them; load 4-8, two shared cores):
+#: test_guard_pages.py 54, test_narrow_vectors.py 54, test_gpu_raising.py 50 (subprocesses
+#: compiling), test_bench_decode.py 26, test_cold_start_lazy.py 22, test_threading_layer.py
+#: 22, test_properties.py 18, test_packaging.py 16 (builds a wheel); the other files of four
+#: tests or fewer take 3 to 12.
+QUEUE_AS = {"tests/test_guard_pages.py": 35, "tests/test_narrow_vectors.py": 35,
+            "tests/test_gpu_raising.py": 35, "tests/test_bench_decode.py": 20,
+            "tests/test_cold_start_lazy.py": 20, "tests/test_threading_layer.py": 20,
+            "tests/test_properties.py": 15, "tests/test_packaging.py": 15}
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the files of :data:`SAME_WORKER` as one work unit."""
+    """``--dist loadfile`` with the files of :data:`SAME_WORKER` as one work unit, queued
+    largest first with the sizes of :data:`QUEUE_AS`."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class SameWorkerFiles(LoadFileScheduling):
+        _ordered = False
+
         def _split_scope(self, nodeid):
             scope = super()._split_scope(nodeid)
             return SAME_WORKER.get(scope, scope)
+
+        def _assign_work_unit(self, node):
+            if not self._ordered:  # the queue is whole here (the first assignment)
+                units = sorted(self.workqueue.items(),
+                               key=lambda unit: -QUEUE_AS.get(unit[0], len(unit[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self._ordered = True
+            super()._assign_work_unit(node)
 
     return SameWorkerFiles(config, log)

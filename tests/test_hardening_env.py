@@ -32,8 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_python(code, timeout=120, cwd=ROOT, **env):
     """Run ``code`` in a fresh interpreter that imports this checkout (or ``env``'s
     PYTHONPATH, from ``cwd``); returns the CompletedProcess. Numba settings of the caller's
-    environment are dropped unless given."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    environment are dropped unless given, except its cache directory: the interpreter loads
+    the kernels the suite has compiled instead of compiling them again (tests that need
+    another cache give theirs)."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith("NUMBA_") or k == "NUMBA_CACHE_DIR"}
     full["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     full.update(env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
