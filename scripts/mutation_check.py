@@ -65,6 +65,9 @@ CHUNKS = ["tests/test_chunk.py", "-k", "forward_against or keys_outside or decod
 CHUNK_ELEMENTS = ["tests/test_kvcache.py", "-k", "variants and chunk"]
 KV = ["tests/test_kvcache.py"]
 MERGE = ["tests/test_merge.py"]
+#: The AVX2 register passes: the host's kernels where it has no AVX-512, and a subprocess
+#: compiling them with AVX-512 off where it has.
+NARROW = ["tests/test_narrow_vectors.py"]
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,12 @@ MUTANTS = [
       "v_in_place = ldv > 0 and nj == BN and ev_pad - ev <= (s_len - j0 - BN) * ldv",
       "v_in_place = ldv > 0 and nj == BN and j0 + BN < s_len",
       GUARD, "V read in place although the tiles' padding columns pass its end"),
+    M("avx2_pv_fold_drops_last_row", "sdpa_numba/cpu/microkernel.py",
+      "                for r in range(mr):\n"
+      "                    mul_add(ptr_add(acc, r * width), alpha, ptr_add(c, r * ldc))",
+      "                for r in range(mr - 1):\n"
+      "                    mul_add(ptr_add(acc, r * width), alpha, ptr_add(c, r * ldc))",
+      NARROW, "AVX2 tiles: P·V's running output of a tile's last row dropped at each block"),
     M("no_outer_fold", F,
       "folds = s_len > fold_every * BN",
       "folds = False",
