@@ -54,7 +54,7 @@ def _code(cmd, text, lang="text"):
 
 
 def headline():
-    cmd, out = _bench(["--preset", "headline", "--sgemm", "--runs", "3", "--repeats", "7"])
+    cmd, out = _bench(["--preset", "headline", "--sgemm", "--runs", "5", "--repeats", "7"])
     return f"```bash\n{cmd}\n```\n\n{out}"
 
 
