@@ -5,8 +5,9 @@ Calls each phase of :func:`sdpa_numba.cpu.forward.attend_rows`' inner loop in a 
 on one BM x BN tile (warm in cache, as the forward streams them): the score tile Sᵀ = K Qᵀ
 (``_scores``), the online softmax with exp2 (``_softmax_tile``), P·V (``_accumulate``); then
 the whole ``forward_head`` at L = S, whose remainder over the three is packing, masks and the
-output write (a difference of noisy figures: it can come out negative). Timed by the thread's CPU time (``time.thread_time``), which other tenants of a
-shared machine disturb far less than wall time; each figure is the minimum over ``--rounds``.
+output write (a difference of noisy figures: it can come out negative). Timed by the thread's
+CPU time (``time.thread_time``), which other tenants of a shared machine disturb far less than
+wall time; each figure is the minimum over ``--rounds``.
 Reports ns and cycles (at ``--ghz``) per (row, key), and GFLOP/s of the two products against a
 one-thread sgemm (``torch.mm`` of ``--sgemm`` squared float32) timed the same way.
 
@@ -62,8 +63,9 @@ def _best(f, rounds):
 def main(argv=None):
     args = parse_args(argv)
     import importlib
+    # the module, not the package's ``forward`` kernel of the same name
     fw = importlib.import_module("sdpa_numba.cpu.forward")
-    from sdpa_numba.cpu._llvm import data_ptr, keep_alive, ptr_add
+    from sdpa_numba.cpu._llvm import data_ptr, keep_alive
     from sdpa_numba.cpu.microkernel import WIDE_VECTORS
 
     BM, BN = fw.BM, fw.BN
